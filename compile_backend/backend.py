@@ -1,0 +1,147 @@
+"""The `mrv2` Dynamo backend: `(gm, example_inputs, mode=, options=) -> callable`.
+
+Found by name through the `torch_dynamo_backends` entry point (pyproject.toml);
+nothing here registers it at import time, because PyTorch registers entry
+points itself and rejects a second registration of the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from .config import CompilationConfig, CUDAGraphMode
+from .counters import counters
+from .op_registry import OpRegistry
+from .piece_compiler import compile_pieces
+from .split import Piece, split_graph
+
+logger = logging.getLogger(__name__)
+
+_warned_no_cuda = False
+
+
+def graph_mode_on_this_machine(requested: CUDAGraphMode) -> tuple[CUDAGraphMode, str | None]:
+    """The mode that can run here, and why it differs from the request."""
+    global _warned_no_cuda
+    if requested is CUDAGraphMode.NONE or torch.cuda.is_available():
+        return requested, None
+    reason = (
+        f"CUDA graphs are off (requested {requested.value}): torch.cuda.is_available() "
+        "is False, so pieces run without graphs (mode none)"
+    )
+    if not _warned_no_cuda:
+        logger.warning("%s", reason)
+        _warned_no_cuda = True
+    return CUDAGraphMode.NONE, reason
+
+
+@dataclass
+class CompiledStep:
+    """What the backend returns for one Dynamo graph."""
+
+    config: CompilationConfig
+    roles: OpRegistry
+    graph_mode: CUDAGraphMode  # after lowering to what this machine supports
+    mode_reason: str | None
+    original_code: str  # the Dynamo graph before passes
+    passed_code: str  # after passes
+    split_gm: torch.fx.GraphModule
+    pieces: list[Piece]
+    pass_log: list[dict[str, Any]] = field(default_factory=list)
+    passes_uuid: str | None = None
+    compile_seconds: float = 0.0
+    wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
+
+    def __call__(self, *args: Any) -> Any:
+        return self.split_gm(*args)
+
+
+_compiled: list[CompiledStep] = []
+
+
+def compiled_steps() -> list[CompiledStep]:
+    """Every graph this process compiled with mrv2, oldest first."""
+    return list(_compiled)
+
+
+def clear_compiled_steps() -> None:
+    _compiled.clear()
+
+
+def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRegistry):
+    if not config.enable_passes:
+        return [], None
+    from passes import PassManager  # local: passes imports compile_backend
+
+    manager = PassManager.from_config(config, roles)
+    manager(gm.graph)
+    gm.recompile()
+    return manager.log, manager.uuid()
+
+
+def mrv2_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    t0 = time.perf_counter()
+    config = CompilationConfig.from_options(options, mode)
+    roles = OpRegistry.from_config(config)
+    counters["dynamo_graphs"] += 1
+    graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
+    original_code = gm.code
+    pass_log, passes_uuid = _run_passes(gm, config, roles)
+    passed_code = gm.code
+
+    split_gm, pieces = split_graph(gm, roles)
+    counters["pieces"] += len(pieces)
+    counters["eager_pieces"] += sum(not p.captured for p in pieces)
+    for p in pieces:
+        if p.eager_reasons:
+            counters["capture_fallbacks"] += 1
+
+    wrappers: list[Any] = []
+
+    def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not (piece.captured and graph_mode.has_piecewise):
+            return fn
+        from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
+
+        w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
+                             debug_checks=config.debug_checks)
+        wrappers.append(w)
+        return w
+
+    compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler, wrap)
+    step = CompiledStep(
+        config=config,
+        roles=roles,
+        graph_mode=graph_mode,
+        mode_reason=mode_reason,
+        original_code=original_code,
+        passed_code=passed_code,
+        split_gm=split_gm,
+        pieces=pieces,
+        pass_log=pass_log,
+        passes_uuid=passes_uuid,
+        compile_seconds=time.perf_counter() - t0,
+        wrappers=wrappers,
+    )
+    _compiled.append(step)
+    logger.info(
+        "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",
+        len(pieces), sum(not p.captured for p in pieces), graph_mode.value,
+        step.compile_seconds,
+    )
+    if config.debug_dump_path:
+        from .debug_dump import write_compile_dump
+
+        write_compile_dump(config.debug_dump_path, step)
+    return step

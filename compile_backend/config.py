@@ -1,0 +1,149 @@
+"""`CompilationConfig`: everything the backend needs, filled from
+`torch.compile(model, backend="mrv2", options={...})` or `mode="..."`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class CUDAGraphMode(enum.Enum):
+    """Graph modes (DESIGN.md, "Graph modes")."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @classmethod
+    def parse(cls, value: "str | CUDAGraphMode") -> "CUDAGraphMode":
+        """Case-insensitive; accepts `-` for `_` ("full-and-piecewise")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            for mode in cls:
+                if mode.value == key:
+                    return mode
+        raise ValueError(
+            f"unknown cudagraph mode {value!r}; valid modes: "
+            f"{', '.join(m.value for m in cls)} (case-insensitive)"
+        )
+
+    # What each top-level mode needs captured.
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_full(self) -> bool:
+        return self in (
+            CUDAGraphMode.FULL,
+            CUDAGraphMode.FULL_DECODE_ONLY,
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+        )
+
+
+PIECE_COMPILERS = ("inductor", "eager")
+
+
+def default_capture_sizes() -> list[int]:
+    return [1, 2, 4] + list(range(8, 257, 8))
+
+
+@dataclass
+class CompilationConfig:
+    """Options of the `mrv2` backend. Every field is an option name.
+
+    cudagraph_mode: graph mode (string, case-insensitive, or CUDAGraphMode).
+    capture_sizes: token counts to capture; sorted and deduplicated.
+    splitting_ops: extra breakpoint ops, `namespace::name` (or `namespace::*`).
+    attention_like_ops: extra attention-like ops, `namespace::name`.
+    non_splitting_ops: ops to remove from the breakpoint defaults.
+    piece_compiler: "inductor" (default) or "eager".
+    debug_dump_path: folder for the debug dump, or None.
+    debug_checks: check tensor addresses at every replay (slow; for debugging).
+    strict_capture: a piece that must fall back to eager raises instead.
+    enable_passes: run the FX passes (passes/) before splitting.
+    reorder_for_fewer_pieces: let the segment pass move independent nodes
+        across breakpoints so that fewer pieces result.
+    """
+
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE
+    capture_sizes: list[int] = field(default_factory=default_capture_sizes)
+    splitting_ops: list[str] = field(default_factory=list)
+    attention_like_ops: list[str] = field(default_factory=list)
+    non_splitting_ops: list[str] = field(default_factory=list)
+    piece_compiler: str = "inductor"
+    debug_dump_path: str | None = None
+    debug_checks: bool = False
+    strict_capture: bool = False
+    enable_passes: bool = True
+    reorder_for_fewer_pieces: bool = True
+
+    def __post_init__(self) -> None:
+        self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        sizes = self.capture_sizes
+        if isinstance(sizes, int) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
+        ):
+            raise ValueError(
+                f"capture_sizes must be a list of positive ints, got {sizes!r}; "
+                "for example [1, 2, 4, 8, 16]"
+            )
+        self.capture_sizes = sorted(set(sizes))
+        for name in ("splitting_ops", "attention_like_ops", "non_splitting_ops"):
+            ops = getattr(self, name)
+            if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
+                raise ValueError(
+                    f"{name} must be a list of op names like 'mylib::my_attention', "
+                    f"got {ops!r}"
+                )
+            setattr(self, name, list(ops))
+        if self.piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(
+                f"piece_compiler must be one of {PIECE_COMPILERS}, "
+                f"got {self.piece_compiler!r}"
+            )
+        if self.debug_dump_path is not None and not isinstance(self.debug_dump_path, str):
+            self.debug_dump_path = str(self.debug_dump_path)
+        for name in ("debug_checks", "strict_capture", "enable_passes",
+                     "reorder_for_fewer_pieces"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any] | None = None, mode: str | None = None
+    ) -> "CompilationConfig":
+        """Build from torch.compile's `options` dict, or its `mode` string
+        (a graph-mode name is a shorthand for `{"cudagraph_mode": mode}`)."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown mrv2 option(s) {unknown}; valid options: {', '.join(valid)}"
+            )
+        if mode is not None and mode != "default":
+            if "cudagraph_mode" in options:
+                raise ValueError(
+                    "give the graph mode either as mode= or as "
+                    "options={'cudagraph_mode': ...}, not both"
+                )
+            try:
+                options["cudagraph_mode"] = CUDAGraphMode.parse(mode)
+            except ValueError as e:
+                raise ValueError(
+                    f"torch.compile(mode={mode!r}) is not an mrv2 graph mode; {e}"
+                ) from None
+        return cls(**options)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly view (for logs and the debug dump)."""
+        out = dataclasses.asdict(self)
+        out["cudagraph_mode"] = self.cudagraph_mode.value
+        return out

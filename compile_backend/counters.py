@@ -1,0 +1,24 @@
+"""Process-wide counters that tests and the debug dump read.
+
+Keys (all ints):
+  dynamo_graphs          graphs Dynamo handed to the backend
+  pieces / eager_pieces  pieces made by splitting (eager_pieces: not captured)
+  piece_compiles         distinct pieces compiled (identical pieces count once)
+  piece_compile_reuses   pieces that reused an identical piece's artifact
+  inductor_compiles      calls into Inductor's compile_fx
+  capture_fallbacks      pieces kept eager because they cannot be captured
+  cudagraph_captures     CUDA graphs captured
+  cudagraph_replays      CUDA-graph replays
+  eager_no_graph         steps/pieces run eagerly because no graph fits
+  metadata_builds        metadata builds (tests check `for_capture` separately)
+"""
+
+from __future__ import annotations
+
+import collections
+
+counters: collections.Counter[str] = collections.Counter()
+
+
+def reset_counters() -> None:
+    counters.clear()

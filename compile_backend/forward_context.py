@@ -1,0 +1,74 @@
+"""The forward context: what the runner sets around one model step and what
+ops read, so that a model never passes metadata through `forward`.
+
+Ops look up their metadata by layer name:
+    ctx = get_forward_context(); meta = ctx.attn_metadata[layer_name]
+The runner (or a test) sets it with `set_forward_context(...)`, a context
+manager that restores the previous value on exit (nesting is allowed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .batch_descriptor import BatchDescriptor
+from .config import CUDAGraphMode
+
+
+@dataclass
+class ForwardContext:
+    # layer name -> that layer's metadata (AttentionMetadata, SConvMetadata, ...)
+    attn_metadata: dict[str, Any] = field(default_factory=dict)
+    # Which graph to use for this step (None: no runner, plain torch.compile use).
+    batch_descriptor: BatchDescriptor | None = None
+    # The graph mode this step runs in: NONE (eager pieces), PIECEWISE or FULL.
+    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    # True while a CUDA graph is being captured (warm-up runs are False).
+    capturing: bool = False
+    # Ops append here what they saw at run time (debug and tests: proves an
+    # attention-like op ran during capture with real metadata).
+    trace: list[tuple[str, str]] | None = None
+
+    def metadata(self, layer_name: str) -> Any:
+        try:
+            return self.attn_metadata[layer_name]
+        except KeyError:
+            raise RuntimeError(
+                f"no attention metadata for layer {layer_name!r} in the forward context "
+                f"(layers with metadata: {sorted(self.attn_metadata)}). The runner must "
+                "build metadata for every layer (an attention group must list it)."
+            ) from None
+
+    def record(self, layer_name: str, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append((layer_name, event))
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError(
+            "no forward context is set: mrv2 ops read their metadata from it. Run the "
+            "model inside `with compile_backend.set_forward_context(ForwardContext(...)):` "
+            "(the capture runner does this for you)."
+        )
+    return _current
+
+
+def has_forward_context() -> bool:
+    return _current is not None
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous = _current
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous

@@ -1,0 +1,202 @@
+"""The registry of op roles (DESIGN.md, "Op roles").
+
+Everything that asks "what is this op?" asks an `OpRegistry`: the splitter,
+the passes and the debug dump. Ops are named `namespace::name`
+(`aten::scaled_dot_product_attention`, `mrv2::unified_attention`,
+`higher_order::flex_attention`); `namespace::*` names a whole namespace.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import operator
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+
+logger = logging.getLogger(__name__)
+
+
+class OpRole(enum.Enum):
+    BREAKPOINT = "breakpoint"  # split there; runs eagerly between piecewise graphs
+    ATTENTION_LIKE = "attention_like"  # never split; always inside a captured segment
+    ORDINARY = "ordinary"
+
+
+# Process-wide defaults. Strings only: resolving `mrv2::*` would import the
+# kernels, which the registry must not do at import time.
+_DEFAULT_ROLES: dict[str, OpRole] = {
+    "aten::scaled_dot_product_attention": OpRole.BREAKPOINT,
+    "aten::_scaled_dot_product_flash_attention": OpRole.BREAKPOINT,
+    "aten::_scaled_dot_product_efficient_attention": OpRole.BREAKPOINT,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": OpRole.BREAKPOINT,
+    "higher_order::flex_attention": OpRole.BREAKPOINT,
+    "mrv2::unified_attention": OpRole.BREAKPOINT,
+    "mrv2::reshape_and_cache": OpRole.BREAKPOINT,
+    "mrv2::sconv": OpRole.ATTENTION_LIKE,
+    "mrv2::kv_compress": OpRole.ATTENTION_LIKE,
+}
+
+# Python-level callables that Dynamo leaves in its graphs, by the op they are.
+_PYTHON_ALIASES: dict[Callable[..., Any], str] = {
+    torch.nn.functional.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
+    torch._C._nn.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
+    operator.getitem: "python::getitem",
+}
+
+# Namespaces whose ops live in this project's modules, imported on demand.
+_NAMESPACE_MODULES = {"mrv2": "kernels"}
+
+
+def register_op_role(name: str, role: "OpRole | str") -> None:
+    """Add a process-wide default role (e.g. for a library's own attention op)."""
+    _DEFAULT_ROLES[_check_name_syntax(name)] = _parse_role(role)
+
+
+def _parse_role(role: "OpRole | str") -> OpRole:
+    if isinstance(role, OpRole):
+        return role
+    try:
+        return OpRole(str(role).lower().replace("-", "_"))
+    except ValueError:
+        raise ValueError(
+            f"unknown op role {role!r}; valid roles: {[r.value for r in OpRole]}"
+        ) from None
+
+
+def _check_name_syntax(name: str) -> str:
+    if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
+        raise ValueError(
+            f"op name {name!r} is not of the form 'namespace::name' "
+            "(for example 'mylib::my_attention' or 'mylib::*')"
+        )
+    return name
+
+
+def resolve_op_name(name: str) -> None:
+    """Raise if `namespace::name` names no registered op (misuse tier)."""
+    _check_name_syntax(name)
+    ns, op = name.split("::")
+    if ns in _NAMESPACE_MODULES:
+        importlib.import_module(_NAMESPACE_MODULES[ns])
+    if op == "*":
+        return
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if packet is None:
+        raise ValueError(
+            f"op {name!r} does not resolve: torch.ops.{ns}.{op} does not exist. "
+            "Register the op (torch.library.custom_op) before torch.compile, or fix "
+            "the name; it must be 'namespace::name' as in torch.ops.namespace.name"
+        )
+
+
+def qualified_name(target: Any) -> str:
+    """`namespace::name` of an FX node target; python callables get
+    `module.qualname` (e.g. `torch._C._nn.linear`)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order::{target.name()}"
+    try:
+        alias = _PYTHON_ALIASES.get(target)
+    except TypeError:  # unhashable target
+        alias = None
+    if alias is not None:
+        return alias
+    if isinstance(target, str):  # call_method / call_module
+        return target
+    module = getattr(target, "__module__", None) or ""
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    return f"{module}.{qual}" if module else qual
+
+
+def node_op_name(node: torch.fx.Node) -> str | None:
+    """The op a call node runs, or None for placeholders/outputs/attrs."""
+    if node.op == "call_function":
+        return qualified_name(node.target)
+    if node.op == "call_method":
+        return f"method::{node.target}"
+    if node.op == "call_module":
+        return f"module::{node.target}"
+    return None
+
+
+class OpRegistry:
+    """Roles by op name. Built from the defaults plus a config's additions.
+
+    Precedence: attention-like beats breakpoint (an attention-like op is never a
+    split point, even if a namespace wildcard names it as one); exact names beat
+    namespace wildcards.
+    """
+
+    def __init__(self, roles: dict[str, OpRole] | None = None) -> None:
+        self._roles: dict[str, OpRole] = dict(_DEFAULT_ROLES if roles is None else roles)
+        self._overridden: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: Any) -> "OpRegistry":
+        """Defaults + config.splitting_ops / attention_like_ops - non_splitting_ops.
+        Every user-given name must resolve (raises otherwise)."""
+        reg = cls()
+        for name in config.splitting_ops:
+            resolve_op_name(name)
+            reg.register(name, OpRole.BREAKPOINT)
+        for name in config.attention_like_ops:
+            resolve_op_name(name)
+            reg.register(name, OpRole.ATTENTION_LIKE)
+        for name in config.non_splitting_ops:
+            _check_name_syntax(name)
+            if name not in reg._roles:
+                raise ValueError(
+                    f"non_splitting_ops names {name!r}, which has no role to remove; "
+                    f"ops with roles: {sorted(reg._roles)}"
+                )
+            reg.remove(name)
+        return reg
+
+    def register(self, name: str, role: "OpRole | str") -> None:
+        self._roles[_check_name_syntax(name)] = _parse_role(role)
+
+    def remove(self, name: str) -> None:
+        self._roles.pop(name, None)
+
+    def names(self, role: OpRole) -> list[str]:
+        return sorted(n for n, r in self._roles.items() if r is role)
+
+    def role_of_name(self, name: str | None) -> OpRole:
+        if name is None or "::" not in name:
+            return OpRole.ORDINARY
+        exact = self._roles.get(name)
+        wildcard = self._roles.get(name.split("::")[0] + "::*")
+        if exact is OpRole.ATTENTION_LIKE or (exact is None and wildcard is OpRole.ATTENTION_LIKE):
+            return OpRole.ATTENTION_LIKE
+        if exact is not None:
+            return exact
+        if wildcard is not None:
+            return wildcard
+        return OpRole.ORDINARY
+
+    def role(self, node: torch.fx.Node) -> OpRole:
+        return self.role_of_name(node_op_name(node))
+
+    def wildcard_conflicts(self, names: Iterable[str]) -> list[str]:
+        """Attention-like ops that a breakpoint wildcard would have split at."""
+        out = []
+        for name in names:
+            if "::" not in name:
+                continue
+            wildcard = self._roles.get(name.split("::")[0] + "::*")
+            if wildcard is OpRole.BREAKPOINT and self.role_of_name(name) is OpRole.ATTENTION_LIKE:
+                out.append(name)
+        return out
+
+    def summary(self) -> dict[str, list[str]]:
+        return {r.value: self.names(r) for r in (OpRole.BREAKPOINT, OpRole.ATTENTION_LIKE)}

@@ -1,0 +1,124 @@
+"""Compile each piece of a split graph: Inductor (default) or eager.
+
+The token dimension is symbolic, so one compile per distinct piece serves all
+batch sizes. Identical pieces (same code, same symbolic input specs: the
+transformer layers of a model) share one compiled artifact: with Dynamo's
+default `inline_inbuilt_nn_modules`, parameters are graph inputs, so the
+layers' pieces differ only in which tensors are passed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from .counters import counters
+from .split import Piece
+
+logger = logging.getLogger(__name__)
+
+
+def _spec(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
+    if isinstance(x, torch.SymInt):
+        return f"S({x.node.expr})"
+    return f"{type(x).__name__}({x!r})"
+
+
+def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> str | None:
+    """Key under which identical pieces share a compiled artifact; None when
+    the piece holds module attributes (its code alone does not define it)."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    text = gm.code + "|" + ";".join(_spec(a) for a in fake_args)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compile_piece(
+    gm: torch.fx.GraphModule, fake_args: Sequence[Any], compiler: str
+) -> Callable[..., Any]:
+    if compiler == "eager":
+        return gm
+    assert compiler == "inductor", compiler
+    from torch._inductor.compile_fx import compile_fx
+
+    counters["inductor_compiles"] += 1
+    return compile_fx(gm, list(fake_args))
+
+
+class _PieceCompileInterpreter(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs; at each piece, compiles it with the
+    fake (symbolic) arguments it receives and installs the result."""
+
+    def __init__(self, split_gm, pieces, compiler, wrap, cache):
+        super().__init__(split_gm)
+        self.pieces = {p.name: p for p in pieces}
+        self.compiler = compiler
+        self.wrap = wrap
+        self.cache = cache
+        self.compiled: dict[str, Callable[..., Any]] = {}
+
+    def call_module(self, target, args, kwargs):
+        assert not kwargs, kwargs
+        piece = self.pieces[target]
+        submod = getattr(self.module, target)
+        out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
+        if piece.captured:
+            key = piece_key(submod, args)
+            fn = self.cache.get(key) if key else None
+            if fn is None:
+                fn = compile_piece(submod, args, self.compiler)
+                counters["piece_compiles"] += 1
+                if key:
+                    self.cache[key] = fn
+            else:
+                counters["piece_compile_reuses"] += 1
+        else:
+            fn = submod  # breakpoints (and capture fallbacks) run eagerly
+        self.compiled[target] = self.wrap(piece, fn)
+        return out
+
+
+def compile_pieces(
+    split_gm: torch.fx.GraphModule,
+    pieces: list[Piece],
+    example_inputs: Sequence[Any],
+    compiler: str,
+    wrap: Callable[[Piece, Callable[..., Any]], Callable[..., Any]],
+) -> torch.fx.GraphModule:
+    """Replace every piece submodule of `split_gm` by `wrap(piece, compiled)`."""
+    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(example_inputs)
+    fake_args = []
+    for node, real in zip(placeholders, example_inputs):
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if val is None:
+            val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
+        fake_args.append(val)
+    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={})
+    with fake_mode:
+        interp.run(*fake_args)
+    for name, fn in interp.compiled.items():
+        setattr(split_gm, name, _as_module(fn))
+    return split_gm
+
+
+class _CallableModule(torch.nn.Module):
+    """Holds a plain callable where split_gm expects a submodule."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _as_module(fn: Callable[..., Any]) -> torch.nn.Module:
+    return fn if isinstance(fn, torch.nn.Module) else _CallableModule(fn)

@@ -1,0 +1,114 @@
+"""Cut an FX graph at attention breakpoints: a pure function returning data.
+
+    split_graph(gm, roles) -> (split_gm, pieces)
+
+Each run of consecutive eager nodes (breakpoints, plus nodes a pass marked
+`node.meta[EAGER_REASON]` because they cannot be captured) becomes one eager
+piece; everything between them becomes a piece to capture. A tuple `getitem`
+on an eager node stays with its producer, so a breakpoint that returns a tuple
+and the next breakpoint still merge into one eager piece.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from .op_registry import OpRegistry, OpRole, node_op_name
+
+# node.meta key a pass sets (to a reason string) to keep a node out of graphs.
+EAGER_REASON = "mrv2_eager_reason"
+
+# Nodes that carry no computation worth listing among a piece's ops.
+_BOOKKEEPING = ("python::getitem",)
+
+
+@dataclass
+class Piece:
+    index: int
+    name: str  # attribute of split_gm: "submod_<index>"
+    captured: bool  # False: runs eagerly (breakpoints or a capture fallback)
+    ops: list[str] = field(default_factory=list)  # op names in order
+    breakpoints: list[str] = field(default_factory=list)
+    attention_like: list[str] = field(default_factory=list)
+    eager_reasons: list[str] = field(default_factory=list)  # fallbacks, with source line
+    graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "captured": self.captured,
+            "ops": self.ops,
+            "breakpoints": self.breakpoints,
+            "attention_like": self.attention_like,
+            "eager_reasons": self.eager_reasons,
+        }
+
+
+def is_eager_node(node: torch.fx.Node, roles: OpRegistry) -> bool:
+    return roles.role(node) is OpRole.BREAKPOINT or EAGER_REASON in node.meta
+
+
+def assign_partitions(gm: torch.fx.GraphModule, roles: OpRegistry) -> dict[torch.fx.Node, int]:
+    """Partition id per computing node, in graph order; ids count up from 0."""
+    part: dict[torch.fx.Node, int] = {}
+    eager_parts: set[int] = set()
+    current, current_eager = -1, None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        producer = node.args[0] if node.args else None
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(producer, torch.fx.Node)
+            and part.get(producer) in eager_parts
+        ):
+            part[node] = part[producer]  # tuple accessor stays with its producer
+            continue
+        eager = is_eager_node(node, roles)
+        if eager != current_eager:
+            current, current_eager = current + 1, eager
+            if eager:
+                eager_parts.add(current)
+        part[node] = current
+    return part
+
+
+def split_graph(
+    gm: torch.fx.GraphModule, roles: OpRegistry
+) -> tuple[torch.fx.GraphModule, list[Piece]]:
+    part = assign_partitions(gm, roles)
+    # keep_original_order=True: nodes run in the traced order, so an in-place
+    # mutation (a KV-cache write, a state update) is never moved past a reader.
+    split_gm = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+
+    by_part: dict[int, list[torch.fx.Node]] = {}
+    for node, p in part.items():
+        by_part.setdefault(p, []).append(node)
+    pieces = []
+    for p in sorted(by_part):
+        nodes = by_part[p]
+        names = [node_op_name(n) for n in nodes]
+        captured = not any(is_eager_node(n, roles) for n in nodes)
+        piece = Piece(
+            index=p,
+            name=f"submod_{p}",
+            captured=captured,
+            ops=[n for n in names if n and n not in _BOOKKEEPING],
+            breakpoints=[node_op_name(n) for n in nodes if roles.role(n) is OpRole.BREAKPOINT],
+            attention_like=[
+                node_op_name(n) for n in nodes if roles.role(n) is OpRole.ATTENTION_LIKE
+            ],
+            eager_reasons=[n.meta[EAGER_REASON] for n in nodes if EAGER_REASON in n.meta],
+            graph_module=getattr(split_gm, f"submod_{p}"),
+        )
+        pieces.append(piece)
+    assert [q.index for q in pieces] == list(range(len(pieces))), [q.index for q in pieces]
+    return split_gm, pieces

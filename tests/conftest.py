@@ -1,0 +1,37 @@
+"""Test setup. Triton's interpreter must be chosen before triton is imported:
+without a GPU, kernels run on CPU tensors through it."""
+
+import os
+import sys
+
+_HAS_GPU_DEVICE = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+if not _HAS_GPU_DEVICE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (GPU tests run with -m gpu on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with no cached Dynamo graphs and zeroed counters."""
+    import torch._dynamo
+
+    from compile_backend import clear_compiled_steps, reset_counters
+
+    torch._dynamo.reset()
+    reset_counters()
+    clear_compiled_steps()
+    yield
+    torch._dynamo.reset()
