@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .counters import counters
 from .split import Piece
@@ -36,7 +37,18 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> str | None:
     the piece holds module attributes (its code alone does not define it)."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
-    text = gm.code + "|" + ";".join(_spec(a) for a in fake_args)
+    # Node names carry the layer's index (l_self_modules_layers_modules_3_...):
+    # describe the graph by node positions instead.
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a: Any) -> Any:
+        return torch.fx.node.map_arg(a, lambda n: f"%{index[n]}")
+
+    lines = [
+        f"{n.op} {n.target if n.op != 'placeholder' else ''} {arg(n.args)} {arg(n.kwargs)}"
+        for n in gm.graph.nodes
+    ]
+    text = "\n".join(lines) + "|" + ";".join(_spec(a) for a in fake_args)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -49,7 +61,9 @@ def compile_piece(
     from torch._inductor.compile_fx import compile_fx
 
     counters["inductor_compiles"] += 1
-    return compile_fx(gm, list(fake_args))
+    # Inference only: with grad off, AOTAutograd builds no backward graph.
+    with torch.no_grad():
+        return compile_fx(gm, list(fake_args))
 
 
 class _PieceCompileInterpreter(torch.fx.Interpreter):
@@ -94,10 +108,13 @@ def compile_pieces(
 ) -> torch.fx.GraphModule:
     """Replace every piece submodule of `split_gm` by `wrap(piece, compiled)`."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(example_inputs)
+    vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    # The fake mode Dynamo traced with (its symbolic shapes live in it).
+    fake_mode = next(
+        (v.fake_mode for v in vals if isinstance(v, FakeTensor)), None
+    ) or detect_fake_mode(example_inputs)
     fake_args = []
-    for node, real in zip(placeholders, example_inputs):
-        val = node.meta.get("example_value", node.meta.get("val"))
+    for val, real in zip(vals, example_inputs):
         if val is None:
             val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
         fake_args.append(val)
