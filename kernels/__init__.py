@@ -1,0 +1,27 @@
+"""Triton kernels of mrv2, each a `torch.library` custom op in namespace
+`mrv2` with a fake (meta) implementation and a plain-torch reference.
+
+Importing this package registers the ops:
+    mrv2::reshape_and_cache  (breakpoint)     kernels/reshape_and_cache.py
+    mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
+    mrv2::sconv              (attention-like) kernels/sconv.py
+    mrv2::kv_compress        (attention-like) kernels/kv_compress.py
+Their roles live in compile_backend/op_registry.py. Models use the layers in
+kernels/layers.py, which read metadata from the forward context by layer name.
+
+Dispatch (kernels/_common.py): CUDA tensors, or any tensors with
+TRITON_INTERPRET=1, run the Triton kernels; plain CPU tensors run the torch
+reference, so models built on these ops run on any CPU machine.
+"""
+
+from .kv_compress import kv_compress, kv_compress_ref
+from .layers import KVCompressor, PagedAttention, ShortConv
+from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from .sconv import sconv, sconv_ref
+from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
+
+__all__ = [
+    "KVCompressor", "PagedAttention", "ShortConv",
+    "kv_compress", "kv_compress_ref", "num_kv_splits", "reshape_and_cache",
+    "reshape_and_cache_ref", "sconv", "sconv_ref", "unified_attention", "unified_attention_ref",
+]

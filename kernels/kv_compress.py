@@ -1,0 +1,262 @@
+"""KV compressor (DeepSeek-V4 style; attention-like, carries state).
+
+key [T, KVH, D], score [T, KVH] -> out [T, KVH, D]. Request b's tokens sit at
+positions seq_lens[b] - q_len ... seq_lens[b] - 1; position p is in group
+p // ratio. A group's compressed entry is sum_i softmax(score)_i * key_i over
+its `ratio` tokens; it is written to compressed_cache
+[num_blocks, block_size, KVH, D] at slot
+block_table[b, g // block_size] * block_size + g % block_size once complete.
+A group still open at the end of the step is carried in per-request state
+(fp32, online softmax): state_max [S, KVH], state_sum [S, KVH],
+state_acc [S, KVH, D]. State is read only when the request's first position
+this step is not a group boundary (it continues a group).
+
+out[t] is the running compressed value of t's group up to and including t
+(acc / sum), so a state bug shows in the per-token output. Padding rows
+(state index -1) touch no state or cache; their tokens' output is 0.
+
+Within a group, tokens are folded in one at a time, always by the same code,
+and the state is stored in fp32 exactly as held in registers: a sequence run
+in one step and the same sequence split over several steps give bit-identical
+fp32 results.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_backend.forward_context import get_forward_context
+
+from ._common import FLOAT_DTYPES, cdiv, check_device, check_tensor, next_pow2, use_triton
+
+
+@triton.jit
+def _kv_compress_kernel(
+    key_ptr, score_ptr, cache_ptr, state_max_ptr, state_sum_ptr, state_acc_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, state_idx_ptr, block_table_ptr,
+    stride_k_t, stride_k_h, stride_sc_t, stride_sc_h, stride_o_t, stride_o_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_sm_slot, stride_sa_slot, stride_sa_h,
+    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # Program (b, j, h) folds local group j of request b for kv head h. Program
+    # j == 0 owns the state: it folds the first group (which may continue the
+    # carried state) and, when the step spans several groups, also the last
+    # one (whose end state is carried on), so reads and writes of a slot's
+    # state happen in one program.
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+    real = (slot >= 0) & (q_len > 0)
+    start_pos = seq_len - q_len
+    g0 = start_pos // RATIO
+    n_groups = tl.where(real, (seq_len - 1) // RATIO - g0 + 1, 0)
+
+    # Pass A: local group j (j == 0 always; 0 < j < n_groups - 1 otherwise).
+    ga = g0 + j
+    a_on = real & ((j == 0) | (j < n_groups - 1))
+    lo_a = tl.where(a_on, tl.maximum(start_pos, ga * RATIO), 0)
+    hi_a = tl.where(a_on, tl.minimum(seq_len, (ga + 1) * RATIO), 0)
+    # Pass B: the last group, by program 0, when there are several.
+    b_on = real & (j == 0) & (n_groups > 1)
+    gb = g0 + n_groups - 1
+    lo_b = tl.where(b_on, gb * RATIO, 0)
+    hi_b = tl.where(b_on, seq_len, 0)
+    len_a = hi_a - lo_a
+    n_steps = len_a + hi_b - lo_b
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    owns_state = real & (j == 0)
+    carry_in = owns_state & (start_pos % RATIO != 0)
+    sm_off = slot * stride_sm_slot + h
+    m = tl.load(state_max_ptr + sm_off, mask=carry_in, other=float("-inf"))
+    ssum = tl.load(state_sum_ptr + sm_off, mask=carry_in, other=0.0)
+    sa_off = slot * stride_sa_slot + h * stride_sa_h + d
+    # Note [scalar masks] in _common.py: scalar conditions enter as bounds.
+    acc = tl.load(state_acc_ptr + sa_off, mask=d < tl.where(carry_in, HEAD_DIM, 0), other=0.0)
+
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    for i in range(0, n_steps):
+        pos = tl.where(i < len_a, lo_a + i, lo_b + (i - len_a))
+        t = (q_start + pos - start_pos).to(tl.int64)
+        group_start = pos % RATIO == 0
+        m = tl.where(group_start, float("-inf"), m)
+        ssum = tl.where(group_start, 0.0, ssum)
+        acc = tl.where(group_start, 0.0, acc)
+        k = tl.load(key_ptr + t * stride_k_t + h * stride_k_h + d, mask=d_ok, other=0.0).to(tl.float32)
+        sc = tl.load(score_ptr + t * stride_sc_t + h * stride_sc_h).to(tl.float32)
+        m_new = tl.maximum(m, sc)
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(sc - m_new)
+        ssum = ssum * alpha + beta
+        acc = acc * alpha + beta * k
+        m = m_new
+        val = acc / ssum
+        tl.store(out_ptr + t * stride_o_t + h * stride_o_h + d,
+                 val.to(out_ptr.dtype.element_ty), mask=d_ok)
+        done = pos % RATIO == RATIO - 1  # the group is complete: into the cache
+        g = pos // RATIO
+        blk = tl.load(bt_row + g // BLOCK_SIZE, mask=done, other=0).to(tl.int64)
+        c_off = blk * stride_c_blk + (g % BLOCK_SIZE) * stride_c_off + h * stride_c_h + d
+        tl.store(cache_ptr + c_off, val.to(cache_ptr.dtype.element_ty),
+                 mask=d < tl.where(done, HEAD_DIM, 0))
+
+    # Note [read before write]: all threads' state reads precede the writes.
+    tl.debug_barrier()
+    tl.store(state_max_ptr + sm_off, m, mask=owns_state)
+    tl.store(state_sum_ptr + sm_off, ssum, mask=owns_state)
+    tl.store(state_acc_ptr + sa_off, acc, mask=d < tl.where(owns_state, HEAD_DIM, 0))
+
+
+def _check(key, score, compressed_cache, state_max, state_sum, state_acc,
+           query_start_loc, seq_lens, state_indices, block_table, ratio, max_query_len):
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_device("key", key)
+    T, KVH, D = key.shape
+    check_tensor("score", score, shape=(T, KVH), dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("compressed_cache", compressed_cache, ndim=4, dtypes=(key.dtype,), device=device,
+                 contiguous=True)
+    check_tensor("compressed_cache", compressed_cache, shape=(None, None, KVH, D))
+    check_tensor("state_max", state_max, ndim=2, dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    S = state_max.shape[0]
+    check_tensor("state_max", state_max, shape=(S, KVH))
+    check_tensor("state_sum", state_sum, shape=(S, KVH), dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    check_tensor("state_acc", state_acc, shape=(S, KVH, D), dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+    B = query_start_loc.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
+                 last_dim_contiguous=True)
+    check_tensor("block_table", block_table, shape=(B, None))
+    if not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len: expected a non-negative int, got {max_query_len!r}")
+    return device, B
+
+
+def kv_compress(
+    key: torch.Tensor,
+    score: torch.Tensor,
+    compressed_cache: torch.Tensor,
+    state_max: torch.Tensor,
+    state_sum: torch.Tensor,
+    state_acc: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    ratio: int,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Launcher. key [T, KVH, D] (last dim contiguous); score [T, KVH];
+    compressed_cache [num_blocks, block_size, KVH, D] of key's dtype; state
+    tensors fp32 contiguous; metadata int32 as in CompressorMetadata.
+    `max_query_len` (Python int) bounds every request's token count."""
+    device, B = _check(key, score, compressed_cache, state_max, state_sum, state_acc,
+                       query_start_loc, seq_lens, state_indices, block_table, ratio, max_query_len)
+    T, KVH, D = key.shape
+    out = torch.zeros_like(key)  # padding rows' tokens stay 0
+    if B <= 0 or max_query_len == 0 or T == 0:
+        return out
+    # Groups one request can touch: its first may start mid-group.
+    max_groups = cdiv(max_query_len + ratio - 1, ratio)
+    _kv_compress_kernel[(B, max_groups, KVH)](
+        key, score, compressed_cache, state_max, state_sum, state_acc, out,
+        query_start_loc, seq_lens, state_indices, block_table,
+        key.stride(0), key.stride(1), score.stride(0), score.stride(1), out.stride(0), out.stride(1),
+        compressed_cache.stride(0), compressed_cache.stride(1), compressed_cache.stride(2),
+        block_table.stride(0), state_max.stride(0), state_acc.stride(0), state_acc.stride(1),
+        RATIO=ratio, HEAD_DIM=D, BLOCK_D=next_pow2(D), BLOCK_SIZE=compressed_cache.shape[1],
+        num_warps=1 if D <= 128 else 2,
+    )
+    return out
+
+
+def kv_compress_ref(
+    key: torch.Tensor,
+    score: torch.Tensor,
+    compressed_cache: torch.Tensor,
+    state_max: torch.Tensor,
+    state_sum: torch.Tensor,
+    state_acc: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    ratio: int,
+) -> torch.Tensor:
+    """Plain torch, token by token (all heads at once); updates the cache and
+    the state in place."""
+    out = torch.zeros_like(key)
+    block_size = compressed_cache.shape[1]
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    idx = state_indices.tolist()
+    for b in range(len(idx)):
+        q0, q1, S, slot = qsl[b], qsl[b + 1], lens[b], idx[b]
+        if slot < 0 or q1 <= q0:
+            continue
+        start = S - (q1 - q0)
+        m, s, acc = state_max[slot].clone(), state_sum[slot].clone(), state_acc[slot].clone()
+        for pos in range(start, S):
+            if pos % ratio == 0:
+                m.fill_(float("-inf")); s.zero_(); acc.zero_()
+            t = q0 + pos - start
+            sc = score[t].float()  # [KVH]
+            m_new = torch.maximum(m, sc)
+            alpha, beta = torch.exp(m - m_new), torch.exp(sc - m_new)
+            s = s * alpha + beta
+            acc = acc * alpha[:, None] + beta[:, None] * key[t].float()
+            m = m_new
+            val = acc / s[:, None]
+            out[t] = val.to(key.dtype)
+            if pos % ratio == ratio - 1:
+                g = pos // ratio
+                blk = int(block_table[b, g // block_size])
+                compressed_cache[blk, g % block_size] = val.to(compressed_cache.dtype)
+        state_max[slot], state_sum[slot], state_acc[slot] = m, s, acc
+    return out
+
+
+@torch.library.custom_op(
+    "mrv2::kv_compress",
+    mutates_args=("compressed_cache", "state_max", "state_sum", "state_acc"),
+    schema="(Tensor key, Tensor score, Tensor(a!) compressed_cache, Tensor(b!) state_max, "
+    "Tensor(c!) state_sum, Tensor(d!) state_acc, str layer_name, int ratio) -> Tensor",
+)
+def kv_compress_op(
+    key: torch.Tensor,
+    score: torch.Tensor,
+    compressed_cache: torch.Tensor,
+    state_max: torch.Tensor,
+    state_sum: torch.Tensor,
+    state_acc: torch.Tensor,
+    layer_name: str,
+    ratio: int,
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    ctx.record(layer_name, "kv_compress")
+    meta = ctx.metadata(layer_name)  # CompressorMetadata
+    args = (key, score, compressed_cache, state_max, state_sum, state_acc,
+            meta.query_start_loc, meta.seq_lens, meta.state_indices, meta.block_table, ratio)
+    if use_triton(key):
+        return kv_compress(*args, meta.max_query_len)
+    return kv_compress_ref(*args)
+
+
+@kv_compress_op.register_fake
+def _(key, score, compressed_cache, state_max, state_sum, state_acc, layer_name, ratio):
+    return torch.empty_like(key)

@@ -1,0 +1,113 @@
+"""nn.Modules that models use. Each takes a `layer_name` and calls the mrv2
+ops with it; the ops read that layer's metadata from the forward context, so
+a model never passes metadata through `forward`.
+
+`metadata_kind` tells a runner which metadata a layer needs:
+"attention" -> AttentionMetadata, "sconv" -> SConvMetadata,
+"compressor" -> CompressorMetadata. Caches and state are non-persistent
+buffers, empty until bound (`bind_*`) by whoever owns the memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import kv_compress as _kv_compress  # noqa: F401  (registers mrv2::kv_compress)
+from . import reshape_and_cache as _reshape_and_cache  # noqa: F401
+from . import sconv as _sconv  # noqa: F401
+from . import unified_attention as _unified_attention  # noqa: F401
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PagedAttention(nn.Module):
+    """Writes k/v into the paged cache, then attends (mrv2::reshape_and_cache,
+    mrv2::unified_attention). q [T, H*D] or [T, H, D]; k, v [T, KVH*D] or
+    [T, KVH, D] -> [T, H*D]."""
+
+    metadata_kind = "attention"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_name = layer_name
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        empty = torch.empty(0, DEFAULT_BLOCK_SIZE, num_kv_heads, head_dim)
+        self.register_buffer("k_cache", empty, persistent=False)
+        self.register_buffer("v_cache", empty.clone(), persistent=False)
+
+    def bind_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        torch.ops.mrv2.reshape_and_cache(k, v, self.k_cache, self.v_cache, self.layer_name)
+        out = torch.ops.mrv2.unified_attention(q, self.k_cache, self.v_cache, self.layer_name, self.scale)
+        return out.reshape(T, self.num_heads * self.head_dim)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv1d of width `kernel_size` with per-request state
+    (mrv2::sconv). x [T, C] -> [T, C]."""
+
+    metadata_kind = "sconv"
+
+    def __init__(self, channels: int, kernel_size: int, layer_name: str, bias: bool = True) -> None:
+        super().__init__()
+        if kernel_size < 2:
+            raise ValueError(f"kernel_size must be >= 2, got {kernel_size}")
+        self.channels, self.kernel_size, self.layer_name = channels, kernel_size, layer_name
+        self.weight = nn.Parameter(torch.randn(channels, kernel_size) / math.sqrt(kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.register_buffer("conv_state", torch.empty(0, channels, kernel_size - 1), persistent=False)
+
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.conv_state = torch.zeros(num_slots, self.channels, self.kernel_size - 1,
+                                      dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mrv2.sconv(x, self.weight, self.bias, self.conv_state, self.layer_name)
+
+
+class KVCompressor(nn.Module):
+    """Groups of `ratio` tokens -> one softmax(score)-weighted key each, into a
+    paged compressed cache (mrv2::kv_compress). key [T, KVH, D], score
+    [T, KVH] -> running compressed value per token [T, KVH, D]."""
+
+    metadata_kind = "compressor"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, ratio: int, layer_name: str) -> None:
+        super().__init__()
+        if ratio < 1:
+            raise ValueError(f"ratio must be >= 1, got {ratio}")
+        self.num_kv_heads, self.head_dim, self.ratio = num_kv_heads, head_dim, ratio
+        self.layer_name = layer_name
+        self.register_buffer("compressed_cache",
+                             torch.empty(0, DEFAULT_BLOCK_SIZE, num_kv_heads, head_dim), persistent=False)
+        self.register_buffer("state_max", torch.empty(0, num_kv_heads), persistent=False)
+        self.register_buffer("state_sum", torch.empty(0, num_kv_heads), persistent=False)
+        self.register_buffer("state_acc", torch.empty(0, num_kv_heads, head_dim), persistent=False)
+
+    def bind_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
+                   device: torch.device | str) -> None:
+        H, D = self.num_kv_heads, self.head_dim
+        self.compressed_cache = torch.zeros(num_blocks, block_size, H, D, dtype=dtype, device=device)
+        self.state_max = torch.zeros(num_slots, H, dtype=torch.float32, device=device)
+        self.state_sum = torch.zeros(num_slots, H, dtype=torch.float32, device=device)
+        self.state_acc = torch.zeros(num_slots, H, D, dtype=torch.float32, device=device)
+
+    def forward(self, key: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mrv2.kv_compress(key, score, self.compressed_cache, self.state_max,
+                                          self.state_sum, self.state_acc, self.layer_name, self.ratio)

@@ -1,0 +1,198 @@
+"""Short causal depthwise convolution with per-request state (attention-like).
+
+x [T, C], weight [C, K] -> out [T, C]:
+    out[t, c] = bias[c] + sum_k weight[c, k] * u[t - (K-1) + k, c]
+where u is the request's inputs preceded by its K-1 previous inputs, which are
+read from conv_state[state_indices[b]] ([C, K-1], oldest first; zeros when
+has_initial_state[b] is False). The op then stores the request's last K-1
+inputs back into that slot. state_indices[b] == -1 marks a padding row: no
+state read or written, its tokens' output (like any token outside a request)
+is 0.
+
+The state holds inputs, not partial sums, and every output is the same fixed
+sum order over the same values, so one step and the same tokens split over
+several steps give bit-identical results in every dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_backend.forward_context import get_forward_context
+
+from ._common import FLOAT_DTYPES, cdiv, check_device, check_tensor, interpreting, next_pow2, use_triton
+
+
+@triton.jit
+def _sconv_kernel(
+    x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, state_idx_ptr, has_init_ptr,
+    stride_x_t, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_o_t,
+    C,
+    KERNEL_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t_tile = tl.program_id(1)
+    c_blk = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+    real = slot >= 0
+    has_init = (tl.load(has_init_ptr + b) != 0) & real
+
+    tok = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)  # index within the request
+    t_ok = tok < tl.where(real, q_len, 0)  # Note [scalar masks] in _common.py
+    c = c_blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    c_init = c < tl.where(has_init, C, 0)  # state reads as zeros without initial state
+    state_row = state_ptr + slot * stride_s_slot + c[None, :] * stride_s_c  # [1, BLOCK_C]
+
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for k in tl.static_range(KERNEL_SIZE):
+        src = tok - (KERNEL_SIZE - 1) + k  # < 0: one of the K-1 inputs held in the state
+        in_x = src >= 0
+        m = t_ok[:, None] & c_ok[None, :]
+        xv = tl.load(x_ptr + (q_start + src).to(tl.int64)[:, None] * stride_x_t + c[None, :],
+                     mask=m & in_x[:, None], other=0.0)
+        sv = tl.load(state_row + (KERNEL_SIZE - 1 + src)[:, None] * stride_s_k,
+                     mask=t_ok[:, None] & c_init[None, :] & (~in_x)[:, None], other=0.0)
+        w = tl.load(weight_ptr + c * stride_w_c + k * stride_w_k, mask=c_ok, other=0.0)
+        acc += tl.where(in_x[:, None], xv, sv).to(tl.float32) * w.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    o_rows = (q_start + tok).to(tl.int64)
+    tl.store(out_ptr + o_rows[:, None] * stride_o_t + c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+
+    # New state = the last K-1 entries of (old state ++ this step's inputs).
+    # Only tile 0 reads the old state (BLOCK_T >= K-1), so only it writes it.
+    j = tl.arange(0, BLOCK_K)
+    src = q_len - (KERNEL_SIZE - 1) + j  # [BLOCK_K]
+    in_x = src >= 0
+    upd = j < tl.where(real & (q_len > 0) & (t_tile == 0), KERNEL_SIZE - 1, 0)
+    m = upd[:, None] & c_ok[None, :]
+    xv = tl.load(x_ptr + (q_start + src).to(tl.int64)[:, None] * stride_x_t + c[None, :],
+                 mask=m & in_x[:, None], other=0.0)
+    sv = tl.load(state_row + (KERNEL_SIZE - 1 + src)[:, None] * stride_s_k,
+                 mask=upd[:, None] & c_init[None, :] & (~in_x)[:, None], other=0.0)
+    new = tl.where(in_x[:, None], xv, sv.to(xv.dtype))  # [BLOCK_K, BLOCK_C]
+    # Note [read before write]: every thread's state reads must land before any
+    # thread overwrites the slot (a read of entry j+q_len by one thread and the
+    # write of entry j by another may alias).
+    tl.debug_barrier()
+    tl.store(state_row + j[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=m)
+
+
+def sconv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Launcher. x [T, C] (last dim contiguous); weight [C, K] (K >= 2); bias
+    [C] or None; conv_state [num_slots, C, K-1] of x's dtype, updated in place;
+    query_start_loc [B+1] int32; state_indices [B] int32; has_initial_state [B]
+    bool. `max_query_len` (Python int) bounds every request's token count."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_device("x", x)
+    T, C = x.shape
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("weight", weight, shape=(C, None))
+    K = weight.shape[1]
+    if K < 2:
+        raise ValueError(f"weight: expected a kernel width K >= 2 (shape [C, K]), got shape {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(C,), dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("conv_state", conv_state, ndim=3, dtypes=(x.dtype,), device=device)
+    check_tensor("conv_state", conv_state, shape=(None, C, K - 1))
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+    B = query_start_loc.shape[0] - 1
+    check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_tensor("has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,), device=device)
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len: expected a non-negative int, got {max_query_len!r}")
+
+    out = torch.zeros_like(x)  # tokens outside any real request stay 0
+    if B <= 0 or max_query_len == 0 or T == 0:
+        return out
+    small = interpreting()
+    block_t = max(next_pow2(K - 1), min(16 if small else 64, next_pow2(max_query_len)))
+    block_c = min(next_pow2(C), 64 if small else 128)
+    assert block_t >= K - 1, block_t  # Note [read before write]: only tile 0 reads the state
+    grid = (B, cdiv(max_query_len, block_t), cdiv(C, block_c))
+    _sconv_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_state, out,
+        query_start_loc, state_indices, has_initial_state,
+        x.stride(0), weight.stride(0), weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
+        C,
+        KERNEL_SIZE=K, BLOCK_K=next_pow2(K - 1), BLOCK_T=block_t, BLOCK_C=block_c,
+        HAS_BIAS=bias is not None, num_warps=4,
+    )
+    return out
+
+
+def sconv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch, one request at a time; updates conv_state in place."""
+    C, K = weight.shape
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros_like(x)
+    qsl = query_start_loc.tolist()
+    idx = state_indices.tolist()
+    init = has_initial_state.tolist()
+    w = weight.to(acc_dtype)
+    for b in range(len(idx)):
+        q0, q1, slot = qsl[b], qsl[b + 1], idx[b]
+        if slot < 0 or q1 <= q0:
+            continue
+        prev = conv_state[slot].T if init[b] else x.new_zeros(K - 1, C)  # [K-1, C]
+        u = torch.cat([prev.to(x.dtype), x[q0:q1]])  # [K-1+L, C]
+        windows = u.to(acc_dtype).unfold(0, K, 1)  # [L, C, K]
+        y = (windows * w).sum(-1)
+        if bias is not None:
+            y = y + bias.to(acc_dtype)
+        out[q0:q1] = y.to(x.dtype)
+        conv_state[slot] = u[-(K - 1):].T.to(conv_state.dtype)
+    return out
+
+
+@torch.library.custom_op(
+    "mrv2::sconv",
+    mutates_args=("conv_state",),
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, str layer_name) "
+    "-> Tensor",
+)
+def sconv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    layer_name: str,
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    ctx.record(layer_name, "sconv")
+    meta = ctx.metadata(layer_name)  # SConvMetadata
+    if use_triton(x):
+        return sconv(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
+                     meta.has_initial_state, meta.max_query_len)
+    return sconv_ref(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
+                     meta.has_initial_state)
+
+
+@sconv_op.register_fake
+def _(x, weight, bias, conv_state, layer_name):
+    return torch.empty_like(x)
