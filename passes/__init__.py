@@ -1,0 +1,29 @@
+"""FX passes that run on the Dynamo graph before it is split into pieces.
+
+PassManager (pass_manager.py) runs them in a fixed, documented order:
+capture safety, then segment ordering. Each pass is a class with
+`__call__(graph)` and `uuid()` (pass_base.py).
+"""
+
+from .capture_safety import (
+    CaptureSafetyError,
+    CaptureSafetyPass,
+    capture_safe_ops,
+    register_capture_safe,
+    unregister_capture_safe,
+)
+from .pass_base import Mrv2Pass, PassReport
+from .pass_manager import PassManager
+from .segment_attention_like import SegmentAttentionLikePass
+
+__all__ = [
+    "CaptureSafetyError",
+    "CaptureSafetyPass",
+    "Mrv2Pass",
+    "PassManager",
+    "PassReport",
+    "SegmentAttentionLikePass",
+    "capture_safe_ops",
+    "register_capture_safe",
+    "unregister_capture_safe",
+]

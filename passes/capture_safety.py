@@ -1,0 +1,287 @@
+"""Capture safety: find the ops that a CUDA graph cannot capture and keep each
+one out of the graphs, with a reason that names the op and its source line.
+
+Every node that would land in a captured segment (anything but a breakpoint,
+its tuple accessors, an attention-like op, or a node already marked eager) is
+checked, first finding wins:
+
+  cudagraph_unsafe   the op carries `torch.Tag.cudagraph_unsafe`
+  host sync          `.item()`, `aten._local_scalar_dense`, `.tolist()`,
+                     `.cpu()`, `.numpy()`, `bool(t)`-like dunders, ops tagged
+                     `data_dependent_output` (`torch.equal`, ...)
+  dynamic shape      ops tagged `dynamic_output_shape` (`nonzero`,
+                     `masked_select`, ...), `unique`, `torch.where(cond)`,
+                     indexing with a boolean mask
+  opaque op          see "Which ops are trusted" below
+  CPU tensor         a CPU tensor in a graph whose other tensors are on CUDA
+                     (never fires on a CPU-only graph)
+  data-dependent     a value (shape or scalar) that came from the device (an
+                     unbacked symbol such as `u0`); a replay would reuse the
+                     value seen at capture
+
+A finding sets `node.meta[EAGER_REASON]`; the splitter then gives that node an
+eager piece of its own (or lets it join a neighbouring eager piece), so only
+that piece falls back, never the whole graph. Each distinct reason is logged
+once per compile and every finding is counted in
+`counters["pass_capture_unsafe_ops"]`. With `strict_capture` the pass raises
+`CaptureSafetyError` listing every finding with its fix instead.
+
+Which ops are trusted (the rule for ops the pass cannot look into):
+  - aten/prims ops and the python-level torch calls that run them (tensor
+    methods, `torch.*`, `torch.nn.functional.*`, `operator.*`), subject to the
+    checks above;
+  - custom ops of the namespaces `mrv2` (this project's kernels are written to
+    be captured) and `_c10d_functional` (functional collectives);
+  - ops whose role is attention-like (they must be captured: DESIGN.md, "Op
+    roles") and breakpoints (they run eagerly anyway);
+  - ops registered with `register_capture_safe("ns::op")` or `"ns::*"`.
+Every other custom op, higher-order op, non-torch python function or
+user-defined module is unsafe: its effects cannot be seen, so it runs
+eagerly until someone vouches for it.
+
+Before (x on CUDA; `.item()` inside the step):
+    mm = x @ w ; s = mm.sum() ; v = s.item() ; y = mm * v
+After: the graph is unchanged but `item` carries
+    meta[EAGER_REASON] = "`Tensor.item` at step.py:7 in step: v = s.item(): host sync ..."
+and `y` (it multiplies by the unbacked `v`) carries a data-dependent reason,
+so the pieces are [mm, s] captured, [item, y] eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._pytree import tree_leaves
+
+from compile_backend.counters import counters
+from compile_backend.op_registry import OpRegistry, OpRole, node_op_name, resolve_op_name
+from compile_backend.split import EAGER_REASON, is_eager_node
+
+from .pass_base import (
+    Mrv2Pass,
+    PassReport,
+    bare_name,
+    example_value,
+    is_python_builtin,
+    is_torch_level,
+    is_tuple_getitem,
+    op_label,
+    op_tags,
+    sets_global_state,
+    source_line,
+)
+
+logger = logging.getLogger(__name__)
+
+TRUSTED_NAMESPACES = ("aten", "prims", "mrv2", "_c10d_functional")
+
+_capture_safe: set[str] = set()
+
+
+def register_capture_safe(name: str) -> None:
+    """Vouch that custom op `ns::op` (or every op of `ns::*`) can be captured:
+    no host syncs, no data-dependent shapes, no CPU work."""
+    resolve_op_name(name)  # raises with the fix if the name does not resolve
+    _capture_safe.add(name)
+
+
+def unregister_capture_safe(name: str) -> None:
+    _capture_safe.discard(name)
+
+
+def capture_safe_ops() -> list[str]:
+    return sorted(_capture_safe)
+
+
+class CaptureSafetyError(RuntimeError):
+    """strict_capture is on and some op cannot be captured."""
+
+
+_HOST_SYNC_NAMES = frozenset({
+    "item", "tolist", "cpu", "numpy", "_local_scalar_dense", "is_nonzero",
+    "__bool__", "__int__", "__float__", "__index__", "__complex__",
+})
+_DYNAMIC_SHAPE_NAMES = frozenset({
+    "nonzero", "argwhere", "unique", "unique_consecutive", "_unique", "_unique2",
+    "masked_select", "bincount",
+})
+
+
+def _is_bool_tensor_index(idx: Any) -> bool:
+    for leaf in tree_leaves(idx):
+        val = example_value(leaf)
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool:
+            return True
+    return False
+
+
+def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    return [v for v in tree_leaves(list(values)) if isinstance(v, torch.Tensor)]
+
+
+_DERIVED = "uses a value read from the device"
+
+
+def _unbacked(value: Any) -> set[Any]:
+    out: set[Any] = set()
+    for leaf in tree_leaves(value):
+        try:
+            out |= free_unbacked_symbols(leaf)
+        except Exception:  # noqa: BLE001 (leaves that carry no symbols)
+            pass
+    return out
+
+
+def _input_values(node: torch.fx.Node) -> list[Any]:
+    return [example_value(n) for n in node.all_input_nodes]
+
+
+def _fix_for(node: torch.fx.Node) -> str:
+    name = node_op_name(node) or ""
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and not name.startswith("aten::"):
+        return (f"name it in splitting_ops to run it eagerly between graphs, or, if it is "
+                f"safe to capture, call passes.register_capture_safe({name!r})")
+    return "move it out of the compiled step (or compute it on the device without a sync)"
+
+
+class CaptureSafetyPass(Mrv2Pass):
+    """Mark every node that a CUDA graph cannot capture (see module docstring)."""
+
+    def __init__(self, roles: OpRegistry, strict: bool = False) -> None:
+        self.roles = roles
+        self.strict = strict
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "strict": self.strict,
+            "roles": self.roles.summary(),
+            "capture_safe": capture_safe_ops(),
+            "trusted_namespaces": list(TRUSTED_NAMESPACES),
+        }
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        graph_has_cuda = any(
+            t.device.type == "cuda"
+            for n in graph.nodes
+            for t in _tensors([example_value(n)])
+        )
+        findings: list[dict[str, Any]] = []
+        eager: set[torch.fx.Node] = set()
+        origins: dict[Any, str] = {}  # unbacked symbol -> the op that read it from the device
+        for node in graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                self._note_new_symbols(node, origins)
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            if is_eager_node(node, self.roles) or (
+                is_tuple_getitem(node) and node.args[0] in eager
+            ):
+                eager.add(node)  # breakpoint, its accessors, or marked by an earlier pass
+                continue
+            if self.roles.role(node) is OpRole.ATTENTION_LIKE:
+                continue  # trusted: it must be captured
+            why = self._why_unsafe(node, graph_has_cuda, origins)
+            self._note_new_symbols(node, origins)
+            if why is None:
+                continue
+            reason = f"`{op_label(node)}` at {source_line(node)}: {why}; {_fix_for(node)}"
+            findings.append({
+                "node": node.name, "op": op_label(node), "reason": reason,
+                "derived": why.startswith(_DERIVED),
+            })
+            eager.add(node)
+            if not self.strict:
+                node.meta[EAGER_REASON] = reason
+
+        if findings and self.strict:
+            lines = "\n".join(f"  - {f['reason']}" for f in findings)
+            raise CaptureSafetyError(
+                f"strict_capture is on and {len(findings)} op(s) cannot be captured in a "
+                f"CUDA graph:\n{lines}\nFix each as it says (remove it from the step, or "
+                "register it as a breakpoint with splitting_ops), or set "
+                "strict_capture=False to let those pieces fall back to eager."
+            )
+        counters["pass_capture_unsafe_ops"] += len(findings)
+        for f in {f["reason"]: f for f in findings}.values():  # each reason once, in order
+            # Consumers of a device value follow from the finding that made it:
+            # that one is the warning, they are detail.
+            level = logging.INFO if f["derived"] else logging.WARNING
+            logger.log(level, "mrv2 capture fallback: %s", f["reason"])
+        return PassReport(
+            changed=bool(findings),
+            details={"graph_has_cuda": graph_has_cuda, "fallbacks": findings},
+        )
+
+    def _why_unsafe(
+        self, node: torch.fx.Node, graph_has_cuda: bool, origins: dict[Any, str]
+    ) -> str | None:
+        name = bare_name(node)
+        tags = op_tags(node)
+        if "cudagraph_unsafe" in tags:
+            return "the op is tagged torch.Tag.cudagraph_unsafe"
+        if name in _HOST_SYNC_NAMES or "data_dependent_output" in tags:
+            return "host sync (the CPU waits for a device value; a CUDA graph cannot capture it)"
+        if self._dynamic_shape(node, name, tags):
+            return ("output shape depends on the data (a CUDA graph replays fixed "
+                    "shapes and would reuse the shape seen at capture)")
+        opaque = self._opaque(node)
+        if opaque:
+            return opaque
+        values = _input_values(node) + [example_value(node)]
+        if graph_has_cuda and any(t.device.type == "cpu" for t in _tensors(values)):
+            return ("works on a CPU tensor in a graph whose other tensors are on CUDA "
+                    "(a CUDA graph does not capture CPU work)")
+        unbacked = set()
+        for n in node.all_input_nodes:
+            unbacked |= _unbacked(example_value(n))
+        if unbacked:
+            syms = ", ".join(
+                f"{s} from {origins.get(s, 'an input')}" for s in sorted(unbacked, key=str)
+            )
+            return (f"{_DERIVED} ({syms}); a replay would reuse the value seen at capture")
+        return None
+
+    @staticmethod
+    def _note_new_symbols(node: torch.fx.Node, origins: dict[Any, str]) -> None:
+        for s in _unbacked(example_value(node)):
+            origins.setdefault(s, f"`{op_label(node)}` ({source_line(node).split(': ')[0]})")
+
+    @staticmethod
+    def _dynamic_shape(node: torch.fx.Node, name: str, tags: set[str]) -> bool:
+        if is_tuple_getitem(node) or name == "__getitem__":
+            return len(node.args) > 1 and _is_bool_tensor_index(node.args[1])
+        if name == "index":  # aten.index: dynamic only with a boolean index
+            return len(node.args) > 1 and _is_bool_tensor_index(node.args[1])
+        if name == "repeat_interleave" and node.kwargs.get("output_size") is not None:
+            return False
+        if name == "where" and len(node.args) + len(node.kwargs) == 1:
+            return True  # torch.where(cond) is nonzero
+        return name in _DYNAMIC_SHAPE_NAMES or "dynamic_output_shape" in tags
+
+    def _opaque(self, node: torch.fx.Node) -> str | None:
+        if node.op == "call_module":
+            mod = node.graph.owning_module.get_submodule(node.target) if node.graph.owning_module else None
+            if mod is not None and type(mod).__module__.startswith("torch.nn."):
+                return None
+            return "user module called as a whole; its ops cannot be checked"
+        if node.op == "call_method":
+            return None
+        target = node.target
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            name = node_op_name(node) or ""
+            ns = name.split("::")[0]
+            if ns in TRUSTED_NAMESPACES or name in _capture_safe or f"{ns}::*" in _capture_safe:
+                return None
+            return "custom op not known to be capture-safe"
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            name = node_op_name(node) or ""
+            if name in _capture_safe:
+                return None
+            return "higher-order op not known to be capture-safe"
+        if is_torch_level(node) or is_python_builtin(node) or sets_global_state(node):
+            return None
+        return "python function opaque to the passes (its effects cannot be checked)"

@@ -1,0 +1,214 @@
+"""The base of every mrv2 FX pass, and the node helpers the passes share.
+
+A pass is a class: `__call__(graph)` edits the graph in place and returns a
+`PassReport` (did it change anything, and a JSON-friendly account of what);
+`uuid()` hashes the pass's source and settings, so that a compile cache keyed
+on it notices when a pass or its configuration changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import operator
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from compile_backend.op_registry import node_op_name
+
+
+@dataclass
+class PassReport:
+    changed: bool
+    details: dict[str, Any] = field(default_factory=dict)  # JSON-friendly
+
+
+class Mrv2Pass:
+    """Subclasses implement `apply(graph) -> PassReport` and `settings()`."""
+
+    def __call__(self, graph: torch.fx.Graph) -> PassReport:
+        report = self.apply(graph)
+        assert isinstance(report, PassReport), report
+        return report
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def settings(self) -> dict[str, Any]:
+        """Everything besides the source that decides what the pass does."""
+        return {}
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        # The module holds the helpers the class calls, not only the class.
+        for cls in type(self).__mro__:
+            if cls is object:
+                continue
+            h.update(_module_source(cls.__module__).encode())
+        h.update(json.dumps(self.settings(), sort_keys=True, default=str).encode())
+        return h.hexdigest()
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def _module_source(module_name: str) -> str:
+    if module_name not in _SOURCES:
+        try:
+            _SOURCES[module_name] = inspect.getsource(sys.modules[module_name])
+        except (OSError, TypeError, KeyError):
+            _SOURCES[module_name] = module_name
+    return _SOURCES[module_name]
+
+
+# --- node helpers shared by the passes ---------------------------------------
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """`file.py:12 in fn: <code>` of the user line that made `node`."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.search(lines[i])
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            where = f"{m['file'].rsplit('/', 1)[-1]}:{m['line']} in {m['fn']}"
+            return f"{where}: {code}" if code else where
+    stack = node.meta.get("source_fn_stack")
+    if stack:
+        return f"from `{stack[-1][0]}` (no source line recorded)"
+    return "(no source line recorded)"
+
+
+def op_label(node: torch.fx.Node) -> str:
+    """Human name of a node's op: `toy::attn`, `torch.nonzero`, `Tensor.item`."""
+    name = node_op_name(node) or node.op
+    if name.startswith("method::"):
+        return "Tensor." + name[len("method::"):]
+    t = node.target
+    if node.op == "call_function" and not isinstance(t, torch._ops.OperatorBase):
+        if is_tensor_method(t):
+            return f"Tensor.{t.__name__}"
+        module = getattr(t, "__module__", None) or "torch"
+        module = {"_operator": "operator", "torch._C._VariableFunctions": "torch"}.get(module, module)
+        return f"{module}.{getattr(t, '__name__', name)}"
+    return name
+
+
+def bare_name(node: torch.fx.Node) -> str:
+    """The op's short name (`nonzero`, `add_`, `item`), for name-based rules."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return (node_op_name(node) or "").split("::")[-1]
+    return getattr(t, "__name__", "") or ""
+
+
+def schema_overloads(target: Any) -> list[torch._ops.OpOverload]:
+    """The overload(s) a schema-carrying target may dispatch to."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, o) for o in target.overloads()]
+    return []
+
+
+_ATEN_CACHE: dict[str, list[torch._ops.OpOverload]] = {}
+
+
+def aten_overloads_named(name: str) -> list[torch._ops.OpOverload]:
+    """aten overloads of that bare name: how a python-level torch call
+    (`torch.nonzero`, `x.item()`) is checked against aten's tags."""
+    if name not in _ATEN_CACHE:
+        try:
+            packet = getattr(torch.ops.aten, name)
+            _ATEN_CACHE[name] = schema_overloads(packet)
+        except (AttributeError, RuntimeError):
+            _ATEN_CACHE[name] = []
+    return _ATEN_CACHE[name]
+
+
+def op_tags(node: torch.fx.Node) -> set[str]:
+    """Tag names (`cudagraph_unsafe`, `nondeterministic_seeded`, ...) of the
+    op a node runs; python-level torch calls borrow the aten op's tags."""
+    overloads = schema_overloads(node.target)
+    if not overloads and node.op in ("call_function", "call_method") and is_torch_level(node):
+        overloads = aten_overloads_named(bare_name(node))
+    tags: set[str] = set()
+    for ov in overloads:
+        tags.update(str(t).rsplit(".", 1)[-1] for t in ov.tags)
+    return tags
+
+
+# Modules whose callables Dynamo leaves in graphs and that run aten ops.
+_TORCH_MODULES = (
+    "torch", "torch.functional", "torch.nn.functional", "torch._C._nn",
+    "torch._C._linalg", "torch._C._fft", "torch._C._special", "torch.fft",
+    "torch.linalg", "torch.special", "torch._C._VariableFunctions",
+)
+_PYTHON_MODULES = ("_operator", "operator", "math", "builtins")
+
+
+def is_torch_level(node: torch.fx.Node) -> bool:
+    """A tensor method, or a function of torch's public op namespaces."""
+    if node.op == "call_method":
+        return True
+    t = node.target
+    if is_tensor_method(t):
+        return True
+    module = getattr(t, "__module__", None)
+    if module is None and getattr(t, "__self__", None) is not None:
+        module = getattr(t.__self__, "__module__", None)  # torch._VariableFunctionsClass
+    return module in _TORCH_MODULES
+
+
+def is_python_builtin(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__module__", None) in _PYTHON_MODULES
+
+
+def is_tensor_method(target: Any) -> bool:
+    name = getattr(target, "__name__", None)
+    return isinstance(name, str) and getattr(torch.Tensor, name, None) is target
+
+
+def is_tuple_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def example_value(node: Any) -> Any:
+    """The fake value Dynamo (`example_value`) or a fake-prop (`val`) recorded."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if "example_value" in node.meta:
+        return node.meta["example_value"]
+    return node.meta.get("val")
+
+
+# Functions that set torch's global state (Dynamo leaves them around `no_grad`
+# and autocast regions): harmless to capture, but nothing may move across them.
+_GLOBAL_STATE_NAMES = frozenset({
+    "_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
+    "set_autocast_enabled", "_set_autocast_enabled", "set_autocast_dtype",
+})
+
+
+def sets_global_state(node: torch.fx.Node) -> bool:
+    t = node.target
+    return (
+        node.op == "call_function"
+        and getattr(t, "__name__", None) in _GLOBAL_STATE_NAMES
+        and (getattr(t, "__module__", None) or "").startswith("torch")
+    )

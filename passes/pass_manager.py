@@ -1,0 +1,68 @@
+"""`PassManager`: the passes of one compile, in a fixed order.
+
+    manager = PassManager.from_config(config, roles)
+    manager(gm.graph)   # edits in place, before split_graph
+    manager.log         # one JSON-friendly entry per pass run
+    manager.uuid()      # hash of the members' uuids (part of compile-cache keys)
+
+The order, and why:
+  1. CaptureSafetyPass        (always) marks the nodes a CUDA graph cannot
+                              capture. Whether a node can be captured is a
+                              property of the node and its values, not of its
+                              position, so it is decided first...
+  2. SegmentAttentionLikePass (always; it moves nodes only when
+                              `reorder_for_fewer_pieces`) ...so that the
+                              reorder sees the final eager set: a fallback op
+                              is eager like a breakpoint, and the reorder can
+                              cluster it with breakpoints instead of letting it
+                              cut a captured segment in two.
+Running them the other way round would minimise segments for a kind
+assignment that the safety pass then changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch.fx
+
+from compile_backend.op_registry import OpRegistry
+
+from .capture_safety import CaptureSafetyPass
+from .pass_base import Mrv2Pass
+from .segment_attention_like import SegmentAttentionLikePass
+
+logger = logging.getLogger(__name__)
+
+
+class PassManager:
+    def __init__(self, passes: list[Mrv2Pass]) -> None:
+        self.passes = list(passes)
+        self.log: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_config(cls, config: Any, roles: OpRegistry) -> "PassManager":
+        return cls([
+            CaptureSafetyPass(roles, strict=config.strict_capture),
+            SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
+        ])
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            report = p(graph)
+            graph.lint()  # every pass leaves a topologically valid graph
+            self.log.append({
+                "pass": p.name,
+                "uuid": p.uuid(),
+                "changed": report.changed,
+                "details": report.details,
+            })
+            logger.debug("mrv2 pass %s: changed=%s %s", p.name, report.changed, report.details)
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for p in self.passes:
+            h.update(f"{p.name}:{p.uuid()};".encode())
+        return h.hexdigest()

@@ -1,0 +1,400 @@
+"""Keep attention-like ops inside captured segments, and order the graph so
+that it splits into as few pieces as the data and the mutations allow.
+
+The splitter (compile_backend/split.py) cuts wherever the node kind changes
+in graph order: eager (breakpoints, capture fallbacks, and tuple accessors of
+their outputs) or captured (everything else). Attention-like ops are never
+eager: the registry's precedence keeps them out of the breakpoints even when
+a `namespace::*` entry of splitting_ops covers them (this pass logs each such
+case). So what is left to this pass is the order: it moves independent nodes
+across breakpoints so that breakpoints cluster and captured nodes, above all
+attention-like ops, join a neighbouring captured segment.
+
+Before (q, k, v, x, state are inputs; `sconv` is attention-like; its input does
+not depend on the first attention):
+    a = attn(q, k, v)            eager     segments: [a] [x2 s] [b]  -> 3
+    x2 = x * 2                   captured
+    s = sconv(x2, state)         captured
+    b = attn(a, a, a)            eager
+After:
+    x2 = x * 2                   captured  segments: [x2 s] [a b]  -> 2
+    s = sconv(x2, state)         captured
+    a = attn(q, k, v)            eager
+    b = attn(a, a, a)            eager
+
+Which orders are allowed. Besides data dependencies, two nodes keep their
+relative order when one of them writes a tensor that the other reads or
+writes (storages compared through the fake values Dynamo records, so views
+alias their base), and nothing moves across a node whose effects are unknown
+(a barrier: anything not classified as pure, in-place or schema-declared
+mutation; also global-state setters such as `torch._C._set_grad_enabled`).
+Random ops share one RNG state: their order is kept too.
+
+How the order is chosen. Colour each node by its kind; we want a topological
+order with the fewest colour changes. The greedy runs phases of alternating
+kind; each phase schedules every node of that kind that is ready, including
+those that become ready during the phase, in original order. Started from
+either kind, it is optimal: after k phases it has scheduled a superset of what
+any valid order has scheduled after k phases of the same kinds (induction on
+the phases), so it finishes in no more phases; we keep the better start. It
+runs in O((nodes + edges) log nodes); barriers are chained, not connected to
+every node, so edges stay linear in the graph size. The pass only reorders
+when that saves a segment.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from compile_backend.counters import counters
+from compile_backend.op_registry import OpRegistry, OpRole, node_op_name
+from compile_backend.split import is_eager_node
+
+from .pass_base import (
+    Mrv2Pass,
+    PassReport,
+    bare_name,
+    example_value,
+    is_python_builtin,
+    is_tensor_method,
+    is_torch_level,
+    is_tuple_getitem,
+    op_tags,
+    schema_overloads,
+    sets_global_state,
+)
+
+logger = logging.getLogger(__name__)
+
+EAGER, CAPTURED = "eager", "captured"
+_RNG: Hashable = "rng-state"  # the pseudo-tensor random ops write
+
+_INPLACE_OPERATORS = frozenset({
+    "setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+    "iand", "ior", "ixor", "ilshift", "irshift", "imatmul",
+})
+_EFFECTFUL_METHODS = frozenset({"record_stream", "register_hook", "retain_grad", "backward"})
+_RANDOM_NAMES = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+    "bernoulli", "multinomial", "normal", "poisson", "dropout",
+})
+_PURE_HIGHER_ORDER = frozenset({"higher_order::flex_attention"})
+
+
+@dataclass
+class Effects:
+    """What a node touches: storages read and written, or 'anything' (barrier)."""
+
+    reads: set[Hashable] = field(default_factory=set)
+    writes: set[Hashable] = field(default_factory=set)
+    barrier: bool = False
+
+
+def _is_inplace_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _output_roots(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> set[Hashable]:
+    """Storages a node's value may share. From the recorded fake value when
+    there is one; otherwise assume it may alias every input (conservative)."""
+    val = example_value(node)
+    tensors = [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
+    if tensors:
+        try:
+            return {StorageWeakRef(t.untyped_storage()) for t in tensors}
+        except Exception:  # noqa: BLE001 (tensors without storage: sparse, nested)
+            pass
+    if val is not None and not tensors:
+        return set()  # a SymInt, a float, None: no storage
+    out: set[Hashable] = {node}
+    for arg in node.all_input_nodes:
+        out |= roots.get(arg, set())
+    return out
+
+
+def _arg_nodes(value: Any) -> list[torch.fx.Node]:
+    return [v for v in tree_leaves(value) if isinstance(v, torch.fx.Node)]
+
+
+def node_effects(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> Effects:
+    """Classify one call node; unknown means barrier."""
+
+    def roots_of(values: Any) -> set[Hashable]:
+        out: set[Hashable] = set()
+        for n in _arg_nodes(values):
+            out |= roots.get(n, set())
+        return out
+
+    eff = Effects(reads=roots_of([node.args, node.kwargs]))
+    target = node.target
+    name = bare_name(node)
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        mod = owner.get_submodule(node.target) if owner is not None else None
+        eff.barrier = mod is None or not type(mod).__module__.startswith("torch.nn.")
+        return eff
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        for ov in schema_overloads(target):  # union over overloads: conservative
+            for i, arg in enumerate(ov._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                if i < len(node.args):
+                    eff.writes |= roots_of(node.args[i])
+                if arg.name in node.kwargs:
+                    eff.writes |= roots_of(node.kwargs[arg.name])
+        if _has_registered_effect(target):
+            eff.barrier = True
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        eff.barrier = node_op_name(node) not in _PURE_HIGHER_ORDER
+        return eff
+    elif sets_global_state(node):
+        eff.barrier = True
+        return eff
+    elif node.op == "call_method" or is_tensor_method(target):
+        if name in _EFFECTFUL_METHODS:
+            eff.barrier = True
+        elif _is_inplace_name(name) or name == "__setitem__" or (
+            name.startswith("__i") and name[3:-2] in {s[1:] for s in _INPLACE_OPERATORS}
+        ):
+            eff.writes |= roots_of(node.args[:1])
+    elif is_python_builtin(node):
+        if name in _INPLACE_OPERATORS:
+            eff.writes |= roots_of(node.args[:1])
+    elif is_torch_level(node):
+        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
+            eff.writes |= roots_of(node.args[:1])
+    else:
+        eff.barrier = True
+        return eff
+    if "out" in node.kwargs:
+        eff.writes |= roots_of(node.kwargs["out"])
+    if name in _RANDOM_NAMES or "nondeterministic_seeded" in op_tags(node):
+        eff.writes.add(_RNG)
+        eff.reads.add(_RNG)
+    return eff
+
+
+def _has_registered_effect(op: Any) -> bool:
+    """Ops registered as effectful (`aten._print`, profiler records, ...)."""
+    try:
+        from torch._higher_order_ops.effects import _get_effect
+    except ImportError:  # older torch: no registry to ask
+        return False
+    for ov in schema_overloads(op):
+        try:
+            if _get_effect(ov) is not None:
+                return True
+        except Exception:  # noqa: BLE001 (the registry's API moves between versions)
+            return False
+    return False
+
+
+def node_kinds(nodes: list[torch.fx.Node], roles: OpRegistry) -> dict[torch.fx.Node, str]:
+    """EAGER or CAPTURED, as the splitter will see them. A tuple accessor of an
+    eager node is eager: the splitter keeps it with its producer."""
+    kind: dict[torch.fx.Node, str] = {}
+    for n in nodes:
+        if is_tuple_getitem(n) and kind.get(n.args[0]) == EAGER:
+            kind[n] = EAGER
+        else:
+            kind[n] = EAGER if is_eager_node(n, roles) else CAPTURED
+    return kind
+
+
+def count_segments(order: list[torch.fx.Node], kind: dict[torch.fx.Node, str]) -> int:
+    """Pieces the splitter makes from this order (tuple accessors of eager
+    nodes never open a segment: they stay with their producer)."""
+    segments, last = 0, None
+    for n in order:
+        if is_tuple_getitem(n) and kind.get(n.args[0]) == EAGER:
+            continue
+        if kind[n] != last:
+            segments, last = segments + 1, kind[n]
+    return segments
+
+
+def dependency_graph(nodes: list[torch.fx.Node]) -> tuple[list[list[int]], list[str]]:
+    """preds[i]: indices that must come before nodes[i]; barriers: their names."""
+    index = {n: i for i, n in enumerate(nodes)}
+    roots: dict[torch.fx.Node, set[Hashable]] = {}
+    for n in nodes[0].graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            roots[n] = _output_roots(n, roots)
+    effects = []
+    for n in nodes:
+        effects.append(node_effects(n, roots))
+        roots[n] = _output_roots(n, roots)
+    written = set().union(*(e.writes for e in effects)) if effects else set()
+
+    preds: list[list[int]] = [[] for _ in nodes]
+    last_writer: dict[Hashable, int] = {}
+    readers: dict[Hashable, list[int]] = {}
+    last_barrier, since_barrier = None, []
+    barriers = []
+    for i, (n, eff) in enumerate(zip(nodes, effects)):
+        p = {index[a] for a in n.all_input_nodes if a in index}
+        for r in (eff.reads | eff.writes) & written:
+            if r in last_writer:
+                p.add(last_writer[r])
+        for r in eff.writes:
+            p.update(readers.pop(r, []))
+            last_writer[r] = i
+        for r in (eff.reads - eff.writes) & written:
+            readers.setdefault(r, []).append(i)
+        if eff.barrier:
+            p.update(since_barrier)
+            since_barrier = []
+            barriers.append(n.name)
+        if last_barrier is not None:
+            p.add(last_barrier)
+        if eff.barrier:
+            last_barrier = i
+        else:
+            since_barrier.append(i)
+        p.discard(i)
+        preds[i] = sorted(p)
+    return preds, barriers
+
+
+def greedy_order(preds: list[list[int]], kinds: list[str], start: str) -> list[int]:
+    """Phases of alternating kind, each scheduling every ready node of its kind
+    (original order within a phase)."""
+    n = len(kinds)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    missing = [len(p) for p in preds]
+    for i, p in enumerate(preds):
+        for j in p:
+            succs[j].append(i)
+    ready: dict[str, list[int]] = {EAGER: [], CAPTURED: []}
+    for i in range(n):
+        if missing[i] == 0:
+            ready[kinds[i]].append(i)
+    order: list[int] = []
+    phase = start
+    while len(order) < n:
+        heap = ready[phase]
+        heapq.heapify(heap)
+        if not heap:
+            other = CAPTURED if phase == EAGER else EAGER
+            assert ready[other], f"dependency cycle among {n - len(order)} nodes"
+            phase = other
+            continue
+        while heap:
+            i = heapq.heappop(heap)
+            order.append(i)
+            for s in succs[i]:
+                missing[s] -= 1
+                if missing[s] == 0:
+                    if kinds[s] == phase:
+                        heapq.heappush(heap, s)
+                    else:
+                        ready[kinds[s]].append(s)
+        phase = CAPTURED if phase == EAGER else EAGER
+    return order
+
+
+def _moved(order: list[int]) -> list[int]:
+    """Indices outside a longest increasing subsequence: the fewest nodes
+    whose moves explain the new order."""
+    tails: list[int] = []  # tails[k]: smallest tail of an increasing run of length k+1
+    tail_pos: list[int] = []
+    parent = [-1] * len(order)
+    for pos, v in enumerate(order):
+        k = bisect.bisect_left(tails, v)
+        parent[pos] = tail_pos[k - 1] if k else -1
+        if k == len(tails):
+            tails.append(v)
+            tail_pos.append(pos)
+        else:
+            tails[k], tail_pos[k] = v, pos
+    keep = set()
+    pos = tail_pos[-1] if tail_pos else -1
+    while pos != -1:
+        keep.add(order[pos])
+        pos = parent[pos]
+    return [v for v in order if v not in keep]
+
+
+class SegmentAttentionLikePass(Mrv2Pass):
+    """See the module docstring."""
+
+    MAX_LISTED = 50  # names listed in the log details
+
+    def __init__(self, roles: OpRegistry, reorder: bool = True) -> None:
+        self.roles = roles
+        self.reorder = reorder
+
+    def settings(self) -> dict[str, Any]:
+        return {"reorder": self.reorder, "roles": self.roles.summary()}
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+        details: dict[str, Any] = {}
+        attention_like = sorted({
+            node_op_name(n) for n in nodes if self.roles.role(n) is OpRole.ATTENTION_LIKE
+        })
+        conflicts = self.roles.wildcard_conflicts(attention_like)
+        for name in conflicts:
+            logger.info(
+                "mrv2: %s is attention-like; splitting_ops covers it with %s::*, but it is "
+                "never a split point and stays in a captured segment", name, name.split("::")[0],
+            )
+        details["attention_like"] = attention_like
+        details["attention_like_not_split"] = conflicts
+        if not nodes:
+            details.update(segments_before=0, segments_after=0, moved=[])
+            return PassReport(changed=False, details=details)
+
+        kind = node_kinds(nodes, self.roles)
+        before = count_segments(nodes, kind)
+        details["segments_before"] = before
+        details["segments_after"] = before
+        details["moved"] = []
+        if not self.reorder or before <= 2:
+            return PassReport(changed=False, details=details)
+
+        preds, barriers = dependency_graph(nodes)
+        kinds = [kind[n] for n in nodes]
+        best = None
+        for start in (CAPTURED, EAGER):
+            order = greedy_order(preds, kinds, start)
+            segs = count_segments([nodes[i] for i in order], kind)
+            key = (segs, len(_moved(order)))
+            if best is None or key < best[0]:
+                best = (key, order)
+        (after, _), order = best
+        details["barriers"] = barriers[: self.MAX_LISTED]
+        if after >= before:
+            return PassReport(changed=False, details=details)
+
+        self._rewrite(graph, [nodes[i] for i in order])
+        moved = [nodes[i].name for i in _moved(order)]
+        details.update(segments_after=after, num_moved=len(moved), moved=moved[: self.MAX_LISTED])
+        counters["pass_nodes_moved"] += len(moved)
+        counters["pass_segments_saved"] += before - after
+        logger.info("mrv2: reordered %d nodes: %d -> %d segments", len(moved), before, after)
+        return PassReport(changed=True, details=details)
+
+    @staticmethod
+    def _rewrite(graph: torch.fx.Graph, order: list[torch.fx.Node]) -> None:
+        """Placeholders and attributes first, then `order`, then the output."""
+        fixed = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")]
+        output = [n for n in graph.nodes if n.op == "output"]
+        cursor = None
+        for n in fixed + order + output:
+            if cursor is None:
+                first = next(iter(graph.nodes))
+                if first is not n:
+                    first.prepend(n)
+            elif cursor.next is not n:
+                cursor.append(n)
+            cursor = n
