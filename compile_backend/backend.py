@@ -29,7 +29,9 @@ _warned_no_cuda = False
 def graph_mode_on_this_machine(requested: CUDAGraphMode) -> tuple[CUDAGraphMode, str | None]:
     """The mode that can run here, and why it differs from the request."""
     global _warned_no_cuda
-    if requested is CUDAGraphMode.NONE or torch.cuda.is_available():
+    from .cuda_graph import graph_backend_overridden
+
+    if requested is CUDAGraphMode.NONE or torch.cuda.is_available() or graph_backend_overridden():
         return requested, None
     reason = (
         f"CUDA graphs are off (requested {requested.value}): torch.cuda.is_available() "
@@ -85,6 +87,21 @@ def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRe
     return manager.log, manager.uuid()
 
 
+def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str], list[int]]:
+    """Names of a piece's inputs, and which are parameters or buffers (their
+    address must never change between capture and replay)."""
+    call = next(n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name)
+    names, stable = [], []
+    for i, a in enumerate(call.args):
+        names.append(a.name if isinstance(a, torch.fx.Node) else repr(a))
+        grapharg = a.meta.get("grapharg") if isinstance(a, torch.fx.Node) else None
+        source = grapharg.source.name if grapharg is not None and grapharg.source else ""
+        source = source() if callable(source) else source
+        if "_parameters" in source or "_buffers" in source:
+            stable.append(i)
+    return names, stable
+
+
 def mrv2_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -114,8 +131,10 @@ def mrv2_backend(
             return fn
         from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
 
+        names, stable = _piece_inputs(split_gm, piece.name)
         w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
-                             debug_checks=config.debug_checks)
+                             debug_checks=config.debug_checks, stable_inputs=stable,
+                             input_names=names)
         wrappers.append(w)
         return w
 

@@ -1,0 +1,243 @@
+"""The CUDA-graph wrapper. It knows nothing of compilation: it wraps a callable
+and, per batch descriptor, captures it once and replays it after.
+
+Which graph a call uses comes from the forward context the runner sets:
+  runtime mode == wrapper's mode and a batch descriptor  -> capture or replay
+  anything else (NONE, or FULL around a PIECEWISE piece) -> run the callable
+Without a forward context (plain torch.compile use, no runner), a PIECEWISE
+wrapper keys graphs by its inputs' shapes: the first call of a shape runs
+eagerly as warm-up, the second captures, later ones replay.
+
+Addresses. A graph reads and writes the addresses seen at capture. Inputs at a
+new address are copied into the capture-time tensor (held by the wrapper, so
+it stays valid); with `debug_checks`, inputs named stable (parameters, caches)
+and every persistent metadata tensor must not move, and a replay raises naming
+the tensor if one did. Outputs are held weakly (a non-owning tensor on the
+pool's memory), so a block no later graph reads returns to the shared pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .config import CUDAGraphMode
+from .counters import counters
+from .forward_context import ForwardContext, get_forward_context, has_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+class TorchCUDAGraphs:
+    """The real thing; tests substitute a stand-in with the same three methods."""
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.graph(graph, pool=pool)
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+_shared_pool: Any = None
+_graph_backend: Any = None  # a stand-in set by use_graph_backend (tests)
+
+
+def current_graph_backend() -> Any:
+    return _graph_backend if _graph_backend is not None else TorchCUDAGraphs()
+
+
+def graph_backend_overridden() -> bool:
+    return _graph_backend is not None
+
+
+@contextlib.contextmanager
+def use_graph_backend(graphs: Any):
+    """Capture with a stand-in graph object (new_graph/capture/pool/...) instead
+    of CUDA: lets CPU tests drive capture, dispatch and address checks. Graph
+    modes are not lowered to NONE while it is active."""
+    global _graph_backend, _shared_pool
+    previous, previous_pool = _graph_backend, _shared_pool
+    _graph_backend, _shared_pool = graphs, None
+    try:
+        yield graphs
+    finally:
+        _graph_backend, _shared_pool = previous, previous_pool
+
+
+def shared_graph_pool(graphs: Any) -> Any:
+    """One memory pool for every graph of the process (captured largest first,
+    so smaller graphs reuse the blocks of larger ones)."""
+    global _shared_pool
+    if _shared_pool is None:
+        _shared_pool = graphs.pool()
+    return _shared_pool
+
+
+def weak_ref(t: Any) -> Any:
+    """A tensor aliasing `t`'s memory without owning it."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        return t
+    s = t.untyped_storage()
+    storage = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride()
+    )
+
+
+@dataclass
+class CapturedGraph:
+    graph: Any
+    inputs: list[Any]  # capture-time args (tensors held: replay copies into them)
+    input_ptrs: list[int | None]
+    outputs: Any  # pytree of (weakly held) tensors
+    metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
+    seconds: float = 0.0
+    pool_bytes: int = 0  # allocator growth during capture
+
+
+def _metadata_ptrs(ctx: ForwardContext | None) -> dict[str, int]:
+    if ctx is None:
+        return {}
+    out = {}
+    for layer, meta in ctx.attn_metadata.items():
+        tensors = meta.tensors() if hasattr(meta, "tensors") else {}
+        for name, t in tensors.items():
+            out[f"{layer}.{name}"] = t.data_ptr()
+    return out
+
+
+class CUDAGraphWrapper:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        mode: CUDAGraphMode,
+        name: str = "graph",
+        debug_checks: bool = False,
+        stable_inputs: Sequence[int] = (),
+        input_names: Sequence[str] | None = None,
+        graphs: Any = None,
+        weak_outputs: bool = True,
+        on_capture: Callable[[str, Hashable, CapturedGraph], None] | None = None,
+    ) -> None:
+        assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
+        self.fn = fn
+        self.mode = mode
+        self.name = name
+        self.debug_checks = debug_checks
+        self.stable_inputs = set(stable_inputs)
+        self.input_names = list(input_names) if input_names else None
+        self.graphs = graphs or current_graph_backend()
+        self.weak_outputs = weak_outputs
+        self.on_capture = on_capture
+        self.entries: dict[Hashable, CapturedGraph] = {}
+        self._warmed_shapes: set[Hashable] = set()
+
+    # ---- dispatch ---------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        if not has_forward_context():
+            if self.mode is not CUDAGraphMode.PIECEWISE:
+                return self.fn(*args)
+            return self._lazy(args)
+        ctx = get_forward_context()
+        desc = ctx.batch_descriptor
+        if ctx.cudagraph_runtime_mode is not self.mode or desc is None:
+            return self.fn(*args)
+        key = desc.relaxed() if self.mode is CUDAGraphMode.PIECEWISE else desc
+        entry = self.entries.get(key)
+        if entry is None:
+            return self._capture(key, args, ctx)
+        return self._replay(entry, args, ctx)
+
+    def _lazy(self, args: Sequence[Any]) -> Any:
+        """No runner: graphs keyed by input shapes, captured on the second call."""
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        entry = self.entries.get(key)
+        if entry is not None:
+            return self._replay(entry, args, None)
+        if key not in self._warmed_shapes:
+            self._warmed_shapes.add(key)
+            counters["lazy_warmups"] += 1
+            return self.fn(*args)
+        return self._capture(key, args, None)
+
+    # ---- capture and replay -------------------------------------------------
+
+    def _capture(self, key: Hashable, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
+        graph = self.graphs.new_graph()
+        pool = shared_graph_pool(self.graphs)
+        self.graphs.synchronize()
+        before = self.graphs.memory_allocated()
+        t0 = time.perf_counter()
+        if ctx is not None:
+            ctx.capturing = True
+        try:
+            with self.graphs.capture(graph, pool):
+                outputs = self.fn(*args)
+        finally:
+            if ctx is not None:
+                ctx.capturing = False
+        self.graphs.synchronize()
+        entry = CapturedGraph(
+            graph=graph,
+            inputs=list(args),
+            input_ptrs=[a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args],
+            outputs=pytree.tree_map(weak_ref, outputs) if self.weak_outputs else outputs,
+            metadata_ptrs=_metadata_ptrs(ctx),
+            seconds=time.perf_counter() - t0,
+            pool_bytes=self.graphs.memory_allocated() - before,
+        )
+        self.entries[key] = entry
+        if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
+            self.graphs.after_capture(graph, self.fn, entry, ctx)
+        counters["cudagraph_captures"] += 1
+        if self.on_capture is not None:
+            self.on_capture(self.name, key, entry)
+        logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
+        return outputs
+
+    def _input_name(self, i: int) -> str:
+        if self.input_names and i < len(self.input_names):
+            return f"input {i} ({self.input_names[i]})"
+        return f"input {i}"
+
+    def _replay(self, entry: CapturedGraph, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
+        assert len(args) == len(entry.inputs), (len(args), len(entry.inputs))
+        for i, (a, ptr) in enumerate(zip(args, entry.input_ptrs)):
+            if ptr is None or a.data_ptr() == ptr:
+                continue
+            if self.debug_checks and i in self.stable_inputs:
+                raise RuntimeError(
+                    f"{self.name}: {self._input_name(i)} moved since capture "
+                    f"(0x{ptr:x} -> 0x{a.data_ptr():x}); the graph would read stale "
+                    "memory. Keep parameters, buffers and caches at a fixed address."
+                )
+            entry.inputs[i].copy_(a)
+            counters["replay_input_copies"] += 1
+        if self.debug_checks and ctx is not None:
+            now = _metadata_ptrs(ctx)
+            for name, ptr in entry.metadata_ptrs.items():
+                if now.get(name, ptr) != ptr:
+                    raise RuntimeError(
+                        f"{self.name}: persistent metadata tensor {name} moved since "
+                        f"capture (0x{ptr:x} -> 0x{now[name]:x}); metadata builders must "
+                        "write into their persistent buffers, not allocate new tensors."
+                    )
+        entry.graph.replay()
+        counters["cudagraph_replays"] += 1
+        return entry.outputs

@@ -1,0 +1,220 @@
+"""The capture runner: what an engine drives to get graphs captured ahead of
+serving, and to run every step through them.
+
+    runner = ModelRunner(model, KVCacheConfig(...), CompilationConfig(...), device="cuda")
+    runner.capture()                       # all sizes, every mode the graph mode needs
+    out = runner.execute(batch)            # pad, pick a graph, copy in, replay
+
+The model's forward is `forward(input_ids [T], positions [T]) -> [T, ...]`; its
+attention and attention-like layers (kernels/layers.py) read their metadata
+from the forward context this runner sets.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backend import graph_mode_on_this_machine, mrv2_backend
+from .batch_descriptor import BatchDescriptor
+from .block_tables import BlockTables
+from .capture import lower_graph_mode, prepare_inputs_to_capture
+from .config import CompilationConfig, CUDAGraphMode
+from .counters import counters
+from .cuda_graph import CUDAGraphWrapper, current_graph_backend
+from .forward_context import ForwardContext, set_forward_context
+from .input_batch import InputBatch
+from .input_buffers import InputBuffers
+from .kv_cache_config import KVCacheConfig
+from .model_state import ModelState, attention_groups_for
+from .symbolic import mark_token_dim, symbolic_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureRecord:
+    mode: str
+    descriptor: BatchDescriptor
+    seconds: float
+    pool_bytes: int
+    for_capture: dict[str, bool] = field(default_factory=dict)  # builder kind -> flag
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": self.mode, "descriptor": self.descriptor._asdict(),
+                "seconds": round(self.seconds, 6), "pool_bytes": self.pool_bytes,
+                "for_capture": self.for_capture}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache_config: KVCacheConfig,
+        config: CompilationConfig | None = None,
+        device: torch.device | str = "cuda",
+        progress: bool = True,
+    ) -> None:
+        self.config = config or CompilationConfig()
+        self.kv_cache_config = kv_cache_config
+        self.device = torch.device(device)
+        self.progress = progress
+        self.model = model
+        self.input_buffers = InputBuffers.allocate(kv_cache_config, self.device)
+        self.block_tables = BlockTables(kv_cache_config, self.device)
+        self.attn_groups = attention_groups_for(
+            model, kv_cache_config, self.input_buffers, self.block_tables)
+        self.model_state = ModelState(self.attn_groups)
+        builders = [g.builder for g in self.attn_groups]
+        here, self.mode_reason = graph_mode_on_this_machine(self.config.cudagraph_mode)
+        self.mode, lowered_reason = lower_graph_mode(here, builders)
+        self.mode_reason = lowered_reason or self.mode_reason
+        options = self.config.summary()
+        options["cudagraph_mode"] = self.mode.value
+        self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
+        self.full_graph = CUDAGraphWrapper(
+            self._run_compiled, CUDAGraphMode.FULL, name="full_step",
+            debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
+            weak_outputs=False)
+        sizes = [s for s in self.config.capture_sizes if s <= kv_cache_config.max_num_tokens]
+        self.capture_sizes = sizes
+        self.decode_sizes = [s for s in sizes if s <= kv_cache_config.max_num_reqs]
+        self.captures: list[CaptureRecord] = []
+        self.captured = False
+
+    # ---- one forward ---------------------------------------------------------
+
+    def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        mark_token_dim(input_ids)
+        mark_token_dim(positions)
+        with symbolic_tokens():
+            return self.compiled(input_ids, positions)
+
+    def _forward(self, batch: InputBatch, desc: BatchDescriptor | None,
+                 runtime: CUDAGraphMode, metadata: dict[str, Any],
+                 trace: list | None = None) -> Any:
+        T = batch.num_tokens_padded
+        ctx = ForwardContext(attn_metadata=metadata, batch_descriptor=desc,
+                             cudagraph_runtime_mode=runtime, trace=trace)
+        ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
+        with set_forward_context(ctx):
+            if runtime is CUDAGraphMode.FULL:
+                return self.full_graph(ids, pos)
+            return self._run_compiled(ids, pos)
+
+    # ---- capture ---------------------------------------------------------------
+
+    def capture_plan(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """(runtime mode, descriptor) to capture: piecewise before full, each
+        largest first."""
+        plan: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
+        max_reqs = self.kv_cache_config.max_num_reqs
+        if self.mode.has_piecewise:
+            plan += [(CUDAGraphMode.PIECEWISE, BatchDescriptor(s))
+                     for s in sorted(self.capture_sizes, reverse=True)]
+        if self.mode is CUDAGraphMode.FULL:
+            plan += [(CUDAGraphMode.FULL, BatchDescriptor(s, min(s, max_reqs), False))
+                     for s in sorted(self.capture_sizes, reverse=True)]
+        if self.mode.has_full:
+            plan += [(CUDAGraphMode.FULL, BatchDescriptor(s, s, True))
+                     for s in sorted(self.decode_sizes, reverse=True)]
+        return plan
+
+    def capture(self, trace: list | None = None) -> list[CaptureRecord]:
+        """Capture every graph the mode needs. With mode NONE this only warms
+        up (compiles) once at the largest size."""
+        plan = self.capture_plan()
+        if not plan:
+            self._warmup(max(self.capture_sizes), trace)
+            self.captured = True
+            return []
+        from tqdm import tqdm
+
+        bar = tqdm(plan, desc=f"capturing ({self.mode.value})", disable=not self.progress,
+                   unit="graph")
+        for runtime, desc in bar:
+            self._capture_one(runtime, desc, trace)
+        self.captured = True
+        return self.captures
+
+    def _warmup(self, num_tokens: int, trace: list | None) -> None:
+        num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
+        meta, _ = self._prepare_capture(num_reqs, num_tokens, full=False)
+        batch = InputBatch.make_dummy(num_reqs, num_tokens, self.kv_cache_config.max_model_len)
+        self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)
+
+    def _prepare_capture(self, num_reqs: int, num_tokens: int, full: bool):
+        return prepare_inputs_to_capture(
+            num_reqs, num_tokens, self.model_state, self.input_buffers, self.block_tables,
+            self.attn_groups, self.kv_cache_config, full_cudagraph=full)
+
+    def _capture_one(self, runtime: CUDAGraphMode, desc: BatchDescriptor,
+                     trace: list | None) -> None:
+        num_reqs = desc.num_reqs or min(desc.num_tokens, self.kv_cache_config.max_num_reqs)
+        full = runtime is CUDAGraphMode.FULL
+        graphs = current_graph_backend()
+        graphs.synchronize()
+        before = graphs.memory_allocated()
+        t0 = time.perf_counter()
+        builds_before = len(self.model_state.build_log)
+        meta, _ = self._prepare_capture(num_reqs, desc.num_tokens, full)
+        batch = InputBatch.make_dummy(num_reqs, desc.num_tokens, self.kv_cache_config.max_model_len)
+        batch.pad_to(desc.num_tokens, num_reqs)
+        self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)  # warm-up
+        self._forward(batch, desc, runtime, meta, trace)  # capture
+        graphs.synchronize()
+        builds = self.model_state.build_log[builds_before:]
+        self.captures.append(CaptureRecord(
+            mode=runtime.value, descriptor=desc, seconds=time.perf_counter() - t0,
+            pool_bytes=graphs.memory_allocated() - before,
+            for_capture={b["kind"]: b["for_capture"] for b in builds}))
+
+    # ---- serving ---------------------------------------------------------------
+
+    def dispatch(self, batch: InputBatch) -> tuple[CUDAGraphMode, BatchDescriptor | None, int, int]:
+        """(runtime mode, descriptor, padded tokens, padded requests) for a batch."""
+        T, B = batch.num_tokens, batch.num_reqs
+        max_reqs = self.kv_cache_config.max_num_reqs
+        i = bisect.bisect_left(self.capture_sizes, T)
+        if self.mode is CUDAGraphMode.NONE or not self.captured:
+            return CUDAGraphMode.NONE, None, T, B
+        if i == len(self.capture_sizes):
+            counters["eager_no_graph"] += 1
+            logger.info("batch of %d tokens is larger than every capture size (%d): eager",
+                        T, self.capture_sizes[-1])
+            return CUDAGraphMode.NONE, None, T, B
+        Tp = self.capture_sizes[i]
+        if self.mode.has_full and batch.uniform_decode and Tp in self.decode_sizes:
+            return CUDAGraphMode.FULL, BatchDescriptor(Tp, Tp, True), Tp, Tp
+        if self.mode is CUDAGraphMode.FULL:
+            Bp = min(Tp, max_reqs)
+            return CUDAGraphMode.FULL, BatchDescriptor(Tp, Bp, False), Tp, Bp
+        if self.mode.has_piecewise:
+            return CUDAGraphMode.PIECEWISE, BatchDescriptor(Tp), Tp, min(Tp, max_reqs)
+        counters["eager_mixed_batch"] += 1  # FULL_DECODE_ONLY and a batch that is not decode
+        return CUDAGraphMode.NONE, None, T, B
+
+    def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
+        """Run one step; returns the rows of the real tokens ([T, ...])."""
+        if batch.num_tokens > self.kv_cache_config.max_num_tokens:
+            raise ValueError(
+                f"batch has {batch.num_tokens} tokens, more than max_num_tokens="
+                f"{self.kv_cache_config.max_num_tokens}; split it or raise max_num_tokens")
+        if batch.num_reqs > self.kv_cache_config.max_num_reqs:
+            raise ValueError(
+                f"batch has {batch.num_reqs} requests, more than max_num_reqs="
+                f"{self.kv_cache_config.max_num_reqs}")
+        runtime, desc, Tp, Bp = self.dispatch(batch)
+        batch.pad_to(Tp, Bp)
+        self.input_buffers.write(batch)
+        slots = self.block_tables.write(batch)
+        meta = self.model_state.prepare_attn(
+            batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
+            for_capture=runtime is CUDAGraphMode.FULL)
+        out = self._forward(batch, desc, runtime, meta, trace)
+        return out[: batch.num_tokens]

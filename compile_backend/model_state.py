@@ -1,0 +1,78 @@
+"""What an engine owns around a model: its attention groups and the one
+place metadata is built, for serving and for capture alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .block_tables import BlockTables
+from .config import CUDAGraphMode
+from .counters import counters
+from .input_batch import InputBatch
+from .kv_cache_config import KVCacheConfig, KVCacheGroup
+from .metadata_builders import BUILDERS, MetadataBuilder
+
+
+@dataclass
+class AttentionGroup:
+    """A metadata builder and the layers it serves (they share one build)."""
+
+    builder: MetadataBuilder
+    layer_names: list[str] = field(default_factory=list)
+
+
+def attention_groups_for(
+    model: torch.nn.Module, cfg: KVCacheConfig, buffers, tables: BlockTables
+) -> list[AttentionGroup]:
+    """Group the model's layers by `metadata_kind` (kernels/layers.py)."""
+    by_kind: dict[str, list[str]] = {}
+    for module in model.modules():
+        kind = getattr(module, "metadata_kind", None)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append(module.layer_name)
+    groups = []
+    for kind, names in by_kind.items():
+        if kind not in BUILDERS:
+            raise ValueError(f"layer kind {kind!r} has no metadata builder; known: {sorted(BUILDERS)}")
+        groups.append(AttentionGroup(BUILDERS[kind](cfg, buffers, tables), names))
+        cfg.groups.append(KVCacheGroup(name=kind, kind=kind, layer_names=names))
+    return groups
+
+
+class ModelState:
+    def __init__(self, attn_groups: list[AttentionGroup]) -> None:
+        self.attn_groups = attn_groups
+        self.build_log: list[dict[str, Any]] = []
+
+    def prepare_attn(
+        self,
+        input_batch: InputBatch,
+        cudagraph_mode: CUDAGraphMode,
+        block_tables: BlockTables,
+        slot_mappings: torch.Tensor,
+        attn_groups: list[AttentionGroup],
+        kv_cache_config: KVCacheConfig,
+        *,
+        for_capture: bool,
+    ) -> dict[str, Any]:
+        """layer name -> metadata, every group built once. The inputs must
+        already be in the persistent buffers (InputBuffers.write,
+        BlockTables.write): builders hand out views of them."""
+        assert slot_mappings.data_ptr() == block_tables.slot_mapping.data_ptr(), (
+            "slot mappings must be the persistent buffer's view")
+        out: dict[str, Any] = {}
+        for group in attn_groups:
+            meta = group.builder.build(input_batch, for_capture=for_capture)
+            counters["metadata_builds"] += 1
+            self.build_log.append({
+                "kind": group.builder.kind, "for_capture": for_capture,
+                "mode": cudagraph_mode.value, "dummy": input_batch.is_dummy,
+                "num_tokens": input_batch.num_tokens_padded,
+                "num_reqs": input_batch.num_reqs_padded,
+            })
+            for name in group.layer_names:
+                out[name] = meta
+        return out

@@ -1,0 +1,18 @@
+"""Reference models: a Llama-like decoder and a hybrid decoder (attention,
+short convolution, KV compressor), built from `ModelConfig` with seeded
+random weights. `build_model(name, preset)` is the one entry point."""
+
+from .config import PRESETS, ModelConfig, preset
+from .hybrid import HybridDecoder
+from .llama import LlamaDecoder
+
+MODELS = {"llama": LlamaDecoder, "hybrid": HybridDecoder}
+
+
+def build_model(name: str, config: ModelConfig):
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    return MODELS[name](config)
+
+
+__all__ = ["PRESETS", "ModelConfig", "preset", "HybridDecoder", "LlamaDecoder", "MODELS", "build_model"]
