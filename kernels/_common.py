@@ -73,6 +73,7 @@ def check_tensor(
     shape: tuple[int | None, ...] | None = None,
     contiguous: bool = False,
     last_dim_contiguous: bool = False,
+    dtype_of: str | None = None,
 ) -> torch.Tensor:
     """Raise ValueError (naming `name` and what was expected) unless `t` fits."""
     if not isinstance(t, torch.Tensor):
@@ -82,7 +83,8 @@ def check_tensor(
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
-            raise ValueError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {t.dtype}")
+            why = f" (the dtype of {dtype_of})" if dtype_of else ""
+            raise ValueError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}{why}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(
             f"{name}: expected a tensor on {device} (the device of the other inputs), "

@@ -122,7 +122,7 @@ def _check(key, score, compressed_cache, state_max, state_sum, state_acc,
     device = check_device("key", key)
     T, KVH, D = key.shape
     check_tensor("score", score, shape=(T, KVH), dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("compressed_cache", compressed_cache, ndim=4, dtypes=(key.dtype,), device=device,
+    check_tensor("compressed_cache", compressed_cache, ndim=4, dtypes=(key.dtype,), dtype_of="key", device=device,
                  contiguous=True)
     check_tensor("compressed_cache", compressed_cache, shape=(None, None, KVH, D))
     check_tensor("state_max", state_max, ndim=2, dtypes=(torch.float32,), device=device,

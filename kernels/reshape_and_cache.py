@@ -55,10 +55,10 @@ def reshape_and_cache(
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("key", key)
     T, KVH, D = key.shape
-    check_tensor("value", value, shape=(T, KVH, D), dtypes=(key.dtype,), device=device,
+    check_tensor("value", value, shape=(T, KVH, D), dtypes=(key.dtype,), dtype_of="key", device=device,
                  last_dim_contiguous=True)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(key.dtype,), device=device, contiguous=True)
+        check_tensor(name, cache, ndim=4, dtypes=(key.dtype,), dtype_of="key", device=device, contiguous=True)
         check_tensor(name, cache, shape=(None, None, KVH, D))
     if value_cache.shape != key_cache.shape:
         raise ValueError(

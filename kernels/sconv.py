@@ -109,7 +109,7 @@ def sconv(
         raise ValueError(f"weight: expected a kernel width K >= 2 (shape [C, K]), got shape {tuple(weight.shape)}")
     if bias is not None:
         check_tensor("bias", bias, shape=(C,), dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("conv_state", conv_state, ndim=3, dtypes=(x.dtype,), device=device)
+    check_tensor("conv_state", conv_state, ndim=3, dtypes=(x.dtype,), dtype_of="x", device=device)
     check_tensor("conv_state", conv_state, shape=(None, C, K - 1))
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
     B = query_start_loc.shape[0] - 1

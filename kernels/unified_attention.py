@@ -245,7 +245,7 @@ def unified_attention(
     device = check_device("query", query)
     T, H, D = query.shape
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(query.dtype,), device=device, contiguous=True)
+        check_tensor(name, cache, ndim=4, dtypes=(query.dtype,), dtype_of="query", device=device, contiguous=True)
         check_tensor(name, cache, shape=(None, None, None, D))
     if value_cache.shape != key_cache.shape:
         raise ValueError(

@@ -1,0 +1,234 @@
+"""Benchmark of the mrv2 kernels on one GPU (run on the H200).
+
+For each op: median time (triton.testing.do_bench, warm-up excluded), the
+bytes it must move (each input read once, each output written once), the
+achieved GB/s and its share of the copy bandwidth measured in the same run.
+Decode attention is compared with torch SDPA on a padded dense cache and with
+flex attention (where it compiles). Writes kernels.md and kernels.json.
+
+    python bench/kernels.py [--out-dir bench/results] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
+from kernels.unified_attention import num_kv_splits  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+H, KVH, D, BS = 32, 8, 128, 16
+TARGETS = {"decode_b64_ctx4096": 0.70, "decode_b1_ctx32768": 0.50, "kv_write_t16384": 0.60}
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30  # 1 GiB read + 1 GiB written
+    src = torch.randn(n // 2, dtype=BF16, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def paged(B, ctx, q_len=1, g=None):
+    blocks_per = math.ceil(ctx / BS)
+    num_blocks = B * blocks_per + 1
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    table = perm[: B * blocks_per].view(B, blocks_per).to(torch.int32).to(DEV)
+    kc = torch.randn(num_blocks, BS, KVH, D, dtype=BF16, device=DEV)
+    vc = torch.randn_like(kc)
+    qsl = torch.arange(0, (B + 1) * q_len, q_len, dtype=torch.int32, device=DEV)
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    return kc, vc, table, qsl, seq_lens
+
+
+def row(name, ms, nbytes, copy_bw, flops=None, extra=None):
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    r = dict(op=name, ms=ms, bytes=nbytes, gbps=gbs, pct_copy=100 * gbs / copy_bw)
+    if flops:
+        r["tflops"] = flops / (ms * 1e-3) / 1e12
+    if name in TARGETS:
+        r["target_pct"] = 100 * TARGETS[name]
+        r["meets_target"] = r["pct_copy"] >= 100 * TARGETS[name]
+    r.update(extra or {})
+    return r
+
+
+def decode_rows(B, ctx, copy_bw, g):
+    kc, vc, table, qsl, seq_lens = paged(B, ctx, 1, g)
+    q = torch.randn(B, H, D, dtype=BF16, device=DEV)
+    scale = D ** -0.5
+    nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2 + table.numel() * 4
+    splits = num_kv_splits(B, KVH, ctx, torch.device(DEV))
+    ms = bench(lambda: unified_attention(q, kc, vc, qsl, seq_lens, table, scale, 1, ctx))
+    name = f"decode_b{B}_ctx{ctx}"
+    rows = [row(name, ms, nbytes, copy_bw, extra=dict(splits=splits))]
+    # Stock alternative: SDPA on a dense padded cache [B, KVH, ctx, D] (layout
+    # prepared outside the timing; paging not included).
+    kd = kc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    vd = vc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    qd = q[:, :, None, :]
+    del kc, vc
+    try:
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True)  # noqa: E731
+        rows.append(row(f"{name} [sdpa dense]", bench(f), nbytes, copy_bw))
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(op=f"{name} [sdpa dense]", error=repr(e)[:200]))
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+        f = lambda: flex(qd, kd, vd, scale=scale, enable_gqa=True)  # noqa: E731
+        f()
+        rows.append(row(f"{name} [flex dense]", bench(f), nbytes, copy_bw))
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(op=f"{name} [flex dense]", error=repr(e)[:200]))
+    return rows
+
+
+def prefill_rows(B, L, copy_bw, g):
+    kc, vc, table, qsl, seq_lens = paged(B, L, L, g)
+    q = torch.randn(B * L, H, D, dtype=BF16, device=DEV)
+    scale = D ** -0.5
+    nbytes = 2 * B * L * KVH * D * 2 + 2 * q.numel() * 2
+    flops = 4 * B * H * D * L * L / 2  # causal
+    ms = bench(lambda: unified_attention(q, kc, vc, qsl, seq_lens, table, scale, L, L))
+    name = f"prefill_b{B}_len{L}"
+    rows = [row(name, ms, nbytes, copy_bw, flops=flops)]
+    kd = kc[table.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
+    vd = vc[table.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
+    qd = q.view(B, L, H, D).transpose(1, 2).contiguous()
+    try:
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731,E501
+        rows.append(row(f"{name} [sdpa dense]", bench(f), nbytes, copy_bw, flops=flops))
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(op=f"{name} [sdpa dense]", error=repr(e)[:200]))
+    return rows
+
+
+def kv_write_rows(T, copy_bw, g):
+    num_blocks = T // BS + 8
+    kc = torch.randn(num_blocks, BS, KVH, D, dtype=BF16, device=DEV)
+    vc = torch.randn_like(kc)
+    key = torch.randn(T, KVH, D, dtype=BF16, device=DEV)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * BS, generator=g)[:T].to(DEV)
+    nbytes = 2 * 2 * key.numel() * 2 + T * 8
+    ms = bench(lambda: reshape_and_cache(key, value, kc, vc, slots))
+    return [row(f"kv_write_t{T}", ms, nbytes, copy_bw)]
+
+
+def sconv_rows(B, q_len, C, K, copy_bw, g):
+    T = B * q_len
+    x = torch.randn(T, C, dtype=BF16, device=DEV)
+    w = torch.randn(C, K, dtype=BF16, device=DEV)
+    bias = torch.randn(C, dtype=BF16, device=DEV)
+    state = torch.randn(B, C, K - 1, dtype=BF16, device=DEV)
+    qsl = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=DEV)
+    idx = torch.arange(B, dtype=torch.int32, device=DEV)
+    init = torch.ones(B, dtype=torch.bool, device=DEV)
+    nbytes = 2 * x.numel() * 2 + 2 * state.numel() * 2
+    ms = bench(lambda: sconv(x, w, bias, state, qsl, idx, init, q_len))
+    return [row(f"sconv_b{B}_q{q_len}_c{C}", ms, nbytes, copy_bw)]
+
+
+def compress_rows(B, q_len, ctx, ratio, copy_bw, g):
+    T = B * q_len
+    key = torch.randn(T, KVH, D, dtype=BF16, device=DEV)
+    score = torch.randn(T, KVH, dtype=BF16, device=DEV)
+    groups = math.ceil(ctx / ratio)
+    bpr = math.ceil(groups / BS)
+    cache = torch.zeros(B * bpr + 1, BS, KVH, D, dtype=BF16, device=DEV)
+    table = (torch.arange(B * bpr, dtype=torch.int32, device=DEV) + 1).view(B, bpr)
+    sm = torch.zeros(B, KVH, device=DEV)
+    ss = torch.ones(B, KVH, device=DEV)
+    sa = torch.zeros(B, KVH, D, device=DEV)
+    qsl = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=DEV)
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    idx = torch.arange(B, dtype=torch.int32, device=DEV)
+    nbytes = 2 * key.numel() * 2 + score.numel() * 2 + key.numel() * 2 // ratio
+    ms = bench(lambda: kv_compress(key, score, cache, sm, ss, sa, qsl, seq_lens, idx, table, ratio, q_len))
+    return [row(f"kv_compress_b{B}_q{q_len}_r{ratio}", ms, nbytes, copy_bw)]
+
+
+def fmt_table(rows, copy_bw):
+    lines = [f"copy bandwidth (1 GiB D2D, read+write): {copy_bw:.0f} GB/s", "",
+             "| op | ms | MB moved | GB/s | % copy BW | TFLOP/s | target | note |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | - | - | - | - | - | - | {r['error'][:80]} |")
+            continue
+        tgt = ""
+        if "target_pct" in r:
+            tgt = f">= {r['target_pct']:.0f}% {'met' if r['meets_target'] else 'MISSED'}"
+        note = f"splits={r['splits']}" if "splits" in r else ""
+        tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
+        lines.append(f"| {r['op']} | {r['ms']:.4f} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} | "
+                     f"{r['pct_copy']:.1f} | {tf} | {tgt} | {note} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    copy_bw = copy_bandwidth()
+    rows = []
+    steps = [
+        lambda: decode_rows(64, 4096, copy_bw, g),
+        lambda: decode_rows(1, 32768, copy_bw, g),
+        lambda: kv_write_rows(16384, copy_bw, g),
+        lambda: kv_write_rows(64, copy_bw, g),
+        lambda: prefill_rows(4, 2048, copy_bw, g),
+        lambda: sconv_rows(8, 2048, 4096, 4, copy_bw, g),
+        lambda: sconv_rows(64, 1, 4096, 4, copy_bw, g),
+        lambda: compress_rows(8, 2048, 2048, 4, copy_bw, g),
+        lambda: compress_rows(64, 1, 4096, 4, copy_bw, g),
+    ]
+    if not args.quick:
+        steps.insert(2, lambda: decode_rows(16, 8192, copy_bw, g))
+    for step in steps:
+        try:
+            rows += step()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append(dict(op=f"step {len(rows)}", error=traceback.format_exc(limit=1)[-200:]))
+        torch.cuda.empty_cache()
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        command="python " + " ".join(sys.argv), copy_gbps=copy_bw,
+        shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
+    )
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    table = fmt_table(rows, copy_bw)
+    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
+        f.write(f"# mrv2 kernel benchmark\n\n{meta['date']} on {meta['gpu']}, torch {meta['torch']}, "
+                f"triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

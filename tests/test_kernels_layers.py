@@ -1,0 +1,163 @@
+"""The layer modules under a forward context equal a reference computation;
+the ops trace through torch.compile (fake tensors via register_fake); plain
+CPU without the interpreter falls back to the torch references."""
+
+import pytest
+import torch
+from torch import nn
+
+from compile_backend.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
+from compile_backend.forward_context import ForwardContext, set_forward_context
+from kernel_cases import DEVICES, assert_close_rel, gen, paged_batch, randn
+from kernels import (KVCompressor, PagedAttention, ShortConv, kv_compress_ref, reshape_and_cache_ref,
+                     sconv_ref, unified_attention_ref)
+
+H, KVH, D, C, K, RATIO, BS = 4, 2, 64, 32, 4, 4, 16
+
+
+class TinyBlock(nn.Module):
+    """What a model does: projections around the three layers, no metadata in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, (H + 2 * KVH) * D, bias=False)
+        self.attn = PagedAttention(H, KVH, D, "layers.0.attn")
+        self.conv = ShortConv(C, K, "layers.0.conv")
+        self.comp = KVCompressor(KVH, D, RATIO, "layers.0.comp")
+        self.score = nn.Linear(C, KVH, bias=False)
+
+    def forward(self, x):
+        h = self.conv(x)
+        q, k, v = self.qkv(h).split([H * D, KVH * D, KVH * D], dim=-1)
+        a = self.attn(q, k, v)
+        c = self.comp(k.reshape(-1, KVH, D), self.score(h))
+        return a, c
+
+
+def _setup(device, dtype, seed=0):
+    g = gen(seed)
+    torch.manual_seed(seed)
+    model = TinyBlock().to(device=device, dtype=dtype)
+    q_lens, seq_lens = [1, 6, 0], [9, 22, 0]
+    batch = paged_batch(q_lens, seq_lens, BS, device, g, pad_tokens=2, entries_per_pos=1)
+    model.attn.bind_kv_cache(batch.num_blocks, BS, dtype, device)
+    model.attn.k_cache.copy_(randn(model.attn.k_cache.shape, dtype, device, g))
+    model.attn.v_cache.copy_(randn(model.attn.v_cache.shape, dtype, device, g))
+    model.conv.bind_state(3, dtype, device)
+    model.conv.conv_state.copy_(randn(model.conv.conv_state.shape, dtype, device, g))
+    model.comp.bind_cache(batch.num_blocks, BS, 3, dtype, device)
+    for s in (model.comp.state_max, model.comp.state_acc):
+        s.copy_(randn(s.shape, torch.float32, device, g))
+    model.comp.state_sum.copy_(randn(model.comp.state_sum.shape, torch.float32, device, g).abs() + 0.5)
+    idx = torch.tensor([2, 0, -1], dtype=torch.int32, device=device)
+    metas = {
+        "layers.0.attn": AttentionMetadata(
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+            block_table=batch.block_table, slot_mapping=batch.slot_mapping, num_reqs=3,
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len),
+        "layers.0.conv": SConvMetadata(
+            query_start_loc=batch.query_start_loc, state_indices=idx,
+            has_initial_state=torch.tensor([True, False, False], device=device), num_reqs=3,
+            max_query_len=batch.max_query_len),
+        "layers.0.comp": CompressorMetadata(
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, state_indices=idx,
+            block_table=batch.block_table, num_reqs=3, max_query_len=batch.max_query_len),
+    }
+    x = randn((batch.num_tokens, C), dtype, device, g)
+    return model, metas, x
+
+
+def _buffers(model):
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _reference(model, metas, x, bufs):
+    """The same step with the torch references, on copies of the buffers."""
+    bufs = {n: b.clone() for n, b in bufs.items()}
+    am, sm, cm = metas["layers.0.attn"], metas["layers.0.conv"], metas["layers.0.comp"]
+    h = sconv_ref(x, model.conv.weight, model.conv.bias, bufs["conv.conv_state"],
+                  sm.query_start_loc, sm.state_indices, sm.has_initial_state)
+    q, k, v = model.qkv(h).split([H * D, KVH * D, KVH * D], dim=-1)
+    T = x.shape[0]
+    reshape_and_cache_ref(k.reshape(T, KVH, D), v.reshape(T, KVH, D), bufs["attn.k_cache"],
+                          bufs["attn.v_cache"], am.slot_mapping)
+    a = unified_attention_ref(q.reshape(T, H, D), bufs["attn.k_cache"], bufs["attn.v_cache"],
+                              am.query_start_loc, am.seq_lens, am.block_table, D ** -0.5)
+    c = kv_compress_ref(k.reshape(T, KVH, D), model.score(h), bufs["comp.compressed_cache"],
+                        bufs["comp.state_max"], bufs["comp.state_sum"], bufs["comp.state_acc"],
+                        cm.query_start_loc, cm.seq_lens, cm.state_indices, cm.block_table, RATIO)
+    return a.reshape(T, H * D), c, bufs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layers_match_reference(dtype, device):
+    model, metas, x = _setup(device, dtype)
+    before = _buffers(model)
+    ctx = ForwardContext(attn_metadata=metas, trace=[])
+    with torch.no_grad(), set_forward_context(ctx):
+        a, c = model(x)
+        a_ref, c_ref, bufs_ref = _reference(model, metas, x, before)
+    assert_close_rel(a, a_ref, dtype, "attention")
+    assert_close_rel(c, c_ref, dtype, "compressor")
+    for name, buf in model.named_buffers():
+        assert_close_rel(buf, bufs_ref[name], dtype, name)
+    assert [e for _, e in ctx.trace] == ["sconv", "reshape_and_cache", "unified_attention", "kv_compress"]
+    assert {n for n, _ in ctx.trace} == set(metas)
+
+
+def test_metadata_kinds():
+    assert PagedAttention.metadata_kind == "attention"
+    assert ShortConv.metadata_kind == "sconv"
+    assert KVCompressor.metadata_kind == "compressor"
+    layer = PagedAttention(H, KVH, D, "x")
+    assert layer.layer_name == "x" and tuple(layer.k_cache.shape) == (0, 16, KVH, D)
+    assert "k_cache" not in layer.state_dict()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_eager_backend(device):
+    """Dynamo traces the ops with their fake implementations (fullgraph), and
+    the compiled step equals the eager one, buffers included."""
+    dtype = torch.float32
+    model, metas, x = _setup(device, dtype, seed=3)
+    start = _buffers(model)
+    with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=metas)):
+        a_eager, c_eager = model(x)
+        after_eager = _buffers(model)
+        for n, b in model.named_buffers():
+            b.copy_(start[n])
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        a, c = compiled(x)
+    assert torch.equal(a, a_eager) and torch.equal(c, c_eager)
+    for n, b in model.named_buffers():
+        assert torch.equal(b, after_eager[n]), n
+
+
+def test_fake_tensor_shapes():
+    import kernels  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(5, H, D, dtype=torch.bfloat16)
+        cache = torch.empty(3, BS, KVH, D, dtype=torch.bfloat16)
+        assert torch.ops.mrv2.unified_attention(q, cache, cache, "l", 0.1).shape == (5, H, D)
+        assert torch.ops.mrv2.reshape_and_cache(cache[0, :5], cache[0, :5], cache, cache, "l") is None
+        x = torch.empty(5, C)
+        assert torch.ops.mrv2.sconv(x, torch.empty(C, K), None, torch.empty(2, C, K - 1), "l").shape == (5, C)
+        key = torch.empty(5, KVH, D)
+        out = torch.ops.mrv2.kv_compress(key, torch.empty(5, KVH), torch.empty(3, BS, KVH, D),
+                                         torch.empty(2, KVH), torch.empty(2, KVH),
+                                         torch.empty(2, KVH, D), "l", 4)
+        assert out.shape == (5, KVH, D)
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """Plain CPU (no TRITON_INTERPRET): the ops run the torch references."""
+    model, metas, x = _setup("cpu", torch.float32, seed=5)
+    before = _buffers(model)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=metas)):
+        a, c = model(x)
+        a_ref, c_ref, _ = _reference(model, metas, x, before)
+    assert torch.equal(a, a_ref) and torch.equal(c, c_ref)
