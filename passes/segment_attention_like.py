@@ -115,6 +115,9 @@ def _output_roots(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]
             pass
     if val is not None and not tensors:
         return set()  # a SymInt, a float, None: no storage
+    overloads = schema_overloads(node.target)
+    if overloads and not any(r.alias_info for ov in overloads for r in ov._schema.returns):
+        return {node}  # the schema promises fresh outputs
     out: set[Hashable] = {node}
     for arg in node.all_input_nodes:
         out |= roots.get(arg, set())

@@ -1,6 +1,6 @@
 """Test-only ops for the pass tests (namespace `passtest`), each with a fake impl.
 
-passtest::host_read     x -> x * x.sum().item(): a custom op the passes cannot
+passtest::host_read     x -> x * tanh(x.sum().item()): a custom op the passes cannot
                         look into (hides a host sync); not trusted
 passtest::graph_unsafe  x -> x + 1, tagged torch.Tag.cudagraph_unsafe
 passtest::bump          x (mutated: x += 1) -> None; a schema-declared mutation
@@ -12,6 +12,8 @@ opaque_shift            a plain python function kept whole in Dynamo graphs
                         (allow_in_graph): effects unknown to the passes
 """
 
+import math
+
 import torch
 import torch._dynamo
 
@@ -20,7 +22,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 @torch.library.custom_op("passtest::host_read", mutates_args=())
 def host_read(x: torch.Tensor) -> torch.Tensor:
-    return x * x.sum().item()
+    return x * math.tanh(x.sum().item())
 
 
 @host_read.register_fake
