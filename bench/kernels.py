@@ -39,6 +39,35 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def bench_graph(fns, calls: int = 12) -> float:
+    """Median ms per call with `calls` calls (cycling through `fns`, separate
+    input sets so that repeats do not hit L2) captured in one CUDA graph: how
+    the ops run in mrv2, without host launch overhead."""
+    for f in fns:
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return bench(graph.replay) / calls
+
+
+def timed(fns):
+    """(graph ms per call, eager ms per call)."""
+    eager = bench(fns[0])
+    try:
+        return bench_graph(fns), eager
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        return float("nan"), eager
+
+
 def copy_bandwidth() -> float:
     n = 1 << 30  # 1 GiB read + 1 GiB written
     src = torch.randn(n // 2, dtype=BF16, device=DEV)
@@ -60,9 +89,12 @@ def paged(B, ctx, q_len=1, g=None):
     return kc, vc, table, qsl, seq_lens
 
 
-def row(name, ms, nbytes, copy_bw, flops=None, extra=None):
+def row(name, times, nbytes, copy_bw, flops=None, extra=None):
+    ms, eager_ms = times
+    if ms != ms:  # graph capture failed: eager numbers
+        ms = eager_ms
     gbs = nbytes / (ms * 1e-3) / 1e9
-    r = dict(op=name, ms=ms, bytes=nbytes, gbps=gbs, pct_copy=100 * gbs / copy_bw)
+    r = dict(op=name, ms=ms, eager_ms=eager_ms, bytes=nbytes, gbps=gbs, pct_copy=100 * gbs / copy_bw)
     if flops:
         r["tflops"] = flops / (ms * 1e-3) / 1e12
     if name in TARGETS:
@@ -72,24 +104,33 @@ def row(name, ms, nbytes, copy_bw, flops=None, extra=None):
     return r
 
 
-def decode_rows(B, ctx, copy_bw, g):
-    kc, vc, table, qsl, seq_lens = paged(B, ctx, 1, g)
+def decode_rows(B, ctx, copy_bw, g, sweep=()):
+    n_sets = max(1, min(4, (512 << 20) // (2 * B * ctx * KVH * D * 2)))
+    sets = [paged(B, ctx, 1, g) for _ in range(n_sets)]
+    kc, vc, table, qsl, seq_lens = sets[0]
     q = torch.randn(B, H, D, dtype=BF16, device=DEV)
     scale = D ** -0.5
     nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2 + table.numel() * 4
     splits = num_kv_splits(B, KVH, ctx, torch.device(DEV))
-    ms = bench(lambda: unified_attention(q, kc, vc, qsl, seq_lens, table, scale, 1, ctx))
+
+    def fns(**kw):
+        return [lambda s=s: unified_attention(q, s[0], s[1], s[3], s[4], s[2], scale, 1, ctx, **kw)
+                for s in sets]
+
     name = f"decode_b{B}_ctx{ctx}"
-    rows = [row(name, ms, nbytes, copy_bw, extra=dict(splits=splits))]
+    rows = [row(name, timed(fns()), nbytes, copy_bw, extra=dict(splits=splits))]
+    for kw in sweep:
+        rows.append(row(f"{name} {kw}", timed(fns(**kw)), nbytes, copy_bw,
+                        extra=dict(splits=kw.get("num_splits", splits))))
     # Stock alternative: SDPA on a dense padded cache [B, KVH, ctx, D] (layout
     # prepared outside the timing; paging not included).
     kd = kc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
     vd = vc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
     qd = q[:, :, None, :]
-    del kc, vc
+    del kc, vc, sets
     try:
         f = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True)  # noqa: E731
-        rows.append(row(f"{name} [sdpa dense]", bench(f), nbytes, copy_bw))
+        rows.append(row(f"{name} [sdpa dense]", timed([f]), nbytes, copy_bw))
     except Exception as e:  # noqa: BLE001
         rows.append(dict(op=f"{name} [sdpa dense]", error=repr(e)[:200]))
     try:
@@ -97,7 +138,7 @@ def decode_rows(B, ctx, copy_bw, g):
         flex = torch.compile(flex_attention, dynamic=False)
         f = lambda: flex(qd, kd, vd, scale=scale, enable_gqa=True)  # noqa: E731
         f()
-        rows.append(row(f"{name} [flex dense]", bench(f), nbytes, copy_bw))
+        rows.append(row(f"{name} [flex dense]", (float("nan"), bench(f)), nbytes, copy_bw))
     except Exception as e:  # noqa: BLE001
         rows.append(dict(op=f"{name} [flex dense]", error=repr(e)[:200]))
     return rows
@@ -109,15 +150,18 @@ def prefill_rows(B, L, copy_bw, g):
     scale = D ** -0.5
     nbytes = 2 * B * L * KVH * D * 2 + 2 * q.numel() * 2
     flops = 4 * B * H * D * L * L / 2  # causal
-    ms = bench(lambda: unified_attention(q, kc, vc, qsl, seq_lens, table, scale, L, L))
     name = f"prefill_b{B}_len{L}"
-    rows = [row(name, ms, nbytes, copy_bw, flops=flops)]
+    rows = [row(name, timed([lambda: unified_attention(q, kc, vc, qsl, seq_lens, table, scale, L, L)]),
+                nbytes, copy_bw, flops=flops)]
+    for cfg in ({"BLOCK_M": 128, "num_warps": 8}, {"BLOCK_M": 128, "TILE_N": 64, "num_warps": 8, "num_stages": 2}):
+        rows.append(row(f"{name} {cfg}", timed([lambda cfg=cfg: unified_attention(
+            q, kc, vc, qsl, seq_lens, table, scale, L, L, config=cfg)]), nbytes, copy_bw, flops=flops))
     kd = kc[table.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
     vd = vc[table.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
     qd = q.view(B, L, H, D).transpose(1, 2).contiguous()
     try:
         f = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731,E501
-        rows.append(row(f"{name} [sdpa dense]", bench(f), nbytes, copy_bw, flops=flops))
+        rows.append(row(f"{name} [sdpa dense]", timed([f]), nbytes, copy_bw, flops=flops))
     except Exception as e:  # noqa: BLE001
         rows.append(dict(op=f"{name} [sdpa dense]", error=repr(e)[:200]))
     return rows
@@ -131,11 +175,11 @@ def kv_write_rows(T, copy_bw, g):
     value = torch.randn_like(key)
     slots = torch.randperm(num_blocks * BS, generator=g)[:T].to(DEV)
     nbytes = 2 * 2 * key.numel() * 2 + T * 8
-    ms = bench(lambda: reshape_and_cache(key, value, kc, vc, slots))
-    return [row(f"kv_write_t{T}", ms, nbytes, copy_bw)]
+    f = lambda: reshape_and_cache(key, value, kc, vc, slots)  # noqa: E731
+    return [row(f"kv_write_t{T}", timed([f]), nbytes, copy_bw)]
 
 
-def sconv_rows(B, q_len, C, K, copy_bw, g):
+def sconv_rows(B, q_len, C, K, copy_bw, g, sweep=()):
     T = B * q_len
     x = torch.randn(T, C, dtype=BF16, device=DEV)
     w = torch.randn(C, K, dtype=BF16, device=DEV)
@@ -145,8 +189,12 @@ def sconv_rows(B, q_len, C, K, copy_bw, g):
     idx = torch.arange(B, dtype=torch.int32, device=DEV)
     init = torch.ones(B, dtype=torch.bool, device=DEV)
     nbytes = 2 * x.numel() * 2 + 2 * state.numel() * 2
-    ms = bench(lambda: sconv(x, w, bias, state, qsl, idx, init, q_len))
-    return [row(f"sconv_b{B}_q{q_len}_c{C}", ms, nbytes, copy_bw)]
+    name = f"sconv_b{B}_q{q_len}_c{C}"
+    rows = [row(name, timed([lambda: sconv(x, w, bias, state, qsl, idx, init, q_len)]), nbytes, copy_bw)]
+    for cfg in sweep:
+        rows.append(row(f"{name} {cfg}", timed([lambda cfg=cfg: sconv(x, w, bias, state, qsl, idx, init, q_len,
+                                                                      config=cfg)]), nbytes, copy_bw))
+    return rows
 
 
 def compress_rows(B, q_len, ctx, ratio, copy_bw, g):
@@ -164,24 +212,26 @@ def compress_rows(B, q_len, ctx, ratio, copy_bw, g):
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
     idx = torch.arange(B, dtype=torch.int32, device=DEV)
     nbytes = 2 * key.numel() * 2 + score.numel() * 2 + key.numel() * 2 // ratio
-    ms = bench(lambda: kv_compress(key, score, cache, sm, ss, sa, qsl, seq_lens, idx, table, ratio, q_len))
-    return [row(f"kv_compress_b{B}_q{q_len}_r{ratio}", ms, nbytes, copy_bw)]
+    f = lambda: kv_compress(key, score, cache, sm, ss, sa, qsl, seq_lens, idx, table, ratio, q_len)  # noqa: E731
+    return [row(f"kv_compress_b{B}_q{q_len}_r{ratio}", timed([f]), nbytes, copy_bw)]
 
 
 def fmt_table(rows, copy_bw):
     lines = [f"copy bandwidth (1 GiB D2D, read+write): {copy_bw:.0f} GB/s", "",
-             "| op | ms | MB moved | GB/s | % copy BW | TFLOP/s | target | note |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+             "ms: per call inside a CUDA graph (how mrv2 runs the ops); eager ms: do_bench of the",
+             "plain call (adds host launch overhead where the GPU work is short).", "",
+             "| op | ms | eager ms | MB moved | GB/s | % copy BW | TFLOP/s | target | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | - | - | - | - | - | - | {r['error'][:80]} |")
+            lines.append(f"| {r['op']} | - | - | - | - | - | - | - | {r['error'][:80]} |")
             continue
         tgt = ""
         if "target_pct" in r:
             tgt = f">= {r['target_pct']:.0f}% {'met' if r['meets_target'] else 'MISSED'}"
         note = f"splits={r['splits']}" if "splits" in r else ""
         tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
-        lines.append(f"| {r['op']} | {r['ms']:.4f} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} | "
+        lines.append(f"| {r['op']} | {r['ms']:.4f} | {r['eager_ms']:.4f} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} | "
                      f"{r['pct_copy']:.1f} | {tf} | {tgt} | {note} |")
     return "\n".join(lines)
 
@@ -195,12 +245,15 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     rows = []
     steps = [
-        lambda: decode_rows(64, 4096, copy_bw, g),
-        lambda: decode_rows(1, 32768, copy_bw, g),
+        lambda: decode_rows(64, 4096, copy_bw, g, sweep=[dict(num_splits=1), dict(num_splits=4)]),
+        lambda: decode_rows(1, 32768, copy_bw, g, sweep=[
+            dict(num_splits=32), dict(num_splits=128),
+            dict(config=dict(TILE_N=32, num_stages=4)), dict(config=dict(TILE_N=128, num_stages=2, num_warps=8))]),
         lambda: kv_write_rows(16384, copy_bw, g),
         lambda: kv_write_rows(64, copy_bw, g),
         lambda: prefill_rows(4, 2048, copy_bw, g),
-        lambda: sconv_rows(8, 2048, 4096, 4, copy_bw, g),
+        lambda: sconv_rows(8, 2048, 4096, 4, copy_bw, g, sweep=[
+            dict(block_t=32, block_c=256), dict(block_t=16, block_c=512), dict(block_t=64, block_c=64, num_warps=2)]),
         lambda: sconv_rows(64, 1, 4096, 4, copy_bw, g),
         lambda: compress_rows(8, 2048, 2048, 4, copy_bw, g),
         lambda: compress_rows(64, 1, 4096, 4, copy_bw, g),

@@ -94,11 +94,13 @@ def sconv(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     max_query_len: int,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launcher. x [T, C] (last dim contiguous); weight [C, K] (K >= 2); bias
     [C] or None; conv_state [num_slots, C, K-1] of x's dtype, updated in place;
     query_start_loc [B+1] int32; state_indices [B] int32; has_initial_state [B]
-    bool. `max_query_len` (Python int) bounds every request's token count."""
+    bool. `max_query_len` (Python int) bounds every request's token count.
+    `config` overrides the tile sizes (block_t, block_c, num_warps; benchmarks)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("x", x)
     T, C = x.shape
@@ -122,8 +124,10 @@ def sconv(
     if B <= 0 or max_query_len == 0 or T == 0:
         return out
     small = interpreting()
-    block_t = max(next_pow2(K - 1), min(16 if small else 64, next_pow2(max_query_len)))
-    block_c = min(next_pow2(C), 64 if small else 128)
+    cfg = dict(block_t=16 if small else 64, block_c=64 if small else 128, num_warps=4)
+    cfg.update(config or {})
+    block_t = max(next_pow2(K - 1), min(cfg["block_t"], next_pow2(max_query_len)))
+    block_c = min(next_pow2(C), cfg["block_c"])
     assert block_t >= K - 1, block_t  # Note [read before write]: only tile 0 reads the state
     grid = (B, cdiv(max_query_len, block_t), cdiv(C, block_c))
     _sconv_kernel[grid](
@@ -133,7 +137,7 @@ def sconv(
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
         C,
         KERNEL_SIZE=K, BLOCK_K=next_pow2(K - 1), BLOCK_T=block_t, BLOCK_C=block_c,
-        HAS_BIAS=bias is not None, num_warps=4,
+        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
     )
     return out
 

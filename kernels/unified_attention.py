@@ -22,6 +22,7 @@ during the first call, which may be a CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -203,6 +204,7 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len > 0, HEAD_DIM, 0))
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -235,12 +237,14 @@ def unified_attention(
     max_query_len: int,
     max_seq_len: int,
     num_splits: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launcher. query [T, H, D] (last dim contiguous); caches
     [num_blocks, block_size, KVH, D] contiguous, query's dtype; query_start_loc
     [B+1] int32; seq_lens [B] int32; block_table [B, max_blocks] int32.
     `max_query_len` / `max_seq_len` bound the batch (Python ints, shape the
-    grid); `num_splits` overrides the decode split count (tests)."""
+    grid); `num_splits` overrides the decode split count and `config` the
+    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("query", query)
     T, H, D = query.shape
@@ -273,14 +277,16 @@ def unified_attention(
         return out
     qpk = H // KVH
     scale_log2 = float(scale) * LOG2E
-    cfg = _tiles(D, query.dtype)
+    cfg = {**_tiles(D, query.dtype), **(config or {})}
     common = dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), BLOCK_SIZE=block_size,
                   UPCAST=upcast_dots(query.dtype), DOT_PRECISION=dot_precision(query.dtype))
     if max_query_len == 1:
         S = num_splits or num_kv_splits(B, KVH, max_seq_len, device)
-        part_acc = torch.empty((B, H, S, D), dtype=torch.float32, device=device)
-        part_m = torch.empty((B, H, S), dtype=torch.float32, device=device)
-        part_l = torch.empty((B, H, S), dtype=torch.float32, device=device)
+        # One scratch allocation: [B, H, S, D] partial sums, then [B, H, S] max and sum.
+        scratch = torch.empty(B * H * S * (D + 2), dtype=torch.float32, device=device)
+        part_acc = scratch[: B * H * S * D].view(B, H, S, D)
+        part_m = scratch[B * H * S * D: B * H * S * (D + 1)].view(B, H, S)
+        part_l = scratch[B * H * S * (D + 1):].view(B, H, S)
         _decode_split_kernel[(B, KVH, S)](
             query, key_cache, value_cache, part_acc, part_m, part_l,
             query_start_loc, seq_lens, block_table, scale_log2,
