@@ -42,8 +42,9 @@ class ForwardContext:
             ) from None
 
     def record(self, layer_name: str, event: str) -> None:
+        """Ops call this on entry; during capture the event reads "<event>@capture"."""
         if self.trace is not None:
-            self.trace.append((layer_name, event))
+            self.trace.append((layer_name, f"{event}@capture" if self.capturing else event))
 
 
 _current: ForwardContext | None = None

@@ -1,0 +1,280 @@
+"""The CUDA-graph runtime on the CPU: everything but real replay (graphs are
+the stand-in of graph_standin.py, which replays with capture-time state)."""
+
+import math
+
+import pytest
+import torch
+
+import compile_backend as cb
+from compile_backend.capture import lower_graph_mode
+from compile_backend.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.input_batch import InputBatch
+from compile_backend.metadata_builders import CaptureSupport
+from graph_standin import StandInGraphs
+from runtime_helpers import CAPTURE_SIZES, generate, make_engine, random_prompts
+
+Mode = cb.CUDAGraphMode
+
+
+@pytest.fixture(autouse=True)
+def _torch_reference_kernels(request, monkeypatch):
+    """On the CPU, ops run their plain-torch references here (the interpreter
+    is slow); tests marked `interpreted_kernels` keep Triton's interpreter."""
+    if not torch.cuda.is_available() and "interpreted_kernels" not in request.keywords:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# ---- dummy batches -----------------------------------------------------------
+
+
+def test_dummy_batch_of_256_requests_and_496_tokens_stays_within_max_model_len():
+    """Regression: the upstream dummy batch gave the last request the whole
+    remainder (496 - 255 = 241 tokens), past max_model_len."""
+    b = InputBatch.make_dummy(256, 496, max_model_len=2)
+    assert sum(b.query_lens) == 496 and b.num_reqs == 256
+    assert max(b.query_lens) == 2 == math.ceil(496 / 256)
+    assert all(s <= 2 for s in b.seq_lens)
+
+
+@pytest.mark.parametrize("reqs,tokens", [(1, 1), (3, 10), (7, 64), (64, 64), (5, 256), (256, 257)])
+def test_dummy_batch_invariants(reqs, tokens):
+    b = InputBatch.make_dummy(reqs, tokens, max_model_len=1024)
+    assert sum(b.query_lens) == tokens and len(b.query_lens) == reqs
+    assert max(b.query_lens) <= math.ceil(tokens / reqs)
+    assert all(q >= 1 for q in b.query_lens)
+    assert b.req_slots == [-1] * reqs  # capture touches no request's state
+    assert all(ids and set(ids) == {0} for ids in b.block_ids)  # null block only
+
+
+def test_dummy_batch_that_cannot_fit_raises_with_fix():
+    with pytest.raises(ValueError, match="more than max_model_len=4"):
+        InputBatch.make_dummy(2, 64, max_model_len=4)
+
+
+# ---- metadata at every capture ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_and_piecewise", "full_decode_only"])
+def test_metadata_is_built_at_every_capture_with_the_right_for_capture(mode):
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engine = make_engine(mode)
+        trace = []
+        captures = engine.runner.capture(trace)
+    assert captures, "nothing captured"
+    for rec in captures:
+        want = rec.mode == "full"
+        assert rec.for_capture == {"attention": want, "sconv": want, "compressor": want}, rec
+    # attention-like ops ran *during* capture (piecewise and full) with metadata
+    captured_events = {e for _, e in trace if e.endswith("@capture")}
+    assert {"sconv@capture", "kv_compress@capture"} <= captured_events
+    full = [r for r in captures if r.mode == "full"]
+    if full:  # in FULL graphs the attention breakpoint is captured too
+        assert "unified_attention@capture" in captured_events
+    else:
+        assert "unified_attention@capture" not in captured_events
+
+
+def test_piecewise_capture_that_skips_metadata_fails(monkeypatch):
+    """Regression (the seed's bug): PIECEWISE capture once skipped metadata;
+    attention-like ops inside the piecewise graphs then cannot run at capture."""
+    from compile_backend.model_state import ModelState
+
+    real = ModelState.prepare_attn
+
+    def skip_when_piecewise(self, *args, for_capture, **kwargs):
+        batch = args[0]
+        if batch.is_dummy and not for_capture:
+            return {}
+        return real(self, *args, for_capture=for_capture, **kwargs)
+
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engine = make_engine("piecewise")
+        monkeypatch.setattr(ModelState, "prepare_attn", skip_when_piecewise)
+        with pytest.raises(Exception, match="no attention metadata for layer"):
+            engine.runner.capture()
+
+
+# ---- mode lowering --------------------------------------------------------------
+
+
+class _Builder:
+    def __init__(self, kind, support, attention_like=False):
+        self.kind, self.capture_support, self.attention_like = kind, support, attention_like
+
+
+@pytest.mark.parametrize(
+    "requested, support, expected",
+    [
+        (Mode.FULL, CaptureSupport.ALWAYS, Mode.FULL),
+        (Mode.FULL, CaptureSupport.UNIFORM_BATCH, Mode.FULL_AND_PIECEWISE),
+        (Mode.FULL, CaptureSupport.UNIFORM_SINGLE_TOKEN_DECODE, Mode.FULL_AND_PIECEWISE),
+        (Mode.FULL, CaptureSupport.NEVER, Mode.PIECEWISE),
+        (Mode.FULL_AND_PIECEWISE, CaptureSupport.NEVER, Mode.PIECEWISE),
+        (Mode.FULL_DECODE_ONLY, CaptureSupport.NEVER, Mode.NONE),
+        (Mode.FULL_DECODE_ONLY, CaptureSupport.UNIFORM_SINGLE_TOKEN_DECODE, Mode.FULL_DECODE_ONLY),
+        (Mode.PIECEWISE, CaptureSupport.NEVER, Mode.PIECEWISE),
+    ],
+)
+def test_mode_is_lowered_to_what_every_builder_supports(requested, support, expected):
+    builders = [_Builder("attention", support), _Builder("sconv", CaptureSupport.ALWAYS, True)]
+    mode, reason = lower_graph_mode(requested, builders)
+    assert mode is expected
+    assert (reason is None) == (mode is requested)
+    if reason:
+        assert support.name in reason and "'attention'" in reason
+
+
+def test_attention_like_builder_must_always_be_capturable():
+    with pytest.raises(ValueError, match="must build capturable metadata always"):
+        lower_graph_mode(Mode.PIECEWISE, [_Builder("sconv", CaptureSupport.UNIFORM_BATCH, True)])
+
+
+# ---- dispatch and padding ------------------------------------------------------
+
+
+def _batch(qlens, ctx=0):
+    ids = [1] * sum(qlens)
+    return InputBatch(ids, list(qlens), [q + ctx for q in qlens], list(range(len(qlens))),
+                      block_ids=[[1, 2, 3, 4]] * len(qlens),
+                      compressed_block_ids=[[1]] * len(qlens))
+
+
+@pytest.mark.parametrize(
+    "mode, qlens, expected",
+    [
+        ("full_and_piecewise", [1, 1, 1], (Mode.FULL, cb.BatchDescriptor(4, 4, True), 4, 4)),
+        ("full_and_piecewise", [5, 1], (Mode.PIECEWISE, cb.BatchDescriptor(8), 8, 4)),
+        ("piecewise", [1, 1, 1], (Mode.PIECEWISE, cb.BatchDescriptor(4), 4, 4)),
+        ("full", [3, 9], (Mode.FULL, cb.BatchDescriptor(16, 4, False), 16, 4)),
+        ("full", [1], (Mode.FULL, cb.BatchDescriptor(1, 1, True), 1, 1)),
+        ("full_decode_only", [2, 1], (Mode.NONE, None, 3, 2)),
+        ("piecewise", [20, 20], (Mode.NONE, None, 40, 2)),  # larger than every size
+    ],
+)
+def test_dispatch_pads_to_the_nearest_capture_size(mode, qlens, expected):
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()):
+        engine = make_engine(mode, max_num_tokens=40)
+        runner = engine.runner
+        runner.capture_sizes = [s for s in CAPTURE_SIZES if s <= 32]
+        runner.decode_sizes = [s for s in runner.capture_sizes if s <= 4]
+        runner.captured = True
+        assert runner.dispatch(_batch(qlens)) == expected
+    if expected[0] is Mode.NONE and sum(qlens) > 32:
+        assert cb.counters["eager_no_graph"] == 1
+    if mode == "full_decode_only" and expected[0] is Mode.NONE:
+        assert cb.counters["eager_mixed_batch"] == 1
+
+
+def test_padded_buffers_follow_the_padding_convention():
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()):
+        engine = make_engine("piecewise")
+    runner = engine.runner
+    batch = _batch([3, 1], ctx=5).pad_to(8, 4)
+    runner.input_buffers.write(batch)
+    slots = runner.block_tables.write(batch)
+    buf = runner.input_buffers
+    assert buf.query_start_loc[:5].tolist() == [0, 3, 4, 4, 4]
+    assert buf.seq_lens[:4].tolist() == [8, 6, 0, 0]
+    assert buf.state_indices[:4].tolist() == [0, 1, -1, -1]
+    assert buf.positions[:8].tolist() == [5, 6, 7, 5, 0, 0, 0, 0]
+    assert slots[4:].tolist() == [-1] * 4
+    assert runner.block_tables.block_table[2:4].abs().sum().item() == 0  # null block
+
+
+# ---- numerics through the stand-in, all modes ------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_and_piecewise", "full_decode_only"])
+def test_tokens_equal_eager_with_state_carried_across_steps(mode):
+    _tokens_equal_eager(mode)
+
+
+@pytest.mark.interpreted_kernels
+def test_tokens_equal_eager_through_the_triton_kernels():
+    """The same through Triton's interpreter on the CPU (the kernels the GPU runs)."""
+    _tokens_equal_eager("full_and_piecewise", [5, 12, 3], max_new_tokens=3)
+
+
+def _tokens_equal_eager(mode, lengths=(5, 12, 3, 20, 9), max_new_tokens=6):
+    prompts = random_prompts(lengths)
+    ref, _ = generate("none", prompts, max_new_tokens)
+    cb.reset_counters()
+    out, engine = generate(mode, prompts, max_new_tokens)
+    assert out == ref
+    assert cb.counters["cudagraph_replays"] > 0
+    assert cb.counters["dynamo_graphs"] == 1
+    assert engine.stats.steps > 3
+
+
+def test_minimum_pieces_for_the_hybrid_model():
+    """attention + sconv + compressor per layer: 2 layers -> 2 eager + 3 captured."""
+    generate("piecewise", random_prompts([4]), max_new_tokens=1)
+    step = cb.compiled_steps()[-1]
+    assert [p.captured for p in step.pieces] == [True, False, True, False, True]
+    for p in step.pieces:
+        if p.captured:
+            assert not p.breakpoints
+        else:
+            assert p.breakpoints == ["mrv2::reshape_and_cache", "mrv2::unified_attention"]
+    assert sum(p.attention_like.count("mrv2::sconv") for p in step.pieces if p.captured) == 2
+
+
+# ---- address checks ------------------------------------------------------------------
+
+
+def test_debug_checks_catch_a_moved_persistent_metadata_tensor():
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engine = make_engine("piecewise", debug_checks=True)
+        engine.runner.capture()
+        prompts = random_prompts([3])
+        engine.generate(prompts, 2)  # fine while nothing moves
+        buf = engine.runner.input_buffers
+        buf.state_indices = buf.state_indices.clone()  # a builder now hands out a new tensor
+        with pytest.raises(RuntimeError, match=r"state_indices moved since capture"):
+            engine.generate(prompts, 2)
+
+
+def test_debug_checks_catch_a_moved_stable_input_and_copy_others():
+    graphs = StandInGraphs()
+    with use_graph_backend(graphs):
+        weight = torch.randn(4)
+        w = CUDAGraphWrapper(lambda x, wt: x * wt, Mode.PIECEWISE, name="piece",
+                             debug_checks=True, stable_inputs=[1], input_names=["x", "weight"])
+        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
+                                cudagraph_runtime_mode=Mode.PIECEWISE)
+        with cb.set_forward_context(ctx):
+            x0 = torch.randn(4)
+            w(x0, weight)  # capture
+            x1 = torch.randn(4)  # new address: copied into the captured input
+            torch.testing.assert_close(w(x1, weight), x1 * weight)
+            assert cb.counters["replay_input_copies"] == 1
+            with pytest.raises(RuntimeError, match=r"input 1 \(weight\) moved since capture"):
+                w(x1, weight.clone())
+
+
+def test_plain_torch_compile_captures_lazily_on_the_second_call():
+    """No runner: the first call of a shape warms up, the second captures, the third replays."""
+    import copy
+
+    from backend_models import TOY_OPTIONS, ToyHybrid
+
+    model = ToyHybrid()
+    eager = copy.deepcopy(model)
+    graphs = StandInGraphs()
+    with use_graph_backend(graphs), torch.no_grad():
+        f = torch.compile(model, backend="mrv2",
+                          options={"piece_compiler": "eager", "cudagraph_mode": "piecewise",
+                                   **TOY_OPTIONS})
+        for i in range(4):
+            x = torch.randn(6, 16)
+            torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.state, eager.state)
+    assert cb.counters["lazy_warmups"] == 2  # two captured pieces
+    assert cb.counters["cudagraph_captures"] == 2
+    assert cb.counters["cudagraph_replays"] == 4  # calls 3 and 4
