@@ -91,9 +91,11 @@ class Engine:
         self.free_slots.append(req.slot)
         req.block_ids, req.compressed_block_ids = [], []
 
-    def step(self, running: list[Request]) -> None:
+    def step(self, running: list[Request], sample=None) -> torch.Tensor:
         """One step over `running`: each request gets its next prompt chunk or
-        one decode token; requests that finished their prompt sample a token."""
+        one decode token; requests that finished their prompt sample a token
+        (greedy, or `sample(last_logits [B, V]) -> list[int]`). Returns the
+        step's logits at each request's last token, [B, V]."""
         ids, qlens, slens, slots, blocks, cblocks = [], [], [], [], [], []
         budget = self.cfg.max_num_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -115,7 +117,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.execute(batch)
         last = torch.tensor([sum(qlens[: i + 1]) - 1 for i in range(len(qlens))], device=logits.device)
-        next_tokens = logits[last].argmax(-1).tolist()
+        last_logits = logits[last]
+        next_tokens = sample(last_logits) if sample else last_logits.argmax(-1).tolist()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stats.step_seconds.append(time.perf_counter() - t0)
@@ -125,8 +128,17 @@ class Engine:
             if req.num_computed == len(req.tokens):  # caught up: sample
                 req.output.append(tok)
                 self.stats.tokens_generated += 1
+        return last_logits
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sample=None,
+                 on_step=None) -> list[list[int]]:
+        """Greedy generation with continuous batching. `on_step(logits)` sees
+        every step's last-token logits."""
+        for p in prompts:
+            if len(p) + max_new_tokens > self.cfg.max_model_len:
+                raise ValueError(
+                    f"a prompt of {len(p)} tokens plus {max_new_tokens} new tokens exceeds "
+                    f"max_model_len={self.cfg.max_model_len}; shorten it or raise max_model_len")
         waiting = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
         running: list[Request] = []
         finished: dict[int, Request] = {}
@@ -137,7 +149,9 @@ class Engine:
                 req = waiting.pop(0)
                 req.slot = self.free_slots.pop()
                 running.append(req)
-            self.step(running)
+            logits = self.step(running, sample)
+            if on_step is not None:
+                on_step(logits)
             for req in [r for r in running if r.done]:
                 running.remove(req)
                 self._finish(req)
