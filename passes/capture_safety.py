@@ -142,9 +142,14 @@ def _input_values(node: torch.fx.Node) -> list[Any]:
 
 def _fix_for(node: torch.fx.Node) -> str:
     name = node_op_name(node) or ""
-    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and not name.startswith("aten::"):
+    custom = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                                      torch._ops.HigherOrderOperator))
+    if custom and name.split("::")[0] not in ("aten", "prims"):
         return (f"name it in splitting_ops to run it eagerly between graphs, or, if it is "
                 f"safe to capture, call passes.register_capture_safe({name!r})")
+    if node.op == "call_function" and not (is_torch_level(node) or is_python_builtin(node)):
+        return ("let Dynamo trace into it, or wrap it in a torch.library.custom_op and "
+                "name that in splitting_ops (or passes.register_capture_safe it)")
     return "move it out of the compiled step (or compute it on the device without a sync)"
 
 

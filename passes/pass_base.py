@@ -159,7 +159,9 @@ _TORCH_MODULES = (
     "torch._C._linalg", "torch._C._fft", "torch._C._special", "torch.fft",
     "torch.linalg", "torch.special", "torch._C._VariableFunctions",
 )
-_PYTHON_MODULES = ("_operator", "operator", "math", "builtins")
+_PYTHON_MODULES = ("_operator", "operator", "math")
+# Builtins Dynamo may leave on sizes and scalars; `print` and friends are not pure.
+_PURE_BUILTINS = frozenset({"getattr", "hasattr", "isinstance", "len", "min", "max", "abs", "round"})
 
 
 def is_torch_level(node: torch.fx.Node) -> bool:
@@ -176,7 +178,13 @@ def is_torch_level(node: torch.fx.Node) -> bool:
 
 
 def is_python_builtin(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__module__", None) in _PYTHON_MODULES
+    """`operator.*`, `math.*` and a few pure builtins."""
+    if node.op != "call_function":
+        return False
+    module = getattr(node.target, "__module__", None)
+    if module == "builtins":
+        return getattr(node.target, "__name__", None) in _PURE_BUILTINS
+    return module in _PYTHON_MODULES
 
 
 def is_tensor_method(target: Any) -> bool:

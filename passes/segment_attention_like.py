@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Hashable
@@ -166,14 +167,14 @@ def node_effects(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]])
         if name in _EFFECTFUL_METHODS:
             eff.barrier = True
         elif _is_inplace_name(name) or name == "__setitem__" or (
-            name.startswith("__i") and name[3:-2] in {s[1:] for s in _INPLACE_OPERATORS}
+            name.startswith("__i") and f"i{name[3:-2]}" in _INPLACE_OPERATORS  # __iadd__
         ):
             eff.writes |= roots_of(node.args[:1])
     elif is_python_builtin(node):
         if name in _INPLACE_OPERATORS:
             eff.writes |= roots_of(node.args[:1])
     elif is_torch_level(node):
-        if _is_inplace_name(name) or node.kwargs.get("inplace") is True:
+        if _is_inplace_name(name) or _inplace_flag(node):
             eff.writes |= roots_of(node.args[:1])
     else:
         eff.barrier = True
@@ -184,6 +185,20 @@ def node_effects(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]])
         eff.writes.add(_RNG)
         eff.reads.add(_RNG)
     return eff
+
+
+def _inplace_flag(node: torch.fx.Node) -> bool:
+    """`F.relu(x, inplace=True)`, also when `inplace` is passed by position."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        params = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    if "inplace" not in params:
+        return False
+    i = params.index("inplace")
+    return i < len(node.args) and node.args[i] is True
 
 
 def _has_registered_effect(op: Any) -> bool:

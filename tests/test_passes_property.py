@@ -190,7 +190,8 @@ def run_graph(fn, inputs):
     return list(out) + args
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(prog=programs(), seed=st.integers(0, 2**16))
 def test_random_graphs(prog, seed):
     gm = prog.module()

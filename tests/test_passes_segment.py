@@ -5,6 +5,7 @@ Numerics: float32 on fresh random inputs, compared with eager at
 atol=rtol=1e-5 (the passes only reorder; the ops are the same)."""
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -253,3 +254,33 @@ def test_symbolic_token_dim_survives_reordering(tokens):
         torch.testing.assert_close(compiled(x, wq, s1), hybrid_layer(x, wq, s2), **TOL)
         torch.testing.assert_close(s1, s2, **TOL)
     assert layout(cb.compiled_steps()[-1]) == "CEC"
+
+
+def _effects_of(build):
+    from passes.segment_attention_like import node_effects
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    node = build(g, x)
+    return node_effects(node, {x: {"X"}})
+
+
+@pytest.mark.parametrize("build, writes, barrier", [
+    (lambda g, x: g.call_function(torch.nn.functional.relu, (x, True)), {"X"}, False),
+    (lambda g, x: g.call_function(torch.nn.functional.relu, (x,), {"inplace": True}), {"X"}, False),
+    (lambda g, x: g.call_function(torch.nn.functional.relu, (x,)), set(), False),
+    (lambda g, x: g.call_method("__iadd__", (x, 1)), {"X"}, False),
+    (lambda g, x: g.call_function(operator.setitem, (x, 0, 1.0)), {"X"}, False),
+    (lambda g, x: g.call_function(torch.relu_, (x,)), {"X"}, False),
+    (lambda g, x: g.call_function(torch.ops.aten.add_.Tensor, (x, x)), {"X"}, False),
+    (lambda g, x: g.call_function(torch.ops.toy.state_mix, (x, x)), {"X"}, False),
+    (lambda g, x: g.call_function(torch.add, (x, x), {"out": x}), {"X"}, False),
+    (lambda g, x: g.call_function(torch.randn, (3,)), {"rng-state"}, False),
+    (lambda g, x: g.call_function(torch._C._set_grad_enabled, (False,)), set(), True),
+    (lambda g, x: g.call_function(print, (x,)), set(), True),
+    (lambda g, x: g.call_method("record_stream", (x, None)), set(), True),
+], ids=["relu-inplace-pos", "relu-inplace-kw", "relu", "iadd-method", "setitem", "relu_",
+        "aten-add_", "schema-mutation", "out=", "rng", "grad-mode", "print", "record_stream"])
+def test_effect_classification(build, writes, barrier):
+    eff = _effects_of(build)
+    assert eff.writes == writes and eff.barrier is barrier
