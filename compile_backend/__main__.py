@@ -1,0 +1,7 @@
+"""`python -m compile_backend demo|inspect ...`: the `mrv2` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""`mrv2` (or `python -m compile_backend`): the demo and the dump inspector.
+
+    mrv2 demo [--model hybrid] [--preset tiny] [--mode all] [--dump DIR] ...
+    mrv2 inspect DIR [--piece N] [--svg OUT.svg]
+
+Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input
+(one line on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .config import PIECE_COMPILERS
+from .models import MODELS, PRESETS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .demo import ALL_MODES, DTYPES
+
+    p = _Parser(prog="mrv2", description="mrv2: CUDA-graph backend demo and debug-dump inspector")
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="generate in every graph mode and compare with eager")
+    d.add_argument("--model", choices=sorted(MODELS), default="hybrid")
+    d.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    d.add_argument("--mode", action="append", choices=ALL_MODES + ["all"], dest="modes",
+                   help="graph mode (repeatable); default all that this machine supports")
+    d.add_argument("--batch", type=int, default=4, help="number of prompts")
+    d.add_argument("--steps", type=int, default=8, help="new tokens per prompt")
+    d.add_argument("--prompt-len", type=int, default=16)
+    d.add_argument("--dump", metavar="DIR", help="write a debug dump (see docs/manifest.md)")
+    d.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    d.add_argument("--piece-compiler", choices=PIECE_COMPILERS, default="inductor")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
+
+    i = sub.add_parser("inspect", help="summarize a debug dump and draw its pieces")
+    i.add_argument("dir", metavar="DIR")
+    i.add_argument("--piece", type=int, metavar="N", help="print piece N's code")
+    i.add_argument("--graph", type=int, default=0, metavar="K",
+                   help="which Dynamo graph --piece refers to (default 0)")
+    i.add_argument("--svg", metavar="OUT.svg", help="picture path (default DIR/step.svg)")
+    return p
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"mrv2: error: {message}\n")
+    return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .debug_dump import DumpPathError, check_dump_path
+    from .demo import DemoOptions, format_table, run_demo
+
+    try:
+        opts = DemoOptions(model=args.model, preset=args.preset, modes=args.modes or ["all"],
+                           batch=args.batch, steps=args.steps, prompt_len=args.prompt_len,
+                           dump=args.dump, dtype=args.dtype, piece_compiler=args.piece_compiler,
+                           seed=args.seed, progress=not args.no_progress)
+        if opts.dump:
+            opts.dump = str(check_dump_path(opts.dump))
+    except (ValueError, DumpPathError) as e:
+        return _fail(str(e))
+    results = run_demo(opts)
+    print(format_table(results))
+    if opts.dump:
+        print(f"debug dump: {opts.dump} (inspect with `mrv2 inspect DIR`)")
+    bad = [r.mode for r in results if not r.equal]
+    if bad:
+        sys.stderr.write(f"mrv2: tokens differ from eager in mode(s): {', '.join(bad)}\n")
+        return 1
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect_dump import DumpError, load_dump, piece_code, summary, write_svg
+
+    try:
+        manifest = load_dump(args.dir)
+        if args.piece is not None:
+            print(piece_code(args.dir, manifest, args.piece, args.graph), end="")
+            return 0
+        print(summary(manifest))
+        svg = write_svg(manifest, args.svg or f"{args.dir}/step.svg")
+    except (DumpError, OSError) as e:
+        return _fail(str(e))
+    print(f"picture: {svg}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already reported)
+        return int(e.code or 0)
+    return _demo(args) if args.verb == "demo" else _inspect(args)

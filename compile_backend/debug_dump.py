@@ -1,0 +1,319 @@
+"""The debug dump: what the backend did, as files a person can read.
+
+    DIR/
+      manifest.json              every field documented in docs/manifest.md
+      graph_<k>/                 one folder per Dynamo graph (graph breaks give several)
+        graph_before_passes.py
+        graph_after_passes.py
+        split_graph.py
+        pieces/piece_<i>.py
+      depyf/                     depyf's output, only inside `depyf_dump(DIR)`
+
+Written from two places: the backend calls `write_compile_dump` once per
+Dynamo graph (options={"debug_dump_path": DIR}); a runner's owner calls
+`update_manifest_runtime` after capture and after serving to add captures,
+metadata builds, fallbacks and counters.
+
+Nothing is half-written: a graph's folder is filled under a hidden temporary
+name and renamed into place, and manifest.json is replaced whole. A path that
+cannot hold a dump is refused before anything is created (`check_dump_path`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .counters import counters
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+SCHEMA_VERSION = 1
+DEPYF_NOTE = (
+    "depyf output needs `mrv2 demo --dump DIR` or a "
+    "`with compile_backend.debug_dump.depyf_dump(DIR):` block around the compiled run"
+)
+
+# Paths this process has started a dump in (a path's first graph starts a new manifest).
+_started: set[str] = set()
+# Paths currently inside depyf_dump().
+_depyf_active: set[str] = set()
+
+
+class DumpPathError(ValueError):
+    """A dump path that cannot hold a dump; the message says why and what to do."""
+
+
+def check_dump_path(path: str | os.PathLike) -> Path:
+    """Refuse, before creating anything, a path that is a file or whose
+    nearest existing ancestor is not a writable folder."""
+    p = Path(path).expanduser().absolute()
+    if p.exists():
+        if not p.is_dir():
+            raise DumpPathError(f"dump path {str(p)!r} is an existing file; give a folder path")
+        _probe(p, f"dump folder {str(p)!r} is not writable")
+        return p
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DumpPathError(f"cannot create dump folder {str(p)!r}: {str(parent)!r} is a file")
+    _probe(parent, f"cannot create dump folder {str(p)!r}: {str(parent)!r} is not writable")
+    return p
+
+
+def _probe(folder: Path, message: str) -> None:
+    """Create and remove a hidden folder: os.access says yes to root even
+    where the file system says no (/proc, read-only mounts)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mrv2-probe.", dir=folder))
+    except OSError as e:
+        raise DumpPathError(f"{message} ({e.strerror})") from None
+
+
+def reset_dump(path: str | os.PathLike) -> None:
+    """Make the next write to `path` start a new manifest (a new run)."""
+    _started.discard(str(Path(path).expanduser().absolute()))
+
+
+def versions() -> dict[str, str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        triton_version = "not installed"
+    return {"torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version()}
+
+
+# ---- manifest file ---------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(path) / MANIFEST) as f:
+        return json.load(f)
+
+
+def _write_json_atomic(target: Path, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _empty_manifest() -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": versions(),
+        "config": None,
+        "op_roles": None,
+        "graphs": [],
+        "runtime": None,
+        "captures": [],
+        "metadata_builds": [],
+        "fallbacks": [],
+        "counters": {},
+        "depyf": {"dir": None, "written": False, "note": DEPYF_NOTE},
+    }
+
+
+def _load_or_start(root: Path) -> dict[str, Any]:
+    key = str(root)
+    if key in _started and (root / MANIFEST).exists():
+        return read_manifest(root)
+    _started.add(key)
+    for old in root.glob("graph_*"):  # a previous process's dump: start over
+        if old.is_dir():
+            shutil.rmtree(old)
+    manifest = _empty_manifest()
+    if key in _depyf_active:
+        manifest["depyf"] = {"dir": "depyf", "written": True, "note": None}
+    return manifest
+
+
+# ---- one Dynamo graph ---------------------------------------------------------------
+
+
+def _describe_value(v: Any) -> Any:
+    """A placeholder's example value as JSON: a tensor's symbolic shape and
+    dtype, a SymInt's expression, else its type."""
+    if isinstance(v, torch.Tensor):
+        return {"shape": [str(d) for d in v.shape], "dtype": str(v.dtype).replace("torch.", "")}
+    if isinstance(v, torch.SymInt):
+        return {"symint": str(v)}
+    if isinstance(v, (int, float, bool)):
+        return {"value": v}
+    return {"type": type(v).__name__}
+
+
+def piece_inputs(piece: Any) -> list[dict[str, Any]]:
+    gm = piece.graph_module
+    if gm is None:
+        return []
+    return [{"name": n.name, **_describe_value(n.meta.get("example_value"))}
+            for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _graph_record(k: int, step: Any) -> dict[str, Any]:
+    pieces = []
+    for p in step.pieces:
+        rec = p.summary()
+        rec["inputs"] = piece_inputs(p)
+        rec["file"] = f"graph_{k}/pieces/piece_{p.index}.py"
+        pieces.append(rec)
+    return {
+        "index": k,
+        "dir": f"graph_{k}",
+        "graph_mode": step.graph_mode.value,
+        "mode_reason": step.mode_reason,
+        "compile_seconds": round(step.compile_seconds, 6),
+        "passes_uuid": step.passes_uuid,
+        "passes": [{"name": e.get("pass"), "uuid": e.get("uuid"), "changed": e.get("changed"),
+                    "details": e.get("details", {})} for e in step.pass_log],
+        "pieces": pieces,
+    }
+
+
+def _write_graph_files(folder: Path, step: Any) -> None:
+    (folder / "pieces").mkdir(parents=True)
+    (folder / "graph_before_passes.py").write_text(step.original_code)
+    (folder / "graph_after_passes.py").write_text(step.passed_code)
+    (folder / "split_graph.py").write_text(step.split_gm.code)
+    for p in step.pieces:
+        code = p.graph_module.code if p.graph_module is not None else "# no graph module\n"
+        (folder / "pieces" / f"piece_{p.index}.py").write_text(code)
+
+
+def _piece_fallbacks(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"kind": "piece_eager", "graph": g["index"], "piece": p["index"], "reason": r}
+            for g in graphs for p in g["pieces"] for r in p["eager_reasons"]]
+
+
+def write_compile_dump(path: str | os.PathLike, step: Any) -> Path:
+    """Add one compiled Dynamo graph to the dump at `path`; returns the folder."""
+    root = check_dump_path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = _load_or_start(root)
+    k = len(manifest["graphs"])
+    tmp = Path(tempfile.mkdtemp(prefix=f".graph_{k}.", dir=root))
+    try:
+        _write_graph_files(tmp, step)
+        final = root / f"graph_{k}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    manifest["config"] = manifest["config"] or step.config.summary()
+    manifest["op_roles"] = manifest["op_roles"] or step.roles.summary()
+    manifest["graphs"].append(_graph_record(k, step))
+    runtime_fallbacks = [f for f in manifest["fallbacks"] if f["kind"] != "piece_eager"]
+    manifest["fallbacks"] = _piece_fallbacks(manifest["graphs"]) + runtime_fallbacks
+    manifest["counters"] = dict(counters)
+    _write_json_atomic(root / MANIFEST, manifest)
+    logger.info("mrv2: dumped graph %d (%d pieces) to %s", k, len(step.pieces), root)
+    return root
+
+
+# ---- what the runner did ---------------------------------------------------------------
+
+
+def update_manifest_runtime(path: str | os.PathLike, runner: Any) -> dict[str, Any]:
+    """Merge a ModelRunner's captures, metadata builds, fallbacks and the
+    current counters into `path`'s manifest; returns the new manifest."""
+    root = check_dump_path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = _load_or_start(root)
+    manifest["runtime"] = {
+        "mode": runner.mode.value,
+        "mode_reason": runner.mode_reason,
+        "requested_mode": runner.config.cudagraph_mode.value,
+        "capture_sizes": list(runner.capture_sizes),
+        "decode_sizes": list(runner.decode_sizes),
+    }
+    manifest["captures"] = [c.summary() for c in runner.captures]
+    manifest["metadata_builds"] = list(runner.model_state.build_log)
+    fallbacks = _piece_fallbacks(manifest["graphs"])
+    if runner.mode_reason:
+        fallbacks.append({"kind": "mode_lowered", "reason": runner.mode_reason})
+    reasons = {
+        "eager_no_graph": "batches larger than every capture size ran without a graph",
+        "eager_mixed_batch": "batches that are not uniform decode ran without a graph "
+                             "(mode full_decode_only)",
+    }
+    for key, reason in reasons.items():
+        if counters[key]:
+            fallbacks.append({"kind": key, "count": counters[key], "reason": reason})
+    manifest["fallbacks"] = fallbacks
+    manifest["counters"] = dict(counters)
+    _write_json_atomic(root / MANIFEST, manifest)
+    return manifest
+
+
+@contextlib.contextmanager
+def depyf_dump(path: str | os.PathLike) -> Iterator[Path]:
+    """Wrap the *execution* of a torch.compile'd model: depyf writes its
+    decompiled bytecode and graphs to `path/depyf`, and the manifest says so."""
+    import depyf
+
+    root = check_dump_path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    key = str(root)
+    _depyf_active.add(key)
+    note = None
+    with _compiled_step_has_code():
+        try:
+            with depyf.prepare_debug(str(root / "depyf")):
+                yield root
+        except Exception as e:  # depyf failing must not fail the run it watched
+            if not isinstance(e, _DEPYF_ERRORS):
+                raise
+            note = f"depyf stopped early: {type(e).__name__}: {e}"
+            logger.warning("mrv2: %s", note)
+        finally:
+            _depyf_active.discard(key)
+    if (root / MANIFEST).exists():
+        manifest = read_manifest(root)
+        manifest["depyf"] = {"dir": "depyf", "written": (root / "depyf").is_dir(), "note": note}
+        _write_json_atomic(root / MANIFEST, manifest)
+
+
+_DEPYF_ERRORS = (AttributeError, AssertionError, OSError, TypeError)
+
+
+@contextlib.contextmanager
+def _compiled_step_has_code() -> Iterator[None]:
+    """Note [depyf and CompiledStep]: on exit depyf decompiles each compiled
+    subgraph through its `__code__`; the backend returns a CompiledStep
+    object, which has none. For the context's duration its class gets a
+    `__code__` (that of `__call__`); removed after."""
+    from .backend import CompiledStep
+
+    if hasattr(CompiledStep, "__code__"):
+        yield
+        return
+    CompiledStep.__code__ = property(lambda self: type(self).__call__.__code__)
+    try:
+        yield
+    finally:
+        del CompiledStep.__code__

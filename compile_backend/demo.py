@@ -1,0 +1,180 @@
+"""The main job: generate with a reference model in every graph mode this
+machine supports and check each mode's tokens against an eager reference.
+
+    python -m compile_backend demo --model hybrid --preset tiny --batch 4 --steps 8
+
+The reference runs mode NONE with eager pieces and no passes; every measured
+mode gets a fresh model with the same seeded weights and a fresh Dynamo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .backend import clear_compiled_steps, compiled_steps
+from .config import CompilationConfig, CUDAGraphMode
+from .counters import counters, reset_counters
+from .engine import Engine
+from .kv_cache_config import KVCacheConfig
+from .models import build_model, preset
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALL_MODES = [m.value for m in CUDAGraphMode]
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+NO_CUDA = "CUDA graphs are off: no CUDA device"
+
+
+@dataclass
+class DemoOptions:
+    model: str = "hybrid"
+    preset: str = "tiny"
+    modes: list[str] = field(default_factory=lambda: ["all"])
+    batch: int = 4
+    steps: int = 8  # new tokens per prompt
+    prompt_len: int = 16
+    dump: str | None = None
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
+    piece_compiler: str = "inductor"
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "steps", "prompt_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        preset(self.preset)  # raises with the valid names
+        for m in self.modes:
+            if m != "all":
+                CUDAGraphMode.parse(m)
+
+
+@dataclass
+class ModeResult:
+    mode: str  # the mode that ran
+    pieces: int
+    graphs_captured: int
+    capture_seconds: float
+    median_step_ms: float
+    tokens_per_s: float
+    tokens: list[list[int]]
+    equal: bool | None = None  # to the eager reference
+    dump: str | None = None
+
+
+def modes_to_run(requested: list[str], cuda: bool) -> tuple[list[str], str | None]:
+    """Modes this machine runs, in order, and why some were dropped."""
+    wanted = ALL_MODES if "all" in requested else [CUDAGraphMode.parse(m).value for m in requested]
+    wanted = list(dict.fromkeys(wanted))
+    if cuda:
+        return wanted, None
+    dropped = [m for m in wanted if m != "none"]
+    return ["none"], (NO_CUDA if dropped or "all" in requested else None)
+
+
+def _kv_config(opts: DemoOptions) -> KVCacheConfig:
+    block = 16
+    max_len = -(-(opts.prompt_len + opts.steps) // block) * block
+    blocks_per_req = max_len // block
+    return KVCacheConfig(num_blocks=opts.batch * blocks_per_req + 2, block_size=block,
+                         max_model_len=max_len, max_num_reqs=opts.batch,
+                         # a capture's dummy batch spreads its tokens over the requests
+                         max_num_tokens=min(CAPTURE_SIZES[-1], opts.batch * max_len))
+
+
+def _prompts(opts: DemoOptions, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(opts.seed)
+    return [torch.randint(0, vocab, (opts.prompt_len,), generator=g).tolist()
+            for _ in range(opts.batch)]
+
+
+def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dtype,
+             reference: bool = False, dump: str | None = None) -> ModeResult:
+    """Generate once in `mode` with a fresh model and a fresh Dynamo."""
+    from . import debug_dump
+
+    torch._dynamo.reset()
+    reset_counters()
+    clear_compiled_steps()
+    cfg = preset(opts.preset, dtype=dtype, seed=opts.seed)
+    model = build_model(opts.model, cfg).to(device)
+    kv = _kv_config(opts)
+    compilation = CompilationConfig(
+        cudagraph_mode=mode,
+        capture_sizes=[s for s in CAPTURE_SIZES if s <= kv.max_num_tokens],
+        piece_compiler="eager" if reference else opts.piece_compiler,
+        enable_passes=not reference,
+        debug_dump_path=dump,
+    )
+    if dump:
+        debug_dump.reset_dump(dump)
+    depyf = debug_dump.depyf_dump(dump) if dump else contextlib.nullcontext()
+    with torch.no_grad(), depyf:
+        engine = Engine(model, kv, compilation, device,
+                        progress=opts.progress and not reference)
+        t0 = time.perf_counter()
+        engine.runner.capture()
+        capture_seconds = time.perf_counter() - t0
+        if dump:
+            debug_dump.update_manifest_runtime(dump, engine.runner)
+        tokens = engine.generate(_prompts(opts, cfg.vocab_size), opts.steps)
+        if dump:
+            debug_dump.update_manifest_runtime(dump, engine.runner)
+    secs = engine.stats.step_seconds
+    return ModeResult(
+        mode=engine.runner.mode.value,
+        pieces=sum(len(s.pieces) for s in compiled_steps()),
+        graphs_captured=counters["cudagraph_captures"],
+        capture_seconds=capture_seconds,
+        median_step_ms=1e3 * statistics.median(secs) if secs else 0.0,
+        tokens_per_s=engine.stats.tokens_generated / sum(secs) if sum(secs) else 0.0,
+        tokens=tokens,
+        dump=dump,
+    )
+
+
+def run_demo(opts: DemoOptions, say: Callable[[str], Any] = print) -> list[ModeResult]:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[opts.dtype] if opts.dtype else (torch.bfloat16 if cuda else torch.float32)
+    modes, why = modes_to_run(opts.modes, cuda)
+    if why:
+        say(why)
+    say(f"model {opts.model} ({opts.preset}), {opts.batch} prompts of {opts.prompt_len} tokens, "
+        f"{opts.steps} new tokens, {str(dtype).replace('torch.', '')} on {device.type}, "
+        f"pieces compiled with {opts.piece_compiler}")
+    reference = run_mode(opts, "none", device, dtype, reference=True)
+    results = []
+    for mode in modes:
+        dump = None
+        if opts.dump:
+            dump = opts.dump if len(modes) == 1 else str(Path(opts.dump) / mode)
+        r = run_mode(opts, mode, device, dtype, dump=dump)
+        r.equal = r.tokens == reference.tokens
+        results.append(r)
+    torch._dynamo.reset()
+    return results
+
+
+HEADER = ("mode", "pieces", "graphs captured", "capture (s)", "step (ms)", "tokens/s",
+          "equal to eager")
+
+
+def format_table(results: list[ModeResult]) -> str:
+    rows = [HEADER] + [
+        (r.mode, str(r.pieces), str(r.graphs_captured), f"{r.capture_seconds:.2f}",
+         f"{r.median_step_ms:.2f}", f"{r.tokens_per_s:.1f}", "yes" if r.equal else "no")
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
