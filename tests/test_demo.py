@@ -1,0 +1,122 @@
+"""The demo end to end on the CPU (mode NONE, tiny preset), and its bad inputs:
+one line on stderr, exit code 2, nothing written."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from compile_backend.cli import main
+from compile_backend.demo import NO_CUDA, modes_to_run
+
+FAST = ["--preset", "tiny", "--batch", "2", "--steps", "3", "--prompt-len", "8",
+        "--piece-compiler", "eager", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _torch_reference_kernels(monkeypatch):
+    """Kernels take their torch reference path (the interpreter is slow)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_demo_mode_none_matches_eager(capsys):
+    assert main(["demo", "--mode", "none", *FAST]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("mode "))
+    assert "equal to eager" in header and "tokens/s" in header
+    row = next(line for line in out.splitlines() if line.startswith("none "))
+    assert row.split()[-1] == "yes"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU message")
+def test_demo_all_modes_on_cpu_runs_none_and_says_why(capsys):
+    assert main(["demo", "--mode", "all", "--model", "llama", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert NO_CUDA in out.splitlines()
+    rows = [line.split()[0] for line in out.splitlines()
+            if line.split() and line.split()[0] in ("none", "piecewise", "full")]
+    assert rows == ["none"]
+
+
+def test_modes_to_run():
+    assert modes_to_run(["all"], cuda=True)[0] == [
+        "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
+    assert modes_to_run(["piecewise", "piecewise"], cuda=True) == (["piecewise"], None)
+    assert modes_to_run(["piecewise"], cuda=False) == (["none"], NO_CUDA)
+    assert modes_to_run(["none"], cuda=False) == (["none"], None)
+
+
+def _one_error_line(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_dump_path_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    line = _one_error_line(capsys, ["demo", *FAST, "--dump", str(f)])
+    assert "existing file" in line
+    assert f.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_dump_path_under_a_file(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    line = _one_error_line(capsys, ["demo", *FAST, "--dump", str(f / "dump")])
+    assert "is a file" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_dump_path_not_writable(capsys):
+    line = _one_error_line(capsys, ["demo", *FAST, "--dump", "/proc/mrv2-dump/x"])
+    assert "not writable" in line
+    assert not os.path.exists("/proc/mrv2-dump")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_dump_path_in_read_only_folder(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        line = _one_error_line(capsys, ["demo", *FAST, "--dump", str(ro / "dump")])
+    finally:
+        ro.chmod(0o700)
+    assert "not writable" in line
+    assert list(ro.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["demo", "--preset", "huge"], "huge"),
+    (["demo", "--mode", "sideways"], "sideways"),
+    (["demo", "--model", "gpt"], "gpt"),
+    (["demo", "--dtype", "fp8"], "fp8"),
+    (["demo", "--batch", "0"], "--batch"),
+])
+def test_bad_arguments(argv, word, tmp_path, capsys):
+    dump = tmp_path / "dump"
+    line = _one_error_line(capsys, [*argv, "--dump", str(dump)])
+    assert word in line
+    assert not dump.exists()
+
+
+def test_python_dash_m_subprocess(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "compile_backend", "demo", "--mode", "none", *FAST],
+        capture_output=True, text=True, env=env, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "equal to eager" in proc.stdout
+
+
+def test_python_dash_m_unknown_preset_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "compile_backend", "demo", "--preset", "huge"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
