@@ -59,7 +59,10 @@ class ModelRunner:
         config: CompilationConfig | None = None,
         device: torch.device | str = "cuda",
         progress: bool = True,
+        backend: Any = None,
     ) -> None:
+        """`backend`: what torch.compile gets (default: mrv2 with `config`); a
+        benchmark passes "inductor", or False to run the model uncompiled."""
         self.config = config or CompilationConfig()
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -76,7 +79,12 @@ class ModelRunner:
         self.mode_reason = lowered_reason or self.mode_reason
         options = self.config.summary()
         options["cudagraph_mode"] = self.mode.value
-        self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
+        if backend is False:
+            self.compiled = model
+        elif backend is None:
+            self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
+        else:
+            self.compiled = torch.compile(model, backend=backend)
         self.full_graph = CUDAGraphWrapper(
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
