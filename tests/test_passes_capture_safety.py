@@ -61,19 +61,19 @@ def test_item_is_a_host_sync_and_its_consumer_follows_it():
     assert cb.counters["capture_fallbacks"] == 1  # one eager piece
 
 
-@pytest.mark.parametrize("fn, label", [
-    (lambda x: torch.nonzero(x > 0).float().sum() + x, "torch.nonzero"),
-    (lambda x: x[x > 0].sum() + x, "operator.getitem"),
-    (lambda x: torch.unique(x).sum() + x, "torch.functional.unique"),
-    (lambda x: torch.masked_select(x, x > 0).sum() + x, "torch.masked_select"),
+@pytest.mark.parametrize("fn, labels", [
+    (lambda x: torch.nonzero(x > 0).float().sum() + x, {"torch.nonzero"}),
+    (lambda x: x[x > 0].sum() + x, {"operator.getitem"}),
+    (lambda x: torch.unique(x).sum() + x, {"torch.functional.unique", "torch._unique2"}),
+    (lambda x: torch.masked_select(x, x > 0).sum() + x, {"torch.masked_select"}),
 ], ids=["nonzero", "bool-mask", "unique", "masked_select"])
-def test_data_dependent_shapes_are_eager(fn, label):
+def test_data_dependent_shapes_are_eager(fn, labels):
     def step_fn(x):
         return attn(fn(x), x, x)
 
     step = run(step_fn, [torch.randn(T, D)])
     (first,) = [f for f in fallbacks(step) if "output shape depends on the data" in f["reason"]]
-    assert first["op"] == label
+    assert first["op"] in labels
     # The node itself, and everything that uses its data-dependent size, is in
     # an eager piece.
     where = {n.name: p.captured for p in step.pieces for n in p.graph_module.graph.nodes
