@@ -1,0 +1,235 @@
+"""The debug dump (files and manifest schema) and `mrv2 inspect` (summary,
+piece code, SVG picture)."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compile_backend as cb
+from compile_backend.cli import main
+from compile_backend.cuda_graph import use_graph_backend
+from compile_backend.debug_dump import (
+    DumpPathError,
+    depyf_dump,
+    read_manifest,
+    update_manifest_runtime,
+    write_compile_dump,
+)
+from compile_backend.engine import Engine
+from compile_backend.models import build_model, preset
+from graph_standin import StandInGraphs
+from runtime_helpers import CAPTURE_SIZES, kv_config, random_prompts
+
+TOP_LEVEL = {
+    "schema_version": int, "created": str, "versions": dict, "config": dict, "op_roles": dict,
+    "graphs": list, "runtime": (dict, type(None)), "captures": list, "metadata_builds": list,
+    "fallbacks": list, "counters": dict, "depyf": dict,
+}
+GRAPH = {"index": int, "dir": str, "graph_mode": str, "mode_reason": (str, type(None)),
+         "compile_seconds": float, "passes_uuid": (str, type(None)), "passes": list,
+         "pieces": list}
+PIECE = {"index": int, "name": str, "captured": bool, "ops": list, "breakpoints": list,
+         "attention_like": list, "eager_reasons": list, "inputs": list, "file": str}
+PASS = {"name": str, "uuid": str, "changed": bool, "details": dict}
+CAPTURE = {"mode": str, "descriptor": dict, "seconds": float, "pool_bytes": int,
+           "for_capture": dict}
+BUILD = {"kind": str, "for_capture": bool, "mode": str, "dummy": bool, "num_tokens": int,
+         "num_reqs": int}
+
+
+def _check(record, schema):
+    for key, kind in schema.items():
+        assert key in record, f"missing {key!r} in {sorted(record)}"
+        assert isinstance(record[key], kind), (key, record[key])
+
+
+def check_schema(dump):
+    m = read_manifest(dump)
+    _check(m, TOP_LEVEL)
+    assert set(m["versions"]) == {"torch", "triton", "python"}
+    for g in m["graphs"]:
+        _check(g, GRAPH)
+        for name in ("graph_before_passes.py", "graph_after_passes.py", "split_graph.py"):
+            assert (dump / g["dir"] / name).read_text().strip()
+        for ps in g["passes"]:
+            _check(ps, PASS)
+        for p in g["pieces"]:
+            _check(p, PIECE)
+            assert "def forward" in (dump / p["file"]).read_text()
+            for inp in p["inputs"]:
+                assert "name" in inp and ({"shape", "symint", "value", "type"} & set(inp))
+    for c in m["captures"]:
+        _check(c, CAPTURE)
+        assert all(isinstance(v, bool) for v in c["for_capture"].values())
+    for b in m["metadata_builds"]:
+        _check(b, BUILD)
+    for f in m["fallbacks"]:
+        assert isinstance(f["kind"], str) and isinstance(f["reason"], str)
+    return m
+
+
+class TwoGraphs(torch.nn.Module):
+    """Linear, attention, a graph break, linear, attention: two Dynamo graphs."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def _attn(self, x):  # x [T, D] -> [1, 1, T, D]
+        q = x[None, None]
+        return F.scaled_dot_product_attention(q, q, q)[0, 0]
+
+    def forward(self, x):
+        x = self._attn(self.a(x))
+        torch._dynamo.graph_break()
+        return self._attn(self.b(x)).relu()
+
+
+OPTIONS = {"piece_compiler": "eager", "cudagraph_mode": "none"}
+
+
+def _compile_two_graphs(dump):
+    torch.manual_seed(0)
+    model = TwoGraphs()
+    compiled = torch.compile(model, backend="mrv2", options={**OPTIONS, "debug_dump_path": str(dump)})
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_backend_option_dumps_each_dynamo_graph(tmp_path):
+    dump = tmp_path / "dump"
+    _compile_two_graphs(dump)
+    m = check_schema(dump)
+    assert [g["dir"] for g in m["graphs"]] == ["graph_0", "graph_1"]
+    # graph 0 ends with its attention; graph 1 has a relu after it
+    assert [[p["captured"] for p in g["pieces"]] for g in m["graphs"]] == [
+        [True, False], [True, False, True]]
+    for g in m["graphs"]:
+        assert g["pieces"][1]["breakpoints"] == ["aten::scaled_dot_product_attention"]
+    assert (dump / "graph_1" / "pieces" / "piece_2.py").exists()
+    assert m["config"]["debug_dump_path"] == str(dump)
+    assert m["counters"]["dynamo_graphs"] == 2
+    assert m["depyf"]["written"] is False and "depyf_dump" in m["depyf"]["note"]
+    assert not [p for p in dump.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_symbolic_input_shapes_recorded(tmp_path):
+    dump = tmp_path / "dump"
+    model = TwoGraphs()
+    compiled = torch.compile(model, backend="mrv2", dynamic=True,
+                             options={**OPTIONS, "debug_dump_path": str(dump)})
+    compiled(torch.randn(8, 32))
+    inputs = read_manifest(dump)["graphs"][0]["pieces"][0]["inputs"]
+    shapes = [i["shape"] for i in inputs if "shape" in i]
+    assert ["32", "32"] in shapes  # a weight
+    assert any(s[0].startswith("s") and s[1] == "32" for s in shapes)  # [T, 32], T symbolic
+
+
+def test_depyf_dump_context_writes_depyf_output(tmp_path):
+    dump = tmp_path / "dump"
+    with depyf_dump(dump):
+        _compile_two_graphs(dump)
+    m = check_schema(dump)
+    assert m["depyf"] == {"dir": "depyf", "written": True, "note": None}
+    assert any(p.suffix == ".py" for p in (dump / "depyf").iterdir())
+    assert not hasattr(cb.CompiledStep, "__code__")  # the context's patch is gone
+
+
+def test_second_run_starts_a_new_manifest(tmp_path):
+    from compile_backend.debug_dump import reset_dump
+
+    dump = tmp_path / "dump"
+    _compile_two_graphs(dump)
+    torch._dynamo.reset()
+    reset_dump(dump)
+    _compile_two_graphs(dump)
+    assert len(read_manifest(dump)["graphs"]) == 2
+
+
+def test_dump_path_that_is_a_file_raises_and_writes_nothing(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("keep")
+    with pytest.raises(DumpPathError, match="existing file"):
+        write_compile_dump(f, object())
+    with pytest.raises(DumpPathError, match="is a file"):
+        write_compile_dump(f / "sub", object())
+    assert f.read_text() == "keep" and sorted(tmp_path.iterdir()) == [f]
+
+
+@pytest.fixture
+def runtime_dump(tmp_path, monkeypatch):
+    """A tiny hybrid engine in mode PIECEWISE (CPU graph stand-in), dumped."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dump = tmp_path / "dump"
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cfg = cb.CompilationConfig(cudagraph_mode="piecewise", capture_sizes=CAPTURE_SIZES,
+                                   piece_compiler="eager", debug_dump_path=str(dump))
+        model = build_model("hybrid", preset("tiny", num_layers=2))
+        # prefill_chunk=64: a 45-token first step, larger than every capture size
+        engine = Engine(model, kv_config(), cfg, "cpu", prefill_chunk=64, progress=False)
+        engine.runner.capture()
+        update_manifest_runtime(dump, engine.runner)
+        engine.generate(random_prompts([5, 40]), max_new_tokens=3)
+        update_manifest_runtime(dump, engine.runner)
+    return dump, engine
+
+
+def test_runtime_captures_builds_and_fallbacks_merged(runtime_dump):
+    dump, engine = runtime_dump
+    m = check_schema(dump)
+    assert m["runtime"]["mode"] == "piecewise"
+    assert len(m["captures"]) == len(engine.runner.captures) == 6
+    assert {c["descriptor"]["num_tokens"] for c in m["captures"]} == {1, 2, 4, 8, 16, 32}
+    # Note [why PIECEWISE still builds metadata]: built at every capture, not for_capture
+    assert all(c["for_capture"] and not any(c["for_capture"].values()) for c in m["captures"])
+    assert len(m["metadata_builds"]) == len(engine.runner.model_state.build_log)
+    assert m["counters"]["cudagraph_captures"] > 0
+    eager = [f for f in m["fallbacks"] if f["kind"] == "eager_no_graph"]
+    assert eager and eager[0]["count"] == m["counters"]["eager_no_graph"]  # 45-token prefill
+
+
+def test_inspect_summary_piece_and_svg(runtime_dump, capsys):
+    dump, engine = runtime_dump
+    assert main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    m = read_manifest(dump)
+    pieces = m["graphs"][0]["pieces"]
+    for p in pieces:
+        role = "captured" if p["captured"] else "eager"
+        assert f"piece {p['index']:<3} {role}" in out
+    assert "captures (6):" in out and "piecewise  tokens=32" in out
+    assert "eager_no_graph" in out
+
+    root = ET.parse(dump / "step.svg").getroot()
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect")
+             if r.get("class", "").startswith("segment")]
+    assert len(rects) == len(pieces)
+    assert [r.get("class") == "segment captured" for r in rects] == [p["captured"] for p in pieces]
+    widths = {len(p["ops"]): float(r.get("width")) for p, r in zip(pieces, rects)}
+    assert widths[max(widths)] > widths[min(widths)]  # sized by op count
+
+    eager = next(p for p in pieces if not p["captured"])
+    assert main(["inspect", str(dump), "--piece", str(eager["index"])]) == 0
+    code = capsys.readouterr().out
+    assert "def forward" in code and "unified_attention" in code
+
+    out_svg = dump.parent / "picture.svg"
+    assert main(["inspect", str(dump), "--svg", str(out_svg)]) == 0
+    assert ET.parse(out_svg).getroot().tag.endswith("svg")
+
+
+def test_inspect_bad_inputs(tmp_path, capsys):
+    for argv in (["inspect", str(tmp_path / "missing")], ["inspect", str(tmp_path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a debug dump" in err[0]
+    dump = tmp_path / "dump"
+    _compile_two_graphs(dump)
+    assert main(["inspect", str(dump), "--piece", "99"]) == 2
+    assert "no piece 99" in capsys.readouterr().err
+    (dump / "manifest.json").write_text("{not json")
+    assert main(["inspect", str(dump)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
