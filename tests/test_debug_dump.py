@@ -1,7 +1,6 @@
 """The debug dump (files and manifest schema) and `mrv2 inspect` (summary,
 piece code, SVG picture)."""
 
-import json
 import xml.etree.ElementTree as ET
 
 import pytest
