@@ -85,7 +85,7 @@ def summary(manifest: dict[str, Any]) -> str:
                 flags = ", ".join(f"{k}={'capture' if f else 'exact'}"
                                   for k, f in c["for_capture"].items())
                 out.append(f"  {mode:<10} tokens={d['num_tokens']:<4} reqs={d.get('num_reqs')} "
-                           f"uniform={d.get('uniform')}  {c['seconds'] * 1e3:.1f} ms  "
+                           f"uniform_decode={d.get('uniform_decode')}  {c['seconds'] * 1e3:.1f} ms  "
                            f"{c['pool_bytes']} B  metadata: {flags}")
     else:
         out.append("captures: none" + (f" (mode {rt['mode']})" if rt else " (no runtime recorded)"))
