@@ -134,6 +134,35 @@ def run_variant(name, model_name, batches, context, capture_sizes):
     return results, info
 
 
+def write_results(args, argv, bw, rows, startup) -> str:
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "python": platform.python_version(),
+            "command": " ".join(["python", "bench/decode.py"] + (argv or sys.argv[1:])),
+            "copy_bandwidth_GBps": bw / 1e9, "context": args.context}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "startup": startup}, f, indent=1)
+    lines = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+             f"{meta['date']})", "", f"Command: `{meta['command']}`; copy bandwidth "
+             f"{bw / 1e9:.0f} GB/s; {args.context} cached tokens per request; bf16.", "",
+             "| model | variant | batch | step ms | floor ms | x floor | rel err vs eager | ran as |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        err = "-" if r["rel_err_vs_eager"] is None else f"{r['rel_err_vs_eager']:.1e}"
+        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
+                     f"{r['floor_ms']:.3f} | {r['x_floor']:.2f} | {err} | {r['dispatched']} |")
+    lines += ["", "| model | variant | compile s | capture s (all sizes) | graphs | pieces | "
+              "pool MiB | input copies |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for s in startup:
+        lines.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
+                     f"{s['graphs']} | {s['pieces']} | {s['pool_bytes'] / 2**20:.0f} | "
+                     f"{s['replay_input_copies']} |")
+    with open(os.path.join(args.out, "decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama", "hybrid", "both"], default="both")
@@ -164,32 +193,8 @@ def main(argv=None) -> int:
                              "rel_err_vs_eager": err, "match": err is not None and err < 2e-2,
                              "dispatched": r["mode"]})
             print(f"done {model_name} {name}: {info}", flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "python": platform.python_version(),
-            "command": " ".join(["python", "bench/decode.py"] + (argv or sys.argv[1:])),
-            "copy_bandwidth_GBps": bw / 1e9, "context": args.context}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "startup": startup}, f, indent=1)
-    lines = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"{meta['date']})", "", f"Command: `{meta['command']}`; copy bandwidth "
-             f"{bw / 1e9:.0f} GB/s; {args.context} cached tokens per request; bf16.", "",
-             "| model | variant | batch | step ms | floor ms | x floor | rel err vs eager | ran as |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        err = "-" if r["rel_err_vs_eager"] is None else f"{r['rel_err_vs_eager']:.1e}"
-        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
-                     f"{r['floor_ms']:.3f} | {r['x_floor']:.2f} | {err} | {r['dispatched']} |")
-    lines += ["", "| model | variant | compile s | capture s (all sizes) | graphs | pieces | "
-              "pool MiB | input copies |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for s in startup:
-        lines.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
-                     f"{s['graphs']} | {s['pieces']} | {s['pool_bytes'] / 2**20:.0f} | "
-                     f"{s['replay_input_copies']} |")
-    with open(os.path.join(args.out, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write_results(args, argv, bw, rows, startup)  # partial results survive a timeout
+    print(write_results(args, argv, bw, rows, startup))
     return 0
 
 

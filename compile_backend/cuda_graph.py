@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
@@ -79,11 +80,15 @@ def use_graph_backend(graphs: Any):
         _graph_backend, _shared_pool = previous, previous_pool
 
 
+_pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs captured into it
+
+
 def shared_graph_pool(graphs: Any) -> Any:
-    """One memory pool for every graph of the process (captured largest first,
-    so smaller graphs reuse the blocks of larger ones)."""
+    """One memory pool for every live graph (captured largest first, so smaller
+    graphs reuse the blocks of larger ones). The allocator frees a pool when
+    its last graph dies, so a handle is reused only while a graph holds it."""
     global _shared_pool
-    if _shared_pool is None:
+    if _shared_pool is None or not _pool_graphs:
         _shared_pool = graphs.pool()
     return _shared_pool
 
@@ -181,6 +186,7 @@ class CUDAGraphWrapper:
     def _capture(self, key: Hashable, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
         graph = self.graphs.new_graph()
         pool = shared_graph_pool(self.graphs)
+        _pool_graphs.add(graph)
         self.graphs.synchronize()
         before = self.graphs.memory_allocated()
         t0 = time.perf_counter()

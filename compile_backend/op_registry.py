@@ -163,7 +163,16 @@ class OpRegistry:
         return reg
 
     def register(self, name: str, role: "OpRole | str") -> None:
-        self._roles[_check_name_syntax(name)] = _parse_role(role)
+        role = _parse_role(role)
+        if role is OpRole.BREAKPOINT and self._roles.get(name) is OpRole.ATTENTION_LIKE:
+            # An attention-like op is never a split point (it must run inside
+            # captured graphs); asking for it among splitting ops changes nothing.
+            logger.warning(
+                "%s is attention-like, so it stays inside captured segments although "
+                "splitting_ops names it", name)
+            self._overridden.add(name)
+            return
+        self._roles[_check_name_syntax(name)] = role
 
     def remove(self, name: str) -> None:
         self._roles.pop(name, None)
@@ -188,13 +197,14 @@ class OpRegistry:
         return self.role_of_name(node_op_name(node))
 
     def wildcard_conflicts(self, names: Iterable[str]) -> list[str]:
-        """Attention-like ops that a breakpoint wildcard would have split at."""
+        """Attention-like ops that splitting_ops named (exactly or by a
+        namespace wildcard) and that are not split at."""
         out = []
         for name in names:
-            if "::" not in name:
+            if "::" not in name or self.role_of_name(name) is not OpRole.ATTENTION_LIKE:
                 continue
             wildcard = self._roles.get(name.split("::")[0] + "::*")
-            if wildcard is OpRole.BREAKPOINT and self.role_of_name(name) is OpRole.ATTENTION_LIKE:
+            if wildcard is OpRole.BREAKPOINT or name in self._overridden:
                 out.append(name)
         return out
 

@@ -128,6 +128,13 @@ def test_attention_like_beats_a_breakpoint_wildcard():
     assert reg.wildcard_conflicts(["toy::state_mix", "toy::attn"]) == ["toy::state_mix"]
 
 
+def test_attention_like_op_named_among_splitting_ops_is_not_split():
+    cfg = cb.CompilationConfig(splitting_ops=["mrv2::sconv", "toy::attn"])
+    reg = cb.OpRegistry.from_config(cfg)
+    assert reg.role_of_name("mrv2::sconv") is cb.OpRole.ATTENTION_LIKE
+    assert reg.wildcard_conflicts(["mrv2::sconv"]) == ["mrv2::sconv"]
+
+
 # ---- numerics and split shape ------------------------------------------------
 
 
