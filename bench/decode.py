@@ -82,6 +82,7 @@ def floor_bytes(model: torch.nn.Module, batch: int, context: int) -> int:
     return weights + kv
 
 
+@torch.no_grad()
 def run_variant(name, model_name, batches, context, capture_sizes):
     spec = VARIANTS[name]
     torch._dynamo.reset()

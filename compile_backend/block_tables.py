@@ -23,12 +23,8 @@ class BlockTables:
         """Write the batch's block rows (padding rows: all null block) and its
         slot mapping; returns the slot-mapping view [T'] for this step."""
         B, T = batch.num_reqs_padded, batch.num_tokens_padded
-        table = torch.zeros(B, self.block_table.shape[1], dtype=torch.int32)
-        ctable = torch.zeros(B, self.compressed_block_table.shape[1], dtype=torch.int32)
-        for i, ids in enumerate(batch.block_ids):
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        for i, ids in enumerate(batch.compressed_block_ids):
-            ctable[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        table = _rows(batch.block_ids, B, self.block_table.shape[1])
+        ctable = _rows(batch.compressed_block_ids, B, self.compressed_block_table.shape[1])
         slots: list[int] = []
         bs = self.cfg.block_size
         for i, (q, s) in enumerate(zip(batch.query_lens, batch.seq_lens)):
@@ -38,13 +34,19 @@ class BlockTables:
             for pos in range(s - q, s):
                 slots.append(batch.block_ids[i][pos // bs] * bs + pos % bs)
         slots += [-1] * (T - len(slots))
-        nb = self.block_table.is_cuda
-        self.block_table[:B].copy_(table, non_blocking=nb)
-        self.compressed_block_table[:B].copy_(ctable, non_blocking=nb)
-        self.slot_mapping[:T].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=nb)
+        self.block_table[:B].copy_(table)
+        self.compressed_block_table[:B].copy_(ctable)
+        self.slot_mapping[:T].copy_(torch.tensor(slots, dtype=torch.int64))
         return self.slot_mapping[:T]
 
     def get_dummy_block_tables(self, num_reqs: int) -> torch.Tensor:
         """[num_reqs, max_blocks_per_req] of null blocks, in the persistent buffer."""
         self.block_table[:num_reqs].zero_()
         return self.block_table[:num_reqs]
+
+
+def _rows(rows: list[list[int]], num_rows: int, width: int) -> torch.Tensor:
+    """[num_rows, width] int32, each row zero-padded (0 = the null block)."""
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    padded += [[0] * width] * (num_rows - len(rows))
+    return torch.tensor(padded, dtype=torch.int32).reshape(num_rows, width)

@@ -51,6 +51,7 @@ class InputBuffers:
 
 
 def _put(buf: torch.Tensor, values: list) -> None:
+    # A small pageable host->device copy: allocating pinned memory per step
+    # costs more than the copy itself.
     assert len(values) <= buf.numel(), (len(values), buf.numel())
-    src = torch.tensor(values, dtype=buf.dtype, pin_memory=buf.is_cuda)
-    buf[: len(values)].copy_(src, non_blocking=buf.is_cuda)
+    buf[: len(values)].copy_(torch.tensor(values, dtype=buf.dtype))
