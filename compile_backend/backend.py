@@ -63,6 +63,12 @@ class CompiledStep:
     def __call__(self, *args: Any) -> Any:
         return self.split_gm(*args)
 
+    @property
+    def __code__(self):
+        """The code of `__call__`: tools that decompile what a backend returned
+        (depyf, on leaving `prepare_debug`) read the callable's `__code__`."""
+        return type(self).__call__.__code__
+
 
 _compiled: list[CompiledStep] = []
 

@@ -281,17 +281,16 @@ def depyf_dump(path: str | os.PathLike) -> Iterator[Path]:
     key = str(root)
     _depyf_active.add(key)
     note = None
-    with _compiled_step_has_code():
-        try:
-            with depyf.prepare_debug(str(root / "depyf")):
-                yield root
-        except Exception as e:  # depyf failing must not fail the run it watched
-            if not isinstance(e, _DEPYF_ERRORS):
-                raise
-            note = f"depyf stopped early: {type(e).__name__}: {e}"
-            logger.warning("mrv2: %s", note)
-        finally:
-            _depyf_active.discard(key)
+    try:
+        with depyf.prepare_debug(str(root / "depyf")):
+            yield root
+    except Exception as e:  # depyf failing must not fail the run it watched
+        if not isinstance(e, _DEPYF_ERRORS):
+            raise
+        note = f"depyf stopped early: {type(e).__name__}: {e}"
+        logger.warning("mrv2: %s", note)
+    finally:
+        _depyf_active.discard(key)
     if (root / MANIFEST).exists():
         manifest = read_manifest(root)
         manifest["depyf"] = {"dir": "depyf", "written": (root / "depyf").is_dir(), "note": note}
@@ -299,21 +298,3 @@ def depyf_dump(path: str | os.PathLike) -> Iterator[Path]:
 
 
 _DEPYF_ERRORS = (AttributeError, AssertionError, OSError, TypeError)
-
-
-@contextlib.contextmanager
-def _compiled_step_has_code() -> Iterator[None]:
-    """Note [depyf and CompiledStep]: on exit depyf decompiles each compiled
-    subgraph through its `__code__`; the backend returns a CompiledStep
-    object, which has none. For the context's duration its class gets a
-    `__code__` (that of `__call__`); removed after."""
-    from .backend import CompiledStep
-
-    if hasattr(CompiledStep, "__code__"):
-        yield
-        return
-    CompiledStep.__code__ = property(lambda self: type(self).__call__.__code__)
-    try:
-        yield
-    finally:
-        del CompiledStep.__code__

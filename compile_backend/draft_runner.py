@@ -1,0 +1,126 @@
+"""The speculative-decoding draft path: an autoregressive draft model proposes
+`num_draft_tokens` tokens for every request, one uniform decode step at a time.
+
+Graphs are keyed by (requests, draft tokens). In FULL mode the whole k-step
+loop is one graph: each step's argmax becomes the next step's input, and
+positions, seq_lens and slot mappings advance on the device, in the
+persistent buffers the metadata views read, so nothing leaves the graph. In
+PIECEWISE mode the loop runs in Python over the model's piecewise graphs, and
+metadata is rebuilt each step (the attention breakpoint runs eagerly with
+exact bounds). Capture goes through the same
+`prepare_inputs_to_capture(..., full_cudagraph=mode is FULL)` as the main model.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .capture import prepare_inputs_to_capture
+from .config import CUDAGraphMode
+from .cuda_graph import CUDAGraphWrapper, current_graph_backend
+from .forward_context import ForwardContext, set_forward_context
+from .input_batch import InputBatch
+from .model_runner import ModelRunner
+
+
+class DraftDescriptor(NamedTuple):
+    num_reqs: int  # padded requests (= tokens per step)
+    num_draft_tokens: int
+
+
+class DraftRunner:
+    def __init__(self, runner: ModelRunner, num_draft_tokens: int) -> None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.runner = runner
+        self.k = num_draft_tokens
+        self.mode = CUDAGraphMode.FULL if runner.mode.has_full else (
+            CUDAGraphMode.PIECEWISE if runner.mode.has_piecewise else CUDAGraphMode.NONE)
+        self.loop_graph = CUDAGraphWrapper(
+            self._loop, CUDAGraphMode.FULL, name="draft_loop",
+            debug_checks=runner.config.debug_checks, graphs=current_graph_backend(),
+            weak_outputs=False)
+        self.captured: list[DraftDescriptor] = []
+
+    # ---- the k-step loop (device only) ----------------------------------------
+
+    def _advance(self, num_tokens: int, num_reqs: int, tokens: torch.Tensor) -> None:
+        """Feed `tokens` [T'] back as the next step's inputs, one position on."""
+        buf, tables = self.runner.input_buffers, self.runner.block_tables
+        bs = self.runner.kv_cache_config.block_size
+        real = buf.seq_lens[:num_reqs] > 0  # padding requests have seq_len 0
+        buf.input_ids[:num_tokens].copy_(tokens)
+        pos = buf.positions[:num_reqs]
+        pos.add_(real.to(pos.dtype))
+        buf.seq_lens[:num_reqs].add_(real.to(torch.int32))
+        blk = tables.block_table[:num_reqs].gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        slots = torch.where(real, blk.to(torch.int64) * bs + pos % bs, -1)
+        tables.slot_mapping[:num_reqs].copy_(slots)
+        buf.has_initial_state[:num_reqs].copy_(real)
+
+    def _loop(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[0]
+        out = []
+        for i in range(self.k):
+            tokens = self.runner._run_compiled(input_ids, positions).argmax(-1)  # [T']
+            out.append(tokens)
+            if i + 1 < self.k:
+                self._advance(T, T, tokens)
+        return torch.stack(out, dim=1)  # [T', k]
+
+    # ---- capture and propose --------------------------------------------------
+
+    def capture(self) -> list[DraftDescriptor]:
+        """One graph per (requests, k), largest first. PIECEWISE needs nothing
+        beyond the main runner's piecewise graphs."""
+        if self.mode is not CUDAGraphMode.FULL:
+            return []
+        r = self.runner
+        for n in sorted(r.decode_sizes, reverse=True):
+            desc = DraftDescriptor(n, self.k)
+            meta, _ = prepare_inputs_to_capture(
+                n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
+                r.kv_cache_config, full_cudagraph=self.mode is CUDAGraphMode.FULL)
+            ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
+            with set_forward_context(ForwardContext(meta, None, CUDAGraphMode.NONE)):
+                self._loop(ids, pos)  # warm-up
+            # Re-prepare: the warm-up advanced the (dummy) buffers.
+            meta, _ = prepare_inputs_to_capture(
+                n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
+                r.kv_cache_config, full_cudagraph=True)
+            with set_forward_context(ForwardContext(meta, desc, CUDAGraphMode.FULL)):
+                self.loop_graph(ids, pos)
+            self.captured.append(desc)
+        return self.captured
+
+    def propose(self, batch: InputBatch) -> torch.Tensor:
+        """Draft tokens [B, k] for a uniform decode batch (each request's last
+        token). Block tables must already cover k more positions."""
+        if not batch.uniform_decode:
+            raise ValueError("the draft path takes uniform decode batches (one token per request)")
+        r = self.runner
+        sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
+        if self.mode is CUDAGraphMode.FULL and sizes:
+            n = sizes[0]
+            batch.pad_to(n, n)
+            r.input_buffers.write(batch)
+            slots = r.block_tables.write(batch)
+            meta = r.model_state.prepare_attn(batch, CUDAGraphMode.FULL, r.block_tables, slots,
+                                              r.attn_groups, r.kv_cache_config, for_capture=True)
+            ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
+            with set_forward_context(ForwardContext(meta, DraftDescriptor(n, self.k),
+                                                    CUDAGraphMode.FULL)):
+                return self.loop_graph(ids, pos)[: batch.num_reqs].clone()
+        # PIECEWISE / NONE / too large: step by step through the main runner.
+        out = []
+        step = batch
+        for i in range(self.k):
+            logits = r.execute(step)
+            tokens = logits.argmax(-1).tolist()
+            out.append(tokens)
+            step = InputBatch(tokens, [1] * batch.num_reqs, [s + 1 for s in step.seq_lens],
+                              step.req_slots, block_ids=step.block_ids,
+                              compressed_block_ids=step.compressed_block_ids)
+        return torch.tensor(out, dtype=torch.int64).T
