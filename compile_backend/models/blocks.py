@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.layers import PagedAttention
+
 from .config import ModelConfig
 
 
@@ -45,6 +47,36 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(nn.functional.silu(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    """q/k/v projections, rotary positions, paged GQA attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.H, self.KVH, self.D = H, KVH, D
+        # Separate projections: slices of one fused output are not contiguous,
+        # and a contiguity check on them would specialise the token count to != 1.
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, KVH * D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, KVH * D, bias=False)
+        self.rotary = Rotary(D, cfg.rope_theta)
+        self.attn = PagedAttention(H, KVH, D, layer_name=f"layers.{index}.attn")
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+
+    def project(self, r: torch.Tensor):
+        """r [T, hidden] -> q [T, H*D], k [T, KVH, D], v [T, KVH*D]."""
+        T = r.shape[0]
+        return self.q_proj(r), self.k_proj(r).view(T, self.KVH, self.D), self.v_proj(r)
+
+    def attend(self, q, k, v, positions: torch.Tensor) -> torch.Tensor:
+        T = q.shape[0]
+        q = self.rotary(q.view(T, self.H, self.D), positions)
+        return self.o_proj(self.attn(q, self.rotary(k, positions), v))
+
+    def forward(self, r: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.project(r), positions)
 
 
 class Decoder(nn.Module):
