@@ -101,6 +101,10 @@ class CaptureSafetyError(RuntimeError):
     """strict_capture is on and some op cannot be captured."""
 
 
+# Python callables Dynamo leaves in graphs that do host-side bookkeeping only:
+# they read no tensor and launch nothing, so a capture loses nothing.
+_HOST_ONLY = frozenset({torch._C._log_api_usage_once})
+
 _HOST_SYNC_NAMES = frozenset({
     "item", "tolist", "cpu", "numpy", "_local_scalar_dense", "is_nonzero",
     "__bool__", "__int__", "__float__", "__index__", "__complex__",
@@ -288,5 +292,7 @@ class CaptureSafetyPass(Mrv2Pass):
                 return None
             return "higher-order op not known to be capture-safe"
         if is_torch_level(node) or is_python_builtin(node) or sets_global_state(node):
+            return None
+        if target in _HOST_ONLY:
             return None
         return "python function opaque to the passes (its effects cannot be checked)"

@@ -37,6 +37,6 @@ def test_hf_llama_matches_eager_with_one_eager_piece_per_layer(tmp_path):
     attention = [p for p in pieces if p["breakpoints"]]
     assert len(attention) == layers
     assert all(p["breakpoints"] == [SDPA] and not p["captured"] for p in attention)
-    # any other eager piece is a capture fallback that says why
-    # (transformers calls torch._C._log_api_usage_once inside forward)
-    assert all(p["eager_reasons"] for p in pieces if not p["captured"] and not p["breakpoints"])
+    # nothing else falls back: transformers' torch._C._log_api_usage_once in
+    # forward is host-only bookkeeping, which the capture-safety pass lets through
+    assert [p for p in pieces if not p["captured"]] == attention

@@ -84,3 +84,35 @@ def test_debug_mode_catches_a_moved_persistent_metadata_tensor():
         buf.seq_lens = buf.seq_lens.clone()
         with pytest.raises(RuntimeError, match="seq_lens moved since capture"):
             engine.generate(prompts, 3)
+
+
+def _draft_tokens(mode, k=3):
+    from compile_backend.draft_runner import DraftRunner
+    from compile_backend.input_batch import InputBatch
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        engine = _engine(mode, dtype=torch.float32)
+        engine.runner.capture()
+        draft = DraftRunner(engine.runner, k)
+        captured = draft.capture()
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 20, 3)]
+        blocks = [engine.blocks.allocate(3) for _ in prompts]
+        cblocks = [engine.compressed_blocks.allocate(1) for _ in prompts]
+        lens = [len(p) for p in prompts]
+        logits = engine.runner.execute(InputBatch(
+            [t for p in prompts for t in p], lens, lens, [0, 1, 2],
+            block_ids=blocks, compressed_block_ids=cblocks))
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(3)], device=logits.device)
+        first = logits[last].argmax(-1).tolist()
+        out = draft.propose(InputBatch(first, [1, 1, 1], [n + 1 for n in lens], [0, 1, 2],
+                                       block_ids=blocks, compressed_block_ids=cblocks))
+    return out.cpu(), captured
+
+
+def test_draft_loop_captured_as_one_full_graph_equals_eager():
+    ref, _ = _draft_tokens("none")
+    out, captured = _draft_tokens("full")
+    assert len(captured) == len([s for s in SIZES if s <= 8])
+    assert torch.equal(out, ref)
