@@ -2,7 +2,7 @@
 ops read, so that a model never passes metadata through `forward`.
 
 Ops look up their metadata by layer name:
-    ctx = get_forward_context(); meta = ctx.attn_metadata[layer_name]
+    meta = get_forward_context().metadata(layer_name)
 The runner (or a test) sets it with `set_forward_context(...)`, a context
 manager that restores the previous value on exit (nesting is allowed).
 """
