@@ -137,7 +137,6 @@ class CUDAGraphWrapper:
         input_names: Sequence[str] | None = None,
         graphs: Any = None,
         weak_outputs: bool = True,
-        on_capture: Callable[[str, Hashable, CapturedGraph], None] | None = None,
     ) -> None:
         assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
         self.fn = fn
@@ -148,7 +147,6 @@ class CUDAGraphWrapper:
         self.input_names = list(input_names) if input_names else None
         self.graphs = graphs or current_graph_backend()
         self.weak_outputs = weak_outputs
-        self.on_capture = on_capture
         self.entries: dict[Hashable, CapturedGraph] = {}
         self._warmed_shapes: set[Hashable] = set()
 
@@ -212,8 +210,6 @@ class CUDAGraphWrapper:
         if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
             self.graphs.after_capture(graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
-        if self.on_capture is not None:
-            self.on_capture(self.name, key, entry)
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
         return outputs
 
