@@ -1,167 +1,346 @@
-"""Decode-step benchmark on one GPU: mrv2's graph modes against eager and Inductor.
+"""Decode-step benchmark: mrv2's graph modes against eager and Inductor's own modes.
 
     python bench/decode.py [--model llama|hybrid|both] [--batches 1,8,32,64,128,256]
-                           [--context 500] [--out bench/results]
+                           [--context 500] [--variants a,b,...] [--out bench/results]
+                           [--mixed 512,2048] [--startup] [--dry-run]
 
-Per cell: median step time over CUDA events (warm-up excluded; a step is the
-runner's whole `execute`: host-side buffer writes, metadata, replay or
-launches), its ratio to the HBM floor (weight bytes + KV bytes read, over the
-device-to-device copy bandwidth measured in this run), and whether the logits
-match eager (relative error < 2e-2, bf16). Startup: compile time and capture
-time per variant, pool memory after all captures.
+Per decode cell: median step time over CUDA events (warm-up excluded; a step is
+the runner's whole `execute`: host-side buffer writes, metadata, then replay or
+launches), the FULL graph's replay alone where there is one, the ratio to the
+HBM floor (weight bytes + KV bytes read, over the device-to-device copy
+bandwidth measured in this run), and the relative error of the first step's
+logits against eager (match: < 5e-2, bf16 over 8 layers).
 
-Variants: eager (no compile), inductor (torch.compile default, no graphs),
-mrv2 none / piecewise / full / full_and_piecewise (Inductor pieces). Inductor's
-reduce-overhead modes are not measured here (see the results' notes).
+Variants (all with the project's kernels):
+  eager                    the model uncompiled
+  inductor                 torch.compile default (no graphs)
+  inductor-reduce-overhead torch.compile(mode="reduce-overhead") (CUDA graph trees)
+  inductor-ro-partitioned  the same with Inductor's graph partition cut at the
+                           mrv2 attention ops (graph_partition, custom_should_partition_ops)
+  mrv2-none | mrv2-piecewise | mrv2-full | mrv2-full_and_piecewise
+
+Also: a mixed prefill+decode step (--mixed token counts) for eager, inductor
+and mrv2-piecewise; with --startup, cold and warm compile time (two fresh
+processes sharing one Inductor cache) and the pool memory of the largest
+capture alone. --dry-run checks the plumbing on the CPU (tiny model, graph
+stand-in, perf_counter timing: the numbers mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_backend as cb  # noqa: E402
+from compile_backend.cuda_graph import use_graph_backend  # noqa: E402
+from compile_backend.graph_standin import StandInGraphs  # noqa: E402
 from compile_backend.input_batch import InputBatch  # noqa: E402
 from compile_backend.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.model_runner import ModelRunner  # noqa: E402
 from compile_backend.models import build_model, preset  # noqa: E402
 
+ATTENTION_OPS = ["mrv2::unified_attention", "mrv2::reshape_and_cache"]
+MATCH_TOL = 5e-2
+
+
+class _Partitioned:
+    """reduce-overhead with Inductor's graph partition cut at attention; the
+    config patch is active while the first call compiles."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.compiled = torch.compile(model, mode="reduce-overhead")
+        self.first = True
+
+    def __call__(self, *args):
+        if not self.first:
+            return self.compiled(*args)
+        self.first = False
+        import torch._inductor.config as ic
+
+        with ic.patch(graph_partition=True, custom_should_partition_ops=ATTENTION_OPS):
+            return self.compiled(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    mode: str  # the mrv2 graph mode (runner dispatch); "none" for the others
+    compile_fn: Callable[[torch.nn.Module], Any] | None  # None: mrv2
+    needs_cuda: bool = False
+
+
 VARIANTS = {
-    "eager": dict(backend=False, mode="none"),
-    "inductor": dict(backend="inductor", mode="none"),
-    "mrv2-none": dict(backend=None, mode="none"),
-    "mrv2-piecewise": dict(backend=None, mode="piecewise"),
-    "mrv2-full": dict(backend=None, mode="full"),
-    "mrv2-full_and_piecewise": dict(backend=None, mode="full_and_piecewise"),
+    "eager": Variant("none", lambda m: m),
+    "inductor": Variant("none", lambda m: torch.compile(m)),
+    "inductor-reduce-overhead": Variant(
+        "none", lambda m: torch.compile(m, mode="reduce-overhead"), needs_cuda=True),
+    "inductor-ro-partitioned": Variant("none", _Partitioned, needs_cuda=True),
+    "mrv2-none": Variant("none", None),
+    "mrv2-piecewise": Variant("piecewise", None),
+    "mrv2-full": Variant("full", None),
+    "mrv2-full_and_piecewise": Variant("full_and_piecewise", None),
 }
 
 
-def copy_bandwidth() -> float:
+@dataclasses.dataclass
+class Setup:
+    device: str
+    dtype: torch.dtype
+    preset: str
+    piece_compiler: str
+    context: int
+    graphs: Any  # None: real CUDA graphs; a stand-in on dry runs
+
+    def scope(self):
+        return use_graph_backend(self.graphs) if self.graphs is not None else contextlib.nullcontext()
+
+
+def median_ms(fn: Callable[[], Any], setup: Setup, reps: int = 30) -> float:
+    times = []
+    for _ in range(reps):
+        if setup.device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def sync(setup: Setup) -> None:
+    if setup.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def allocated(setup: Setup) -> int:
+    return torch.cuda.memory_allocated() if setup.device == "cuda" else 0
+
+
+def copy_bandwidth(setup: Setup) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    n = (1 << 30) if setup.device == "cuda" else (1 << 24)
+    a = torch.empty(n, dtype=torch.uint8, device=setup.device).random_(0, 255)
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); b.copy_(a); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * n / statistics.median(times)
+    return 2 * n / (median_ms(lambda: b.copy_(a), setup, reps=20) / 1e3)
 
 
-def decode_batch(batch: int, context: int, kv: KVCacheConfig, seed: int = 0) -> InputBatch:
+def decode_batch(batch: int, context: int, kv: KVCacheConfig, vocab: int, seed: int = 0) -> InputBatch:
     """`batch` requests each decoding one token after `context` cached tokens."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_req = math.ceil((context + 1) / kv.block_size)
+    blocks = math.ceil((context + 1) / kv.block_size)
     cblocks = math.ceil(math.ceil((context + 1) / kv.compress_ratio) / kv.block_size)
     return InputBatch(
-        token_ids=torch.randint(0, 32000, (batch,), generator=g).tolist(),
+        token_ids=torch.randint(0, vocab, (batch,), generator=g).tolist(),
         query_lens=[1] * batch, seq_lens=[context + 1] * batch, req_slots=list(range(batch)),
-        block_ids=[[1 + r * blocks_per_req + i for i in range(blocks_per_req)] for r in range(batch)],
+        block_ids=[[1 + r * blocks + i for i in range(blocks)] for r in range(batch)],
         compressed_block_ids=[[1 + r * cblocks + i for i in range(cblocks)] for r in range(batch)],
     )
 
 
-def floor_bytes(model: torch.nn.Module, batch: int, context: int) -> int:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+def mixed_batch(num_tokens: int, num_decodes: int, context: int, kv: KVCacheConfig,
+                vocab: int) -> InputBatch:
+    """`num_decodes` decode requests plus one prefill of the remaining tokens."""
+    d = decode_batch(num_decodes, context, kv, vocab)
+    n = num_tokens - num_decodes
+    first = 1 + num_decodes * len(d.block_ids[0])
+    cfirst = 1 + num_decodes * len(d.compressed_block_ids[0])
+    g = torch.Generator().manual_seed(1)
+    return InputBatch(
+        token_ids=d.token_ids + torch.randint(0, vocab, (n,), generator=g).tolist(),
+        query_lens=d.query_lens + [n], seq_lens=d.seq_lens + [n],
+        req_slots=d.req_slots + [num_decodes],
+        block_ids=d.block_ids + [list(range(first, first + math.ceil(n / kv.block_size)))],
+        compressed_block_ids=d.compressed_block_ids + [list(range(
+            cfirst, cfirst + math.ceil(math.ceil(n / kv.compress_ratio) / kv.block_size)))],
+    )
+
+
+def floor_bytes(model: torch.nn.Module, tokens_read: int) -> int:
     cfg = model.cfg
-    kv = 2 * cfg.num_layers * batch * (context + 1) * cfg.num_kv_heads * cfg.head_dim * 2
-    return weights + kv
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights + 2 * cfg.num_layers * tokens_read * cfg.num_kv_heads * cfg.head_dim * 2
 
 
 @torch.no_grad()
-def run_variant(name, model_name, batches, context, capture_sizes):
-    spec = VARIANTS[name]
+def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
+          max_reqs: int, max_tokens: int, num_blocks: int, max_model_len: int | None = None):
+    spec = VARIANTS[variant]
     torch._dynamo.reset()
     cb.reset_counters()
-    torch.manual_seed(0)
-    model = build_model(model_name, preset("bench", dtype=torch.bfloat16)).cuda()
-    max_b = max(batches)
-    blocks = max_b * (math.ceil((context + 1) / 16) + 2) + 2
-    kv = KVCacheConfig(num_blocks=blocks, block_size=16, max_model_len=context + 64,
-                       max_num_reqs=max_b, max_num_tokens=max(capture_sizes))
-    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cuda")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for buf in model.buffers():  # random cache contents: never time zeros
+    model = build_model(model_name, preset(setup.preset, dtype=setup.dtype)).to(setup.device)
+    kv = KVCacheConfig(num_blocks=num_blocks, block_size=16,
+                       max_model_len=max_model_len or setup.context + 64,
+                       max_num_reqs=max_reqs, max_num_tokens=max_tokens)
+    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, setup.device)
+    g = torch.Generator(device=setup.device).manual_seed(1)
+    for buf in model.buffers():  # random caches and state: never time zeros
         if buf.dtype.is_floating_point and buf.dim() >= 2:
             buf.normal_(generator=g)
-    cfg = cb.CompilationConfig(cudagraph_mode=spec["mode"], capture_sizes=capture_sizes)
-    runner = ModelRunner(model, kv, cfg, "cuda", progress=False, backend=spec["backend"])
+    cfg = cb.CompilationConfig(cudagraph_mode=spec.mode, capture_sizes=capture_sizes,
+                               piece_compiler=setup.piece_compiler)
+    runner = ModelRunner(model, kv, cfg, setup.device, progress=False, compile_fn=spec.compile_fn)
     t0 = time.perf_counter()
-    runner._warmup(max(capture_sizes), None)  # compiles
-    torch.cuda.synchronize()
+    runner._warmup(max(capture_sizes), None)  # first call: compiles
+    sync(setup)
     compile_s = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()
+    mem0 = allocated(setup)
     t0 = time.perf_counter()
     runner.capture()
-    torch.cuda.synchronize()
-    capture_s = time.perf_counter() - t0
-    pool = torch.cuda.memory_allocated() - mem0
-    results = {}
+    sync(setup)
+    startup = {"compile_s": compile_s, "capture_s": time.perf_counter() - t0,
+               "pool_bytes": allocated(setup) - mem0}
+    return runner, model, kv, startup
+
+
+@torch.no_grad()
+def run_decode(model_name, variant, setup, batches, bw):
+    sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
+    blocks = max(batches) * (math.ceil((setup.context + 1) / 16) + 2) + 2
+    runner, model, kv, startup = build(model_name, variant, setup, sizes, max(batches),
+                                       max(sizes), blocks)
+    vocab = model.cfg.vocab_size
+    rows = []
     for b in batches:
-        batch = decode_batch(b, context, kv)
-        # First step: the output compared with eager (fresh state in every variant).
-        out = runner.execute(decode_batch(b, context, kv)).float()
+        first = runner.execute(decode_batch(b, setup.context, kv, vocab)).float().cpu().clone()  # a replay overwrites its output
         for _ in range(5):
-            runner.execute(decode_batch(b, context, kv))
-        times = []
-        for _ in range(30):
-            batch = decode_batch(b, context, kv)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); runner.execute(batch); e.record(); torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        results[b] = {"ms": statistics.median(times), "out": out.cpu(),
-                      "floor_bytes": floor_bytes(model, b, context),
-                      "mode": runner.dispatch(decode_batch(b, context, kv))[0].value}
-    info = {"compile_s": compile_s, "capture_s": capture_s, "pool_bytes": pool,
-            "graphs": cb.counters["cudagraph_captures"], "pieces": cb.counters["pieces"],
-            "replay_input_copies": cb.counters["replay_input_copies"]}
-    del runner, model
-    torch.cuda.empty_cache()
-    return results, info
+            runner.execute(decode_batch(b, setup.context, kv, vocab))
+        ms = median_ms(lambda: runner.execute(decode_batch(b, setup.context, kv, vocab)), setup)
+        mode, desc, _, _ = runner.dispatch(decode_batch(b, setup.context, kv, vocab))
+        replay_ms = None
+        if mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
+            graph = runner.full_graph.entries[desc].graph
+            replay_ms = median_ms(graph.replay, setup)
+        rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
+                     "replay_ms": replay_ms, "floor_bytes": floor_bytes(model, b * (setup.context + 1)),
+                     "dispatched": mode.value, "first": first})
+    startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
+                   replay_input_copies=cb.counters["replay_input_copies"])
+    if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
+        del runner
+        largest, _, _, only = build(model_name, variant, setup, [max(sizes)], max(batches),
+                                    max(sizes), blocks)
+        startup["pool_largest_alone_bytes"] = only["pool_bytes"]
+        del largest
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows, startup
 
 
-def write_results(args, argv, bw, rows, startup) -> str:
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "python": platform.python_version(),
-            "command": " ".join(["python", "bench/decode.py"] + (argv or sys.argv[1:])),
-            "copy_bandwidth_GBps": bw / 1e9, "context": args.context}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "startup": startup}, f, indent=1)
-    lines = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"{meta['date']})", "", f"Command: `{meta['command']}`; copy bandwidth "
-             f"{bw / 1e9:.0f} GB/s; {args.context} cached tokens per request; bf16.", "",
-             "| model | variant | batch | step ms | floor ms | x floor | rel err vs eager | ran as |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        err = "-" if r["rel_err_vs_eager"] is None else f"{r['rel_err_vs_eager']:.1e}"
-        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
-                     f"{r['floor_ms']:.3f} | {r['x_floor']:.2f} | {err} | {r['dispatched']} |")
-    lines += ["", "| model | variant | compile s | capture s (all sizes) | graphs | pieces | "
-              "pool MiB | input copies |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+@torch.no_grad()
+def run_mixed(model_name, variant, setup, sizes):
+    blocks = 64 * (math.ceil((setup.context + 1) / 16) + 2) + max(sizes) // 16 + 4
+    runner, model, kv, _ = build(model_name, variant, setup, sizes, 64, max(sizes), blocks,
+                                 max_model_len=max(sizes) + setup.context + 64)
+    rows = []
+    for n in sizes:
+        def step():
+            return runner.execute(mixed_batch(n, 32, setup.context, kv, model.cfg.vocab_size))
+        first = step().float().cpu().clone()  # a replay overwrites its output
+        for _ in range(3):
+            step()
+        rows.append({"model": model_name, "variant": variant, "tokens": n,
+                     "ms": median_ms(step, setup, reps=10), "first": first,
+                     "dispatched": runner.dispatch(mixed_batch(n, 32, setup.context, kv, 16))[0].value})
+    return rows
+
+
+def compile_seconds_in_fresh_process(model_name: str, variant: str, cache_dir: str) -> float:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, __file__, "--compile-only", "--model", model_name,
+                          "--variants", variant], capture_output=True, text=True, env=env,
+                         timeout=900)
+    for line in out.stdout.splitlines():
+        if line.startswith("compile_s="):
+            return float(line.split("=")[1])
+    raise RuntimeError(f"compile-only run printed no time:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "first"} for r in rows]  # noqa: E731
+    with open(os.path.join(out_dir, "decode.json"), "w") as f:
+        json.dump({"meta": meta, "decode": strip(decode), "mixed": strip(mixed),
+                   "startup": startup, "compile": compile_times, "skipped": skipped}, f, indent=1)
+    L = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+         f"{meta['date']})", "",
+         f"Command: `{meta['command']}`; copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s; "
+         f"{meta['context']} cached tokens per request; {meta['dtype']}; match = relative error "
+         f"of the first step's logits against eager < {MATCH_TOL}.", "",
+         "| model | variant | batch | step ms | replay ms | floor ms | x floor | rel err | match | ran as |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in decode:
+        replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.3f}"
+        L.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | {replay} | "
+                 f"{r['floor_ms']:.3f} | {r['x_floor']:.2f} | {r['rel_err']:.1e} | "
+                 f"{'yes' if r['match'] else 'NO'} | {r['dispatched']} |")
+    if mixed:
+        L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", "",
+              "| model | variant | tokens | step ms | rel err | ran as |", "|---|---|---:|---:|---:|---|"]
+        L += [f"| {r['model']} | {r['variant']} | {r['tokens']} | {r['ms']:.3f} | "
+              f"{r['rel_err']:.1e} | {r['dispatched']} |" for r in mixed]
+    L += ["", "| model | variant | compile s | capture s (all sizes) | graphs | pieces | pool MiB | "
+          "largest alone MiB | input copies |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in startup:
-        lines.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
-                     f"{s['graphs']} | {s['pieces']} | {s['pool_bytes'] / 2**20:.0f} | "
-                     f"{s['replay_input_copies']} |")
-    with open(os.path.join(args.out, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return "\n".join(lines)
+        alone = s.get("pool_largest_alone_bytes")
+        L.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
+                 f"{s['graphs']} | {s['pieces']} | {s['pool_bytes'] / 2**20:.0f} | "
+                 f"{'-' if alone is None else f'{alone / 2**20:.0f}'} | {s['replay_input_copies']} |")
+    if compile_times:
+        L += ["", "| model | variant | cold compile s | warm compile s |", "|---|---|---:|---:|"]
+        L += [f"| {c['model']} | {c['variant']} | {c['cold_s']:.1f} | {c['warm_s']:.1f} |"
+              for c in compile_times]
+    if skipped:
+        L += ["", "Not measured: " + "; ".join(skipped)]
+    text = "\n".join(L) + "\n"
+    with open(os.path.join(out_dir, "decode.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def plot(decode, out_dir) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    models = sorted({r["model"] for r in decode})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for v in dict.fromkeys(r["variant"] for r in decode if r["model"] == m):
+            rows = [r for r in decode if r["model"] == m and r["variant"] == v]
+            ax.plot([r["batch"] for r in rows], [r["ms"] for r in rows], marker="o", label=v)
+        rows = [r for r in decode if r["model"] == m and r["variant"] == "eager"] or \
+            [r for r in decode if r["model"] == m]
+        ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="HBM floor")
+        ax.set(xscale="log", yscale="log", xlabel="batch (decode requests)", ylabel="step ms", title=m)
+        ax.legend(fontsize=7)
+    path = os.path.join(out_dir, "decode.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def main(argv=None) -> int:
@@ -170,32 +349,75 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--mixed", default="512,2048", help="token counts of the mixed step ('' to skip)")
+    ap.add_argument("--startup", action="store_true", help="also cold/warm compile in fresh processes")
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    cuda = torch.cuda.is_available() and not args.dry_run
+    setup = Setup(device="cuda" if cuda else "cpu",
+                  dtype=torch.bfloat16 if cuda else torch.float32,
+                  preset="bench" if cuda else "tiny", piece_compiler="inductor" if cuda else "eager",
+                  context=args.context if cuda else min(args.context, 40),
+                  graphs=None if cuda else StandInGraphs())
     batches = [int(b) for b in args.batches.split(",")]
-    capture_sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
-    bw = copy_bandwidth()
     models = ["llama", "hybrid"] if args.model == "both" else [args.model]
-    rows, startup = [], []
-    for model_name in models:
-        ref = None
-        for name in args.variants.split(","):
-            res, info = run_variant(name, model_name, batches, args.context, capture_sizes)
-            if name == "eager":
-                ref = res
-            startup.append({"model": model_name, "variant": name, **info})
-            for b, r in res.items():
-                err = None
-                if ref is not None:
-                    err = float((r["out"] - ref[b]["out"]).norm() / ref[b]["out"].norm())
-                floor_ms = r["floor_bytes"] / bw * 1e3
-                rows.append({"model": model_name, "variant": name, "batch": b,
-                             "ms": r["ms"], "floor_ms": floor_ms, "x_floor": r["ms"] / floor_ms,
-                             "rel_err_vs_eager": err, "match": err is not None and err < 2e-2,
-                             "dispatched": r["mode"]})
-            print(f"done {model_name} {name}: {info}", flush=True)
-            write_results(args, argv, bw, rows, startup)  # partial results survive a timeout
-    print(write_results(args, argv, bw, rows, startup))
+    if args.compile_only:
+        with setup.scope():
+            _, _, _, s = build(models[0], variants[0], setup, [1, 2, 4, 8], 8, 8, 64)
+        print(f"compile_s={s['compile_s']:.3f}")
+        return 0
+    if not cuda and not args.dry_run:
+        ap.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on the CPU")
+    skipped = [f"{v} (needs CUDA)" for v in variants if VARIANTS[v].needs_cuda and not cuda]
+    variants = [v for v in variants if not (VARIANTS[v].needs_cuda and not cuda)]
+    bw = copy_bandwidth(setup)
+    decode, mixed, startup, compile_times = [], [], [], []
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if cuda else "CPU dry run",
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "python": platform.python_version(), "dtype": str(setup.dtype).replace("torch.", ""),
+            "command": " ".join(["python", "bench/decode.py"] + list(argv if argv is not None else sys.argv[1:])),
+            "copy_bandwidth_GBps": bw / 1e9, "context": setup.context}
+    mixed_sizes = [int(n) for n in args.mixed.split(",") if n]
+    with setup.scope():
+        for m in models:
+            ref: dict[int, torch.Tensor] = {}
+            for v in variants:
+                rows, s = run_decode(m, v, setup, batches, bw)
+                for r in rows:
+                    ref.setdefault(r["batch"], r["first"])
+                    r["rel_err"] = rel_err(r["first"], ref[r["batch"]])
+                    r["match"] = r["rel_err"] < MATCH_TOL
+                    r["floor_ms"] = r["floor_bytes"] / bw * 1e3
+                    r["x_floor"] = r["ms"] / r["floor_ms"]
+                decode += rows
+                startup.append({"model": m, "variant": v, **s})
+                print(f"done {m} {v}: {s}", flush=True)
+                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
+            if mixed_sizes:
+                mref: dict[int, torch.Tensor] = {}
+                for v in [v for v in ("eager", "inductor", "mrv2-piecewise") if v in variants]:
+                    for r in run_mixed(m, v, setup, mixed_sizes):
+                        mref.setdefault(r["tokens"], r["first"])
+                        r["rel_err"] = rel_err(r["first"], mref[r["tokens"]])
+                        mixed.append(r)
+                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
+    if args.startup:
+        for m in models:
+            for v in ("inductor", "mrv2-piecewise"):
+                with tempfile.TemporaryDirectory() as cache:
+                    cold = compile_seconds_in_fresh_process(m, v, cache)
+                    warm = compile_seconds_in_fresh_process(m, v, cache)
+                compile_times.append({"model": m, "variant": v, "cold_s": cold, "warm_s": warm})
+    text = write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
+    png = plot(decode, args.out)
+    print(text + (f"\nplot: {png}" if png else "\n(no matplotlib: no plot)"))
     return 0
 
 

@@ -16,7 +16,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,10 +59,10 @@ class ModelRunner:
         config: CompilationConfig | None = None,
         device: torch.device | str = "cuda",
         progress: bool = True,
-        backend: Any = None,
+        compile_fn: Callable[[torch.nn.Module], Callable[..., Any]] | None = None,
     ) -> None:
-        """`backend`: what torch.compile gets (default: mrv2 with `config`); a
-        benchmark passes "inductor", or False to run the model uncompiled."""
+        """`compile_fn(model) -> callable` replaces the mrv2 compile (benchmarks
+        compare Inductor's own modes, or the model uncompiled, this way)."""
         self.config = config or CompilationConfig()
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -79,12 +79,10 @@ class ModelRunner:
         self.mode_reason = lowered_reason or self.mode_reason
         options = self.config.summary()
         options["cudagraph_mode"] = self.mode.value
-        if backend is False:
-            self.compiled = model
-        elif backend is None:
+        if compile_fn is None:
             self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
         else:
-            self.compiled = torch.compile(model, backend=backend)
+            self.compiled = compile_fn(model)
         self.full_graph = CUDAGraphWrapper(
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend(),

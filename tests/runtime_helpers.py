@@ -8,7 +8,7 @@ from compile_backend.cuda_graph import use_graph_backend
 from compile_backend.engine import Engine
 from compile_backend.kv_cache_config import KVCacheConfig
 from compile_backend.models import build_model, preset
-from graph_standin import StandInGraphs
+from compile_backend.graph_standin import StandInGraphs
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 

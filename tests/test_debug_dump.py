@@ -19,7 +19,7 @@ from compile_backend.debug_dump import (
 )
 from compile_backend.engine import Engine
 from compile_backend.models import build_model, preset
-from graph_standin import StandInGraphs
+from compile_backend.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, kv_config, random_prompts
 
 TOP_LEVEL = {

@@ -11,7 +11,7 @@ from compile_backend.capture import lower_graph_mode
 from compile_backend.cuda_graph import CUDAGraphWrapper, use_graph_backend
 from compile_backend.input_batch import InputBatch
 from compile_backend.metadata_builders import CaptureSupport
-from graph_standin import StandInGraphs
+from compile_backend.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, generate, make_engine, random_prompts
 
 Mode = cb.CUDAGraphMode

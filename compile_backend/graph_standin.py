@@ -1,4 +1,5 @@
-"""A CPU stand-in for CUDA graphs with the same observable contract.
+"""A CPU stand-in for CUDA graphs with the same observable contract, for
+tests and benchmark dry runs (`with use_graph_backend(StandInGraphs()):`).
 
 "Capture" runs the callable once (as the capture step does on a GPU, where
 kernels are recorded, not run; our dummy batches write no real state, so the
@@ -14,7 +15,7 @@ import contextlib
 import torch
 import torch.utils._pytree as pytree
 
-from compile_backend.forward_context import ForwardContext, set_forward_context
+from .forward_context import ForwardContext, set_forward_context
 
 
 class StandInGraph:
