@@ -27,6 +27,7 @@ def prepare_inputs_to_capture(
     attn_groups: list[AttentionGroup],
     kv_cache_config: KVCacheConfig,
     full_cudagraph: bool,
+    uniform_decode: bool | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Write a dummy batch into the persistent buffers and build its metadata.
 
@@ -39,10 +40,15 @@ def prepare_inputs_to_capture(
     (some backends cannot build capturable metadata for prefill at all), while
     attention-like builders are capturable whatever the flag (see
     Note [attention-like metadata is always capturable]).
+
+    `uniform_decode`: whether the graph being captured serves uniform decode
+    batches only (the batch descriptor's flag); None infers it from
+    num_tokens == num_reqs, which a mixed FULL graph of few tokens shares.
     """
     batch = InputBatch.make_dummy(
         num_reqs, num_tokens, kv_cache_config.max_model_len, kv_cache_config.block_size
     )
+    batch.uniform_decode_graph = uniform_decode
     input_buffers.write(batch)
     slot_mappings = block_tables.write(batch)
     attn_metadata = model_state.prepare_attn(

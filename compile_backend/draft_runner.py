@@ -82,14 +82,15 @@ class DraftRunner:
             desc = DraftDescriptor(n, self.k)
             meta, _ = prepare_inputs_to_capture(
                 n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
-                r.kv_cache_config, full_cudagraph=self.mode is CUDAGraphMode.FULL)
+                r.kv_cache_config, full_cudagraph=self.mode is CUDAGraphMode.FULL,
+                uniform_decode=True)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
             with set_forward_context(ForwardContext(meta, None, CUDAGraphMode.NONE)):
                 self._loop(ids, pos)  # warm-up
             # Re-prepare: the warm-up advanced the (dummy) buffers.
             meta, _ = prepare_inputs_to_capture(
                 n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
-                r.kv_cache_config, full_cudagraph=True)
+                r.kv_cache_config, full_cudagraph=True, uniform_decode=True)
             with set_forward_context(ForwardContext(meta, desc, CUDAGraphMode.FULL)):
                 self.loop_graph(ids, pos)
             self.captured.append(desc)
@@ -104,7 +105,7 @@ class DraftRunner:
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
-            batch.pad_to(n, n)
+            batch.pad_to(n, n, uniform_decode_graph=True)
             r.input_buffers.write(batch)
             slots = r.block_tables.write(batch)
             meta = r.model_state.prepare_attn(batch, CUDAGraphMode.FULL, r.block_tables, slots,

@@ -20,6 +20,10 @@ class InputBatch:
     num_tokens_padded: int = 0  # T' >= T (0: not padded yet)
     num_reqs_padded: int = 0  # B' >= B
     is_dummy: bool = False
+    # Set by whoever picks the graph: True when it runs in (or is captured as) a
+    # uniform-decode graph, False for a mixed-batch graph, None without one.
+    # A dummy batch of T tokens over T requests looks like decode either way.
+    uniform_decode_graph: bool | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # [B][blocks] KV blocks
     compressed_block_ids: list[list[int]] = field(default_factory=list)  # compressor cache
 
@@ -55,10 +59,12 @@ class InputBatch:
             out.extend(range(s - q, s))
         return out
 
-    def pad_to(self, num_tokens: int, num_reqs: int) -> "InputBatch":
+    def pad_to(self, num_tokens: int, num_reqs: int,
+               uniform_decode_graph: bool | None = None) -> "InputBatch":
         assert num_tokens >= self.num_tokens and num_reqs >= self.num_reqs, (
             num_tokens, self.num_tokens, num_reqs, self.num_reqs)
         self.num_tokens_padded, self.num_reqs_padded = num_tokens, num_reqs
+        self.uniform_decode_graph = uniform_decode_graph
         return self
 
     @classmethod

@@ -78,8 +78,15 @@ class AttentionMetadataBuilder(_Builder):
     def build(self, batch: InputBatch, *, for_capture: bool) -> AttentionMetadata:
         B, T = batch.num_reqs_padded, batch.num_tokens_padded
         if for_capture:
-            # A graph replays any batch of this padded size: bound, don't measure.
-            max_query_len = 1 if batch.uniform_decode and B == T else T
+            # A graph replays any batch of its descriptor: bound, don't measure.
+            # The single-token decode path only in uniform-decode graphs: a mixed
+            # graph's dummy batch of T tokens over T requests looks like decode
+            # but must serve prefills too (regression: tests/test_runtime.py,
+            # random schedules through the Triton kernels).
+            uniform = batch.uniform_decode_graph
+            if uniform is None:
+                uniform = batch.uniform_decode and B == T
+            max_query_len = 1 if uniform else T
             max_seq_len = self.cfg.max_model_len
         else:
             max_query_len = batch.max_query_len

@@ -154,10 +154,12 @@ class ModelRunner:
         batch = InputBatch.make_dummy(num_reqs, num_tokens, self.kv_cache_config.max_model_len)
         self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)
 
-    def _prepare_capture(self, num_reqs: int, num_tokens: int, full: bool):
+    def _prepare_capture(self, num_reqs: int, num_tokens: int, full: bool,
+                         uniform_decode: bool | None = None):
         return prepare_inputs_to_capture(
             num_reqs, num_tokens, self.model_state, self.input_buffers, self.block_tables,
-            self.attn_groups, self.kv_cache_config, full_cudagraph=full)
+            self.attn_groups, self.kv_cache_config, full_cudagraph=full,
+            uniform_decode=uniform_decode)
 
     def _capture_one(self, runtime: CUDAGraphMode, desc: BatchDescriptor,
                      trace: list | None) -> None:
@@ -168,9 +170,9 @@ class ModelRunner:
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
-        meta, _ = self._prepare_capture(num_reqs, desc.num_tokens, full)
+        meta, _ = self._prepare_capture(num_reqs, desc.num_tokens, full, desc.uniform_decode)
         batch = InputBatch.make_dummy(num_reqs, desc.num_tokens, self.kv_cache_config.max_model_len)
-        batch.pad_to(desc.num_tokens, num_reqs)
+        batch.pad_to(desc.num_tokens, num_reqs, desc.uniform_decode)
         self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)  # warm-up
         self._forward(batch, desc, runtime, meta, trace)  # capture
         graphs.synchronize()
@@ -216,7 +218,7 @@ class ModelRunner:
                 f"batch has {batch.num_reqs} requests, more than max_num_reqs="
                 f"{self.kv_cache_config.max_num_reqs}")
         runtime, desc, Tp, Bp = self.dispatch(batch)
-        batch.pad_to(Tp, Bp)
+        batch.pad_to(Tp, Bp, desc.uniform_decode if desc is not None else None)
         self.input_buffers.write(batch)
         slots = self.block_tables.write(batch)
         meta = self.model_state.prepare_attn(

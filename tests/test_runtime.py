@@ -278,3 +278,95 @@ def test_plain_torch_compile_captures_lazily_on_the_second_call():
     assert cb.counters["lazy_warmups"] == 2  # two captured pieces
     assert cb.counters["cudagraph_captures"] == 2
     assert cb.counters["cudagraph_replays"] == 4  # calls 3 and 4
+
+
+def test_debug_checks_through_the_backend_name_a_moved_parameter():
+    """The backend marks parameters and buffers as stable inputs of each piece."""
+    from backend_models import TOY_OPTIONS, ToyHybrid
+
+    model = ToyHybrid()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        f = torch.compile(model, backend="mrv2", options={
+            "piece_compiler": "eager", "debug_checks": True, **TOY_OPTIONS})
+        x = torch.randn(4, 16)
+        for _ in range(3):  # warm-up, capture, replay
+            f(x)
+        wrapper = cb.compiled_steps()[-1].wrappers[0]
+        assert [wrapper.input_names[i] for i in sorted(wrapper.stable_inputs)] == [
+            "l_self_modules_a_parameters_weight_", "l_self_modules_a_parameters_bias_"]
+        model.a.weight.data = model.a.weight.data.clone()  # same Parameter, new memory
+        with pytest.raises(RuntimeError, match=r"l_self_modules_a_parameters_weight_\) moved"):
+            f(x)
+
+
+def _random_schedule(seed, steps=10, slots=4, max_len=60):
+    """Random mixed prefill/decode batches over `slots` requests, state carried;
+    a request that would pass max_len starts over as a new request."""
+    import random
+
+    rng = random.Random(seed)
+    lens = [0] * slots
+    for _ in range(steps):
+        chosen = sorted(rng.sample(range(slots), rng.randint(1, slots)))
+        qlens, slens = [], []
+        for s in chosen:
+            q = 1 if lens[s] and rng.random() < 0.6 else rng.randint(1, 8)
+            if lens[s] + q > max_len:
+                lens[s] = 0
+            lens[s] += q
+            qlens.append(q)
+            slens.append(lens[s])
+        yield InputBatch(
+            [rng.randrange(256) for _ in range(sum(qlens))], qlens, slens, chosen,
+            block_ids=[[1 + 4 * s + i for i in range(4)] for s in chosen],
+            compressed_block_ids=[[1 + s] for s in chosen])
+
+
+@pytest.mark.parametrize("seed", [
+    pytest.param(0, marks=pytest.mark.interpreted_kernels),  # the Triton kernels, interpreted
+    1, 2])
+def test_random_schedules_replay_equal_eager_in_every_mode(seed):
+    """Fresh random batches (sizes, prefill/decode mix, request churn): every
+    mode's logits equal eager's at every step (fp32, same kernels). Through
+    the Triton kernels this catches Python ints baked at capture that a replay
+    outgrows (e.g. an attention-like builder handing out an exact
+    max_query_len instead of the padded size's bound)."""
+    modes = ["piecewise", "full", "full_and_piecewise", "full_decode_only"]
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engines = {m: make_engine(m) for m in ["none"] + modes}
+        for e in engines.values():
+            e.runner.capture()
+        for step, batch in enumerate(_random_schedule(seed)):
+            ref = engines["none"].runner.execute(_copy(batch)).clone()
+            for m in modes:
+                out = engines[m].runner.execute(_copy(batch))
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                           msg=lambda s: f"{m}, step {step}: {s}")
+    assert cb.counters["cudagraph_replays"] > 10
+
+
+def _copy(batch):
+    return InputBatch(list(batch.token_ids), list(batch.query_lens), list(batch.seq_lens),
+                      list(batch.req_slots), block_ids=batch.block_ids,
+                      compressed_block_ids=batch.compressed_block_ids)
+
+
+@pytest.mark.parametrize("uniform, expected", [(True, 1), (False, 4)])
+def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(uniform, expected):
+    """Regression: a FULL mixed-batch graph of 4 tokens over 4 requests was
+    captured with max_query_len=1 (its dummy batch looks like decode), so it
+    replayed prefills through the single-token decode kernel."""
+    from compile_backend.capture import prepare_inputs_to_capture
+
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()):
+        r = make_engine("full").runner
+    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, r.input_buffers, r.block_tables,
+                                        r.attn_groups, r.kv_cache_config, full_cudagraph=True,
+                                        uniform_decode=uniform)
+    assert meta["layers.0.attn"].max_query_len == expected
+    assert meta["layers.0.attn"].max_seq_len == r.kv_cache_config.max_model_len
+    assert meta["layers.0.conv"].max_query_len == 4  # attention-like: the padded bound
+    assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, False))) == 1
+    assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, True))) == 1
