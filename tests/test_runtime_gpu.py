@@ -116,3 +116,21 @@ def test_draft_loop_captured_as_one_full_graph_equals_eager():
     out, captured = _draft_tokens("full")
     assert len(captured) == len([s for s in SIZES if s <= 8])
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_schedules_equal_eager(mode):
+    """Random mixed batches, small ones included (a FULL mixed graph of T
+    tokens over T requests must not take the decode path), fp32."""
+    from test_runtime import _copy, _random_schedule
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref_engine, engine = _engine("none", dtype=torch.float32), _engine(mode, dtype=torch.float32)
+        ref_engine.runner.capture()
+        engine.runner.capture()
+        for step, batch in enumerate(_random_schedule(7, steps=16)):
+            ref = ref_engine.runner.execute(_copy(batch)).clone()
+            out = engine.runner.execute(_copy(batch))
+            torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4,
+                                       msg=lambda s: f"step {step}: {s}")
