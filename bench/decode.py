@@ -197,7 +197,7 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
                                piece_compiler=setup.piece_compiler)
     runner = ModelRunner(model, kv, cfg, setup.device, progress=False, compile_fn=spec.compile_fn)
     t0 = time.perf_counter()
-    runner._warmup(max(capture_sizes), None)  # first call: compiles
+    runner.warmup(max(capture_sizes), None)  # first call: compiles
     sync(setup)
     compile_s = time.perf_counter() - t0
     mem0 = allocated(setup)

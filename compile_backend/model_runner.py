@@ -101,10 +101,10 @@ class ModelRunner:
         with symbolic_tokens():
             return self.compiled(input_ids, positions)
 
-    def _forward(self, batch: InputBatch, desc: BatchDescriptor | None,
+    def _forward(self, T: int, desc: BatchDescriptor | None,
                  runtime: CUDAGraphMode, metadata: dict[str, Any],
                  trace: list | None = None) -> Any:
-        T = batch.num_tokens_padded
+        """Run the first T (padded) tokens of the persistent buffers."""
         ctx = ForwardContext(attn_metadata=metadata, batch_descriptor=desc,
                              cudagraph_runtime_mode=runtime, trace=trace)
         ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
@@ -136,7 +136,7 @@ class ModelRunner:
         up (compiles) once at the largest size."""
         plan = self.capture_plan()
         if not plan:
-            self._warmup(max(self.capture_sizes), trace)
+            self.warmup(max(self.capture_sizes), trace)
             self.captured = True
             return []
         from tqdm import tqdm
@@ -148,11 +148,11 @@ class ModelRunner:
         self.captured = True
         return self.captures
 
-    def _warmup(self, num_tokens: int, trace: list | None) -> None:
+    def warmup(self, num_tokens: int, trace: list | None = None) -> None:
+        """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
         meta, _ = self._prepare_capture(num_reqs, num_tokens, full=False)
-        batch = InputBatch.make_dummy(num_reqs, num_tokens, self.kv_cache_config.max_model_len)
-        self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)
+        self._forward(num_tokens, None, CUDAGraphMode.NONE, meta, trace)
 
     def _prepare_capture(self, num_reqs: int, num_tokens: int, full: bool,
                          uniform_decode: bool | None = None):
@@ -171,10 +171,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
         meta, _ = self._prepare_capture(num_reqs, desc.num_tokens, full, desc.uniform_decode)
-        batch = InputBatch.make_dummy(num_reqs, desc.num_tokens, self.kv_cache_config.max_model_len)
-        batch.pad_to(desc.num_tokens, num_reqs, desc.uniform_decode)
-        self._forward(batch, None, CUDAGraphMode.NONE, meta, trace)  # warm-up
-        self._forward(batch, desc, runtime, meta, trace)  # capture
+        self._forward(desc.num_tokens, None, CUDAGraphMode.NONE, meta, trace)  # warm-up
+        self._forward(desc.num_tokens, desc, runtime, meta, trace)  # capture
         graphs.synchronize()
         builds = self.model_state.build_log[builds_before:]
         self.captures.append(CaptureRecord(
@@ -224,5 +222,5 @@ class ModelRunner:
         meta = self.model_state.prepare_attn(
             batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
             for_capture=runtime is CUDAGraphMode.FULL)
-        out = self._forward(batch, desc, runtime, meta, trace)
+        out = self._forward(Tp, desc, runtime, meta, trace)
         return out[: batch.num_tokens]
