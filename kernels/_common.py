@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 import triton.language as tl
 
+from compile_backend.forward_context import get_forward_context
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -118,3 +120,35 @@ def check_device(name: str, t: torch.Tensor) -> torch.device:
             "torch reference on CPU"
         )
     raise ValueError(f"{name}: expected a CUDA tensor (or CPU with TRITON_INTERPRET=1), got device {t.device}")
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """A Python int >= minimum (grid-shaping arguments), else ValueError."""
+    if not isinstance(value, int) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name}: expected a {kind} int, got {value!r}")
+    return value
+
+
+def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, dtype: torch.dtype,
+                    dtype_of: str, device: torch.device,
+                    shape: tuple[int | None, ...]) -> None:
+    """The paged K and V caches [num_blocks, block_size, KVH, D]: contiguous,
+    of `dtype` and `device`, matching `shape` (None: any) and each other."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_tensor(name, cache, ndim=4, dtypes=(dtype,), dtype_of=dtype_of, device=device,
+                     contiguous=True)
+        check_tensor(name, cache, shape=shape)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache: expected the shape of key_cache {tuple(key_cache.shape)}, "
+            f"got {tuple(value_cache.shape)}"
+        )
+
+
+def layer_metadata(layer_name: str, event: str):
+    """What every layer-name op does first: record the call in the forward
+    context's trace and return that layer's metadata."""
+    ctx = get_forward_context()
+    ctx.record(layer_name, event)
+    return ctx.metadata(layer_name)

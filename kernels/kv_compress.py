@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.forward_context import get_forward_context
-
-from ._common import FLOAT_DTYPES, cdiv, check_device, check_tensor, next_pow2, use_triton
+from ._common import (
+    FLOAT_DTYPES, cdiv, check_device, check_int, check_tensor, layer_metadata, next_pow2,
+    use_triton,
+)
 
 
 @triton.jit
@@ -140,10 +141,8 @@ def _check(key, score, compressed_cache, state_max, state_sum, state_acc,
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
                  last_dim_contiguous=True)
     check_tensor("block_table", block_table, shape=(B, None))
-    if not isinstance(ratio, int) or ratio < 1:
-        raise ValueError(f"ratio: expected a positive int, got {ratio!r}")
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len: expected a non-negative int, got {max_query_len!r}")
+    check_int("ratio", ratio, 1)
+    check_int("max_query_len", max_query_len, 0)
     return device, B
 
 
@@ -247,9 +246,7 @@ def kv_compress_op(
     layer_name: str,
     ratio: int,
 ) -> torch.Tensor:
-    ctx = get_forward_context()
-    ctx.record(layer_name, "kv_compress")
-    meta = ctx.metadata(layer_name)  # CompressorMetadata
+    meta = layer_metadata(layer_name, "kv_compress")  # CompressorMetadata
     args = (key, score, compressed_cache, state_max, state_sum, state_acc,
             meta.query_start_loc, meta.seq_lens, meta.state_indices, meta.block_table, ratio)
     if use_triton(key):

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.forward_context import get_forward_context
-
-from ._common import FLOAT_DTYPES, check_device, check_tensor, next_pow2, use_triton
+from ._common import (
+    FLOAT_DTYPES, check_device, check_kv_caches, check_tensor, layer_metadata, next_pow2, use_triton,
+)
 
 
 @triton.jit
@@ -57,14 +57,8 @@ def reshape_and_cache(
     T, KVH, D = key.shape
     check_tensor("value", value, shape=(T, KVH, D), dtypes=(key.dtype,), dtype_of="key", device=device,
                  last_dim_contiguous=True)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(key.dtype,), dtype_of="key", device=device, contiguous=True)
-        check_tensor(name, cache, shape=(None, None, KVH, D))
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache: expected the shape of key_cache {tuple(key_cache.shape)}, "
-            f"got {tuple(value_cache.shape)}"
-        )
+    check_kv_caches(key_cache, value_cache, dtype=key.dtype, dtype_of="key", device=device,
+                    shape=(None, None, KVH, D))
     check_tensor("slot_mapping", slot_mapping, shape=(T,), dtypes=(torch.int64,), device=device)
     block_size = key_cache.shape[1]
     if T == 0 or key_cache.shape[0] == 0:
@@ -108,9 +102,7 @@ def reshape_and_cache_op(
     value_cache: torch.Tensor,
     layer_name: str,
 ) -> None:
-    ctx = get_forward_context()
-    ctx.record(layer_name, "reshape_and_cache")
-    meta = ctx.metadata(layer_name)  # AttentionMetadata
+    meta = layer_metadata(layer_name, "reshape_and_cache")  # AttentionMetadata
     fn = reshape_and_cache if use_triton(key) else reshape_and_cache_ref
     fn(key, value, key_cache, value_cache, meta.slot_mapping)
 

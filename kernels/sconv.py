@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.forward_context import get_forward_context
-
-from ._common import FLOAT_DTYPES, cdiv, check_device, check_tensor, interpreting, next_pow2, use_triton
+from ._common import (
+    FLOAT_DTYPES, cdiv, check_device, check_int, check_tensor, interpreting, layer_metadata,
+    next_pow2, use_triton,
+)
 
 
 @triton.jit
@@ -117,8 +118,7 @@ def sconv(
     B = query_start_loc.shape[0] - 1
     check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
     check_tensor("has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,), device=device)
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len: expected a non-negative int, got {max_query_len!r}")
+    check_int("max_query_len", max_query_len, 0)
 
     out = torch.zeros_like(x)  # tokens outside any real request stay 0
     if B <= 0 or max_query_len == 0 or T == 0:
@@ -187,9 +187,7 @@ def sconv_op(
     conv_state: torch.Tensor,
     layer_name: str,
 ) -> torch.Tensor:
-    ctx = get_forward_context()
-    ctx.record(layer_name, "sconv")
-    meta = ctx.metadata(layer_name)  # SConvMetadata
+    meta = layer_metadata(layer_name, "sconv")  # SConvMetadata
     if use_triton(x):
         return sconv(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
                      meta.has_initial_state, meta.max_query_len)

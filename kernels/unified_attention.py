@@ -29,11 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.forward_context import get_forward_context
-
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_tensor, dot_precision, interpreting,
-    next_pow2, upcast_dots, use_triton,
+    FLOAT_DTYPES, cdiv, check_device, check_int, check_kv_caches, check_tensor, dot_precision,
+    interpreting, layer_metadata, next_pow2, upcast_dots, use_triton,
 )
 
 LOG2E = 1.4426950408889634
@@ -248,14 +246,8 @@ def unified_attention(
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("query", query)
     T, H, D = query.shape
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, ndim=4, dtypes=(query.dtype,), dtype_of="query", device=device, contiguous=True)
-        check_tensor(name, cache, shape=(None, None, None, D))
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache: expected the shape of key_cache {tuple(key_cache.shape)}, "
-            f"got {tuple(value_cache.shape)}"
-        )
+    check_kv_caches(key_cache, value_cache, dtype=query.dtype, dtype_of="query", device=device,
+                    shape=(None, None, None, D))
     KVH, block_size = key_cache.shape[2], key_cache.shape[1]
     if KVH == 0 or H % KVH != 0:
         raise ValueError(f"query: expected a number of heads divisible by the cache's {KVH} kv heads, got {H}")
@@ -267,10 +259,8 @@ def unified_attention(
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
                  last_dim_contiguous=True)
     check_tensor("block_table", block_table, shape=(B, None))
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len: expected a non-negative int, got {max_query_len!r}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 0:
-        raise ValueError(f"max_seq_len: expected a non-negative int, got {max_seq_len!r}")
+    check_int("max_query_len", max_query_len, 0)
+    check_int("max_seq_len", max_seq_len, 0)
 
     out = torch.zeros_like(query)  # padding tokens stay 0
     if B <= 0 or max_query_len == 0 or T == 0:
@@ -368,9 +358,7 @@ def unified_attention_op(
     layer_name: str,
     scale: float,
 ) -> torch.Tensor:
-    ctx = get_forward_context()
-    ctx.record(layer_name, "unified_attention")
-    meta = ctx.metadata(layer_name)  # AttentionMetadata
+    meta = layer_metadata(layer_name, "unified_attention")  # AttentionMetadata
     if use_triton(query):
         return unified_attention(
             query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
