@@ -105,11 +105,7 @@ class DraftRunner:
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
-            batch.pad_to(n, n, uniform_decode_graph=True)
-            r.input_buffers.write(batch)
-            slots = r.block_tables.write(batch)
-            meta = r.model_state.prepare_attn(batch, CUDAGraphMode.FULL, r.block_tables, slots,
-                                              r.attn_groups, r.kv_cache_config, for_capture=True)
+            meta = r.prepare_step(batch, CUDAGraphMode.FULL, n, n, uniform_decode_graph=True)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
             with set_forward_context(ForwardContext(meta, DraftDescriptor(n, self.k),
                                                     CUDAGraphMode.FULL)):

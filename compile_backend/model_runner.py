@@ -216,11 +216,18 @@ class ModelRunner:
                 f"batch has {batch.num_reqs} requests, more than max_num_reqs="
                 f"{self.kv_cache_config.max_num_reqs}")
         runtime, desc, Tp, Bp = self.dispatch(batch)
-        batch.pad_to(Tp, Bp, desc.uniform_decode if desc is not None else None)
-        self.input_buffers.write(batch)
-        slots = self.block_tables.write(batch)
-        meta = self.model_state.prepare_attn(
-            batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
-            for_capture=runtime is CUDAGraphMode.FULL)
+        meta = self.prepare_step(batch, runtime, Tp, Bp,
+                                 desc.uniform_decode if desc is not None else None)
         out = self._forward(Tp, desc, runtime, meta, trace)
         return out[: batch.num_tokens]
+
+    def prepare_step(self, batch: InputBatch, runtime: CUDAGraphMode, num_tokens: int,
+                     num_reqs: int, uniform_decode_graph: bool | None) -> dict[str, Any]:
+        """Pad the batch, write it into the persistent buffers and build its
+        metadata (`for_capture` when it replays in a FULL graph)."""
+        batch.pad_to(num_tokens, num_reqs, uniform_decode_graph)
+        self.input_buffers.write(batch)
+        slots = self.block_tables.write(batch)
+        return self.model_state.prepare_attn(
+            batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
+            for_capture=runtime is CUDAGraphMode.FULL)
