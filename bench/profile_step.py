@@ -1,0 +1,127 @@
+"""Where a decode step's time goes: host work against device work, and the
+kernels of one step.
+
+    python bench/profile_step.py [--model llama|hybrid] [--batches 1,64]
+                                 [--modes full,piecewise] [--context 500] [--top 12]
+
+Per (mode, batch): the step time (CUDA events around `execute`, as in
+bench/decode.py), the host time of `execute` alone (perf_counter until it
+returns, device work still queued), the device time of the FULL graph's
+replay alone, and the back-to-back step time (20 steps queued without a
+synchronize: host work of step i+1 overlaps device work of step i where it
+can). Then a torch.profiler table of the kernels one step launches (FULL:
+the graph's kernels, NONE: the same kernels launched one by one), by total
+device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import decode as bench  # noqa: E402
+
+import compile_backend as cb  # noqa: E402
+
+
+def host_ms(fn, reps: int = 30) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def back_to_back_ms(fn, steps: int = 20, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(steps):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) / steps)
+    return statistics.median(out)
+
+
+def kernel_table(fn, top: int) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    attr = "device_time_total" if hasattr(rows[0], "device_time_total") else "cuda_time_total"
+    rows.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in rows)
+    launches = sum(e.count for e in rows)
+    lines = [f"  kernels: {launches} launches, {total / 1e3:.3f} ms device time in all",
+             "  | kernel | calls | total us | % |", "  |---|---:|---:|---:|"]
+    for e in rows[:top]:
+        t = getattr(e, attr)
+        lines.append(f"  | {e.key[:70]} | {e.count} | {t:.1f} | {100 * t / max(total, 1e-9):.1f} |")
+    return lines
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama", choices=["llama", "hybrid"])
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--modes", default="full,piecewise,none")
+    ap.add_argument("--context", type=int, default=500)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    setup = bench.Setup(device="cuda", dtype=torch.bfloat16, preset="bench",
+                        piece_compiler="inductor", context=args.context, graphs=None)
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = bench.copy_bandwidth(setup)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    for mode in args.modes.split(","):
+        variant = f"mrv2-{mode}"
+        sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
+        blocks = max(batches) * (-(-(setup.context + 1) // 16) + 2) + 2
+        runner, model, kv, _ = bench.build(args.model, variant, setup, sizes, max(batches),
+                                           max(sizes), blocks)
+        for b in batches:
+            batch = bench.decode_batch(b, setup.context, kv, model.cfg.vocab_size)
+
+            def step():
+                return runner.execute(batch)
+            for _ in range(5):
+                step()
+            floor = bench.floor_bytes(model, b * (setup.context + 1)) / bw * 1e3
+            line = (f"{args.model} {variant} b{b}: step {bench.median_ms(step, setup):.3f} ms, "
+                    f"host {host_ms(step):.3f} ms, back-to-back {back_to_back_ms(step):.3f} ms")
+            rmode, desc, _, _ = runner.dispatch(batch)
+            if rmode is cb.CUDAGraphMode.FULL:
+                graph = runner.full_graph.entries[desc].graph
+                line += f", replay {bench.median_ms(graph.replay, setup):.3f} ms"
+                target = graph.replay
+            else:
+                target = step
+            print(line + f", floor {floor:.3f} ms", flush=True)
+            print("\n".join(kernel_table(target, args.top)), flush=True)
+        runner = None  # frees its graphs before the next mode builds
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
