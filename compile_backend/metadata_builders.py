@@ -55,13 +55,6 @@ class _Builder:
 
     def __init__(self, cfg: KVCacheConfig, buffers: InputBuffers, tables: BlockTables) -> None:
         self.cfg, self.buffers, self.tables = cfg, buffers, tables
-        self.builds: list[dict] = []  # what was built, for the debug dump and tests
-
-    def _record(self, batch: InputBatch, for_capture: bool) -> None:
-        self.builds.append({
-            "kind": self.kind, "for_capture": for_capture, "dummy": batch.is_dummy,
-            "num_tokens": batch.num_tokens_padded, "num_reqs": batch.num_reqs_padded,
-        })
 
 
 class AttentionMetadataBuilder(_Builder):
@@ -91,7 +84,6 @@ class AttentionMetadataBuilder(_Builder):
         else:
             max_query_len = batch.max_query_len
             max_seq_len = max(batch.seq_lens, default=0)
-        self._record(batch, for_capture)
         return AttentionMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             seq_lens=self.buffers.seq_lens[:B],
@@ -118,7 +110,6 @@ class SConvMetadataBuilder(_Builder):
     def build(self, batch: InputBatch, *, for_capture: bool) -> SConvMetadata:
         # See Note [attention-like metadata is always capturable].
         B, T = batch.num_reqs_padded, batch.num_tokens_padded
-        self._record(batch, for_capture)
         return SConvMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             state_indices=self.buffers.state_indices[:B],
@@ -144,7 +135,6 @@ class CompressorMetadataBuilder(_Builder):
     def build(self, batch: InputBatch, *, for_capture: bool) -> CompressorMetadata:
         # See Note [attention-like metadata is always capturable].
         B, T = batch.num_reqs_padded, batch.num_tokens_padded
-        self._record(batch, for_capture)
         return CompressorMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             seq_lens=self.buffers.seq_lens[:B],

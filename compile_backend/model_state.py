@@ -43,9 +43,15 @@ def attention_groups_for(
 
 
 class ModelState:
+    # Serving builds logged before the log stops growing (a server runs
+    # millions of steps); capture builds are always logged, and
+    # counters["metadata_builds"] counts every build.
+    MAX_LOGGED_SERVING_BUILDS = 1024
+
     def __init__(self, attn_groups: list[AttentionGroup]) -> None:
         self.attn_groups = attn_groups
-        self.build_log: list[dict[str, Any]] = []
+        self.build_log: list[dict[str, Any]] = []  # for the debug dump and tests
+        self.serving_builds_logged = 0
 
     def prepare_attn(
         self,
@@ -66,13 +72,17 @@ class ModelState:
         out: dict[str, Any] = {}
         for group in attn_groups:
             meta = group.builder.build(input_batch, for_capture=for_capture)
+            for name in group.layer_names:
+                out[name] = meta
             counters["metadata_builds"] += 1
+            if not input_batch.is_dummy:
+                if self.serving_builds_logged >= self.MAX_LOGGED_SERVING_BUILDS:
+                    continue
+                self.serving_builds_logged += 1
             self.build_log.append({
                 "kind": group.builder.kind, "for_capture": for_capture,
                 "mode": cudagraph_mode.value, "dummy": input_batch.is_dummy,
                 "num_tokens": input_batch.num_tokens_padded,
                 "num_reqs": input_batch.num_reqs_padded,
             })
-            for name in group.layer_names:
-                out[name] = meta
         return out
