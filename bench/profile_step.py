@@ -56,6 +56,25 @@ def back_to_back_ms(fn, steps: int = 20, reps: int = 5) -> float:
     return statistics.median(out)
 
 
+def host_profile(fn, top: int, steps: int = 50) -> str:
+    """cProfile of `steps` calls: where the host time of a step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return f"  host profile over {steps} steps:\n" + buf.getvalue()
+
+
 def kernel_table(fn, top: int) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -85,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="full,piecewise,none")
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile the steps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -118,6 +138,8 @@ def main(argv=None) -> int:
                 target = step
             print(line + f", floor {floor:.3f} ms", flush=True)
             print("\n".join(kernel_table(target, args.top)), flush=True)
+            if args.host_profile:
+                print(host_profile(step, 2 * args.top), flush=True)
         runner = None  # frees its graphs before the next mode builds
         torch.cuda.empty_cache()
     return 0

@@ -17,6 +17,7 @@ import torch.fx
 
 from .config import CompilationConfig, CUDAGraphMode
 from .counters import counters
+from .direct_calls import rewrite_direct_calls
 from .op_registry import OpRegistry
 from .piece_compiler import compile_pieces
 from .split import Piece, split_graph
@@ -145,6 +146,10 @@ def mrv2_backend(
         return w
 
     compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler, wrap)
+    if config.direct_op_calls:  # after compiling: the fake run needs the real ops
+        for p in pieces:
+            if not p.captured:
+                counters["direct_calls"] += rewrite_direct_calls(getattr(split_gm, p.name))
     step = CompiledStep(
         config=config,
         roles=roles,

@@ -70,6 +70,8 @@ class CompilationConfig:
     enable_passes: run the FX passes (passes/) before splitting.
     reorder_for_fewer_pieces: let the segment pass move independent nodes
         across breakpoints so that fewer pieces result.
+    direct_op_calls: eager pieces call registered ops' implementations without
+        the dispatcher while grad is off (compile_backend/direct_calls.py).
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE
@@ -83,6 +85,7 @@ class CompilationConfig:
     strict_capture: bool = False
     enable_passes: bool = True
     reorder_for_fewer_pieces: bool = True
+    direct_op_calls: bool = True
 
     def __post_init__(self) -> None:
         self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
@@ -111,7 +114,7 @@ class CompilationConfig:
         if self.debug_dump_path is not None and not isinstance(self.debug_dump_path, str):
             self.debug_dump_path = str(self.debug_dump_path)
         for name in ("debug_checks", "strict_capture", "enable_passes",
-                     "reorder_for_fewer_pieces"):
+                     "reorder_for_fewer_pieces", "direct_op_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

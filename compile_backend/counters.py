@@ -11,6 +11,7 @@ Keys (all ints):
   cudagraph_replays      CUDA-graph replays
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
+  direct_calls           op calls in eager pieces rewritten to skip the dispatcher
 """
 
 from __future__ import annotations

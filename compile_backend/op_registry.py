@@ -53,7 +53,7 @@ _NAMESPACE_MODULES = {"mrv2": "kernels"}
 
 def register_op_role(name: str, role: "OpRole | str") -> None:
     """Add a process-wide default role (e.g. for a library's own attention op)."""
-    _DEFAULT_ROLES[_check_name_syntax(name)] = _parse_role(role)
+    _DEFAULT_ROLES[check_op_name(name)] = _parse_role(role)
 
 
 def _parse_role(role: "OpRole | str") -> OpRole:
@@ -67,7 +67,7 @@ def _parse_role(role: "OpRole | str") -> OpRole:
         ) from None
 
 
-def _check_name_syntax(name: str) -> str:
+def check_op_name(name: str) -> str:
     if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
         raise ValueError(
             f"op name {name!r} is not of the form 'namespace::name' "
@@ -78,7 +78,7 @@ def _check_name_syntax(name: str) -> str:
 
 def resolve_op_name(name: str) -> None:
     """Raise if `namespace::name` names no registered op (misuse tier)."""
-    _check_name_syntax(name)
+    check_op_name(name)
     ns, op = name.split("::")
     if ns in _NAMESPACE_MODULES:
         importlib.import_module(_NAMESPACE_MODULES[ns])
@@ -153,7 +153,7 @@ class OpRegistry:
             resolve_op_name(name)
             reg.register(name, OpRole.ATTENTION_LIKE)
         for name in config.non_splitting_ops:
-            _check_name_syntax(name)
+            check_op_name(name)
             if name not in reg._roles:
                 raise ValueError(
                     f"non_splitting_ops names {name!r}, which has no role to remove; "
@@ -172,7 +172,7 @@ class OpRegistry:
                 "splitting_ops names it", name)
             self._overridden.add(name)
             return
-        self._roles[_check_name_syntax(name)] = role
+        self._roles[check_op_name(name)] = role
 
     def remove(self, name: str) -> None:
         self._roles.pop(name, None)

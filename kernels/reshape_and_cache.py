@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_backend.direct_calls import register_direct_impl
+
 from ._common import (
     FLOAT_DTYPES, check_device, check_kv_caches, check_tensor, layer_metadata, next_pow2, use_triton,
 )
@@ -89,13 +91,7 @@ def reshape_and_cache_ref(
     value_cache[blk, off] = value[keep].to(value_cache.dtype)
 
 
-@torch.library.custom_op(
-    "mrv2::reshape_and_cache",
-    mutates_args=("key_cache", "value_cache"),
-    schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "str layer_name) -> ()",
-)
-def reshape_and_cache_op(
+def reshape_and_cache_impl(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
@@ -105,6 +101,16 @@ def reshape_and_cache_op(
     meta = layer_metadata(layer_name, "reshape_and_cache")  # AttentionMetadata
     fn = reshape_and_cache if use_triton(key) else reshape_and_cache_ref
     fn(key, value, key_cache, value_cache, meta.slot_mapping)
+
+
+reshape_and_cache_op = torch.library.custom_op(
+    "mrv2::reshape_and_cache",
+    mutates_args=("key_cache", "value_cache"),
+    schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "str layer_name) -> ()",
+)(reshape_and_cache_impl)
+# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+register_direct_impl("mrv2::reshape_and_cache", reshape_and_cache_impl)
 
 
 @reshape_and_cache_op.register_fake

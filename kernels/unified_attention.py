@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_backend.direct_calls import register_direct_impl
+
 from ._common import (
     FLOAT_DTYPES, cdiv, check_device, check_int, check_kv_caches, check_tensor, dot_precision,
     interpreting, layer_metadata, next_pow2, upcast_dots, use_triton,
@@ -345,13 +347,7 @@ def unified_attention_ref(
     return out
 
 
-@torch.library.custom_op(
-    "mrv2::unified_attention",
-    mutates_args=(),
-    schema="(Tensor query, Tensor key_cache, Tensor value_cache, str layer_name, float scale) "
-    "-> Tensor",
-)
-def unified_attention_op(
+def unified_attention_impl(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -368,6 +364,16 @@ def unified_attention_op(
         query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
         meta.block_table, scale,
     )
+
+
+unified_attention_op = torch.library.custom_op(
+    "mrv2::unified_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key_cache, Tensor value_cache, str layer_name, float scale) "
+    "-> Tensor",
+)(unified_attention_impl)
+# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+register_direct_impl("mrv2::unified_attention", unified_attention_impl)
 
 
 @unified_attention_op.register_fake

@@ -1,0 +1,68 @@
+"""Breakpoint ops called without the dispatcher, where eager pieces run them.
+
+In PIECEWISE (and NONE) steps the attention ops run eagerly between graphs,
+once per layer. Through the dispatcher a Python custom op passes several Python
+layers (autograd, ADInplaceOrView for mutating ops, the backend's alias check)
+before its implementation runs: tens of microseconds of host time per call,
+which the device waits for between two graph replays. An op may register its
+implementation here (`register_direct_impl`); after compiling, every eager
+piece's call of such an op is rewritten to call the implementation directly,
+but only while grad is off (inference): with grad on it goes through the
+dispatcher as before, so autograd still sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from .op_registry import check_op_name, qualified_name
+
+logger = logging.getLogger(__name__)
+
+_DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
+
+
+def register_direct_impl(name: str, impl: Callable[..., Any]) -> None:
+    """`impl` takes the op's arguments (as the FX node passes them) and does
+    exactly what the op's registered implementation does."""
+    _DIRECT_IMPLS[check_op_name(name)] = impl
+
+
+def direct_call(op: Any) -> Callable[..., Any] | None:
+    """A plain function calling `op`'s direct implementation when grad is off
+    (and `op` itself otherwise); None if the op registered none."""
+    impl = _DIRECT_IMPLS.get(qualified_name(op))
+    if impl is None:
+        return None
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return op(*args, **kwargs)
+        return impl(*args, **kwargs)
+
+    # FX code generation names the callee after these.
+    name = "direct_" + qualified_name(op).replace("::", "_")
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def rewrite_direct_calls(gm: torch.fx.GraphModule) -> int:
+    """Point `gm`'s calls of registered ops at their direct calls (once:
+    nodes already rewritten are left alone); returns how many were rewritten."""
+    n = 0
+    for node in gm.graph.nodes:
+        # Dynamo leaves the packet (torch.ops.ns.op) or an overload (its .default)
+        if node.op != "call_function" or not isinstance(
+                node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        fn = direct_call(node.target)
+        if fn is not None:
+            node.target = fn
+            n += 1
+    if n:
+        gm.recompile()
+    return n
