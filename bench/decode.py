@@ -2,13 +2,16 @@
 
     python bench/decode.py [--model llama|hybrid|both] [--batches 1,8,32,64,128,256]
                            [--context 500] [--variants a,b,...] [--out bench/results]
-                           [--mixed 512,2048] [--startup] [--dry-run]
+                           [--mixed 512,2048] [--startup | --only-startup] [--dry-run]
+    python bench/decode.py --merge a/decode.json b/decode.json ... --out bench/results
 
 Per decode cell: median step time over CUDA events (warm-up excluded; a step is
 the runner's whole `execute` of a prepared batch: host-side buffer writes,
 metadata, then replay or launches; building the batch is the scheduler's and
-is not timed), the FULL graph's replay alone where there is one, the ratio to the
-HBM floor (weight bytes + KV bytes read, over the device-to-device copy
+is not timed), the back-to-back step time (20 steps queued with no synchronize in
+between: the host prepares step i+1 while the device runs step i, as an engine
+that schedules ahead does), the FULL graph's replay alone where there is one,
+the ratio to the HBM floor (weight bytes + KV bytes read, over the device-to-device copy
 bandwidth measured in this run), and the relative error of the first step's
 logits against eager (match: < 5e-2, bf16 over 8 layers).
 
@@ -23,7 +26,9 @@ Variants (all with the project's kernels):
 Also: a mixed prefill+decode step (--mixed token counts) for eager, inductor
 and mrv2-piecewise; with --startup, cold and warm compile time (two fresh
 processes sharing one Inductor cache) and the pool memory of the largest
-capture alone. --dry-run checks the plumbing on the CPU (tiny model, graph
+capture alone (--only-startup: only the compile times). --merge joins the
+results of several runs (one per model, say, to fit a time limit) into one
+table and plot. --dry-run checks the plumbing on the CPU (tiny model, graph
 stand-in, perf_counter timing: the numbers mean nothing).
 """
 
@@ -120,6 +125,26 @@ def median_ms(fn: Callable[[], Any], setup: Setup, reps: int = 30) -> float:
             times.append(s.elapsed_time(e))
         else:
             t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def back_to_back_ms(fn: Callable[[], Any], setup: Setup, steps: int = 20, reps: int = 5) -> float:
+    """Per-step time of `steps` calls queued without a synchronize between them."""
+    times = []
+    for _ in range(reps):
+        sync(setup)
+        if setup.device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(steps):
+                fn()
+            e.record(); torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / steps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
     return statistics.median(times)
 
 
@@ -224,13 +249,14 @@ def run_decode(model_name, variant, setup, batches, bw):
         for _ in range(5):
             runner.execute(batch)
         ms = median_ms(lambda: runner.execute(batch), setup)
+        b2b_ms = back_to_back_ms(lambda: runner.execute(batch), setup)
         mode, desc, _, _ = runner.dispatch(batch)
         replay_ms = None
         if mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
             graph = runner.full_graph.entries[desc].graph
             replay_ms = median_ms(graph.replay, setup)
         rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
-                     "replay_ms": replay_ms, "floor_bytes": floor_bytes(model, b * (setup.context + 1)),
+                     "b2b_ms": b2b_ms, "replay_ms": replay_ms, "floor_bytes": floor_bytes(model, b * (setup.context + 1)),
                      "dispatched": mode.value, "first": first})
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"])
@@ -288,15 +314,18 @@ def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped)
                    "startup": startup, "compile": compile_times, "skipped": skipped}, f, indent=1)
     L = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
          f"{meta['date']})", "",
-         f"Command: `{meta['command']}`; copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s; "
+         f"Command: `{meta['command']}`; copy bandwidth "
+         f"{meta.get('copy_bandwidth_range') or format(meta['copy_bandwidth_GBps'], '.0f')} GB/s; "
          f"{meta['context']} cached tokens per request; {meta['dtype']}; match = relative error "
          f"of the first step's logits against eager < {MATCH_TOL}.", "",
-         "| model | variant | batch | step ms | replay ms | floor ms | x floor | rel err | match | ran as |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+         "| model | variant | batch | step ms | back-to-back ms | replay ms | floor ms | "
+         "x floor (step / b2b) | rel err | match | ran as |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in decode:
         replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.3f}"
-        L.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | {replay} | "
-                 f"{r['floor_ms']:.3f} | {r['x_floor']:.2f} | {r['rel_err']:.1e} | "
+        L.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
+                 f"{r['b2b_ms']:.3f} | {replay} | {r['floor_ms']:.3f} | "
+                 f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} | "
                  f"{'yes' if r['match'] else 'NO'} | {r['dispatched']} |")
     if mixed:
         L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", "",
@@ -320,6 +349,27 @@ def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped)
     with open(os.path.join(out_dir, "decode.md"), "w") as f:
         f.write(text)
     return text
+
+
+def merge_results(paths: list[str], out_dir: str) -> str:
+    """One table and plot from several runs' decode.json (rows kept as measured:
+    each row's floor uses its own run's copy bandwidth)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    meta = dict(runs[0]["meta"])
+    meta["runs"] = [r["meta"] for r in runs]
+    meta["command"] = " ; ".join(r["meta"]["command"] for r in runs)
+    bws = [r["meta"]["copy_bandwidth_GBps"] for r in runs]
+    meta["copy_bandwidth_GBps"] = min(bws)
+    meta["copy_bandwidth_range"] = f"{min(bws):.0f}-{max(bws):.0f}"
+    joined = {k: [row for r in runs for row in r[k]] for k in ("decode", "mixed", "startup",
+                                                                "compile", "skipped")}
+    text = write_results(out_dir, meta, joined["decode"], joined["mixed"], joined["startup"],
+                         joined["compile"], list(dict.fromkeys(joined["skipped"])))
+    png = plot(joined["decode"], out_dir)
+    return text + (f"\nplot: {png}" if png else "\n(no matplotlib: no plot)")
 
 
 def plot(decode, out_dir) -> str | None:
@@ -355,10 +405,16 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--mixed", default="512,2048", help="token counts of the mixed step ('' to skip)")
     ap.add_argument("--startup", action="store_true", help="also cold/warm compile in fresh processes")
+    ap.add_argument("--only-startup", action="store_true", help="only cold/warm compile")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' decode.json")
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
+    if args.merge:
+        text = merge_results(args.merge, args.out)
+        print(text)
+        return 0
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -390,7 +446,7 @@ def main(argv=None) -> int:
             "copy_bandwidth_GBps": bw / 1e9, "context": setup.context}
     mixed_sizes = [int(n) for n in args.mixed.split(",") if n]
     with setup.scope():
-        for m in models:
+        for m in (models if not args.only_startup else []):
             ref: dict[int, torch.Tensor] = {}
             for v in variants:
                 rows, s = run_decode(m, v, setup, batches, bw)
@@ -412,7 +468,7 @@ def main(argv=None) -> int:
                         r["rel_err"] = rel_err(r["first"], mref[r["tokens"]])
                         mixed.append(r)
                 write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
-    if args.startup:
+    if args.startup or args.only_startup:
         for m in models:
             for v in ("inductor", "mrv2-piecewise"):
                 with tempfile.TemporaryDirectory() as cache:

@@ -47,3 +47,19 @@ def test_without_a_gpu_the_benchmark_says_how_to_dry_run(bench):
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit):
         bench.main(["--batches", "1"])
+
+
+def test_runs_of_one_model_each_merge_into_one_table(bench, tmp_path):
+    for m in ("llama", "hybrid"):
+        assert bench.main(["--dry-run", "--model", m, "--batches", "1,2", "--mixed", "",
+                           "--variants", "eager,mrv2-full", "--out", str(tmp_path / m)]) == 0
+    assert bench.main(["--merge", str(tmp_path / "llama" / "decode.json"),
+                       str(tmp_path / "hybrid" / "decode.json"), "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "decode.json").read_text())
+    assert {(r["model"], r["variant"], r["batch"]) for r in merged["decode"]} == {
+        (m, v, b) for m in ("llama", "hybrid") for v in ("eager", "mrv2-full") for b in (1, 2)}
+    assert all(r["b2b_ms"] > 0 and r["match"] for r in merged["decode"])
+    assert len(merged["meta"]["runs"]) == 2
+    text = (tmp_path / "decode.md").read_text()
+    assert "| llama | mrv2-full | 2 |" in text and "| hybrid | mrv2-full | 2 |" in text
+    assert "--model llama" in text and "--model hybrid" in text  # both commands recorded
