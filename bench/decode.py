@@ -470,11 +470,13 @@ def main(argv=None) -> int:
                 write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
     if args.startup or args.only_startup:
         for m in models:
-            for v in ("inductor", "mrv2-piecewise"):
+            for v in ("mrv2-piecewise", "inductor"):
                 with tempfile.TemporaryDirectory() as cache:
                     cold = compile_seconds_in_fresh_process(m, v, cache)
                     warm = compile_seconds_in_fresh_process(m, v, cache)
                 compile_times.append({"model": m, "variant": v, "cold_s": cold, "warm_s": warm})
+                print(f"compile {m} {v}: cold {cold:.1f} s, warm {warm:.1f} s", flush=True)
+                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
     text = write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
     png = plot(decode, args.out)
     print(text + (f"\nplot: {png}" if png else "\n(no matplotlib: no plot)"))
