@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -210,6 +211,12 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     spec = VARIANTS[variant]
     torch._dynamo.reset()
     cb.reset_counters()
+    # The previous variant's runner may sit in a reference cycle: collect it
+    # now, or its memory is freed during this capture and the pool reads
+    # negative (seen: hybrid mrv2-piecewise, -2164 MiB, 2026-11-30).
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
     model = build_model(model_name, preset(setup.preset, dtype=setup.dtype)).to(setup.device)
     kv = KVCacheConfig(num_blocks=num_blocks, block_size=16,
                        max_model_len=max_model_len or setup.context + 64,
@@ -373,6 +380,8 @@ def merge_results(paths: list[str], out_dir: str) -> str:
 
 
 def plot(decode, out_dir) -> str | None:
+    if not decode:  # --only-startup: nothing to plot
+        return None
     try:
         import matplotlib
 
