@@ -1,81 +1,121 @@
-"""Host twins of persistent device buffers, for asynchronous step inputs.
+"""Persistent step-input buffers carved out of one device arena, written
+through a pinned host twin of it.
 
 A step's inputs (token ids, positions, block tables, ...) are built on the host
-and copied into persistent device buffers. From pageable memory each copy
-blocks the host until the device has drained the queue ahead of it, so the
-host cannot prepare step i+1 while step i still runs. Here every persistent
-buffer has a pinned host twin: values go into the twin, and the copy into the
-device buffer is queued without blocking.
+and copied into persistent device buffers (graphs read them where they were
+captured). Two costs are avoided here:
+- A copy from pageable memory blocks the host until the device has drained the
+  queue ahead of it, so the host could not prepare step i+1 while step i runs.
+  The twin is pinned and the copy is queued (`non_blocking`).
+- A copy per field costs a copy call per field (and a tensor built per field).
+  Values go into the twin with a plain memory move from a host `array`, and one
+  copy moves the twin's used range to the device.
 
-Reuse hazard: a twin must not be rewritten before the copy queued from it last
-time has run. `write()` therefore waits on an event recorded after the
-previous copies (normally long done: it only waits when the host runs more
-than one step ahead). On a CPU device twins are plain tensors and copies are
-immediate.
+Every field is a typed, shaped view of the device arena, so its address never
+changes. The device range copied at a write is [0, `upto` bytes): everything
+the step reads must lie in it, and the twin must hold the right values for all
+of it (a field written at an earlier step keeps its twin values).
+
+Reuse hazard: the twin must not be rewritten before the copy queued from it
+last time has run, so `write()` waits on an event recorded after the previous
+copy (normally long done: it waits only when the host runs more than one step
+ahead). On a CPU device the copy is immediate.
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
-# array.array typecodes for the dtypes persistent buffers use
+# array.array typecodes for the dtypes step inputs use
 _TYPECODE = {torch.int64: "q", torch.int32: "i", torch.bool: "b"}
+_ALIGN = 16  # bytes: every field starts aligned (vector loads in kernels)
 
 
-def host_array(dtype: torch.dtype) -> array.array:
-    """An empty growable host array for `dtype` (cheaper to fill than a list
-    turned into a tensor: see `HostStaging.put`)."""
-    return array.array(_TYPECODE[dtype])
+def host_array(dtype: torch.dtype, values: Sequence[int] = ()) -> array.array:
+    """A growable host array for `dtype` (filling one is cheaper than turning a
+    list into a tensor)."""
+    return array.array(_TYPECODE[dtype], values)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: int  # initial value, host and device
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int  # bytes into the arena
+    numel: int
+    itemsize: int
+    typecode: str
 
 
 class HostStaging:
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, fields: Sequence[Field]) -> None:
         self.device = torch.device(device)
         self.asynchronous = self.device.type == "cuda"
-        self._twins: dict[tuple, torch.Tensor] = {}  # _key(device buffer) -> host twin
+        self._slots: dict[str, _Slot] = {}
+        offset = 0
+        for f in fields:
+            assert f.dtype in _TYPECODE and f.name not in self._slots, (f.name, f.dtype)
+            numel = 1
+            for s in f.shape:
+                numel *= s
+            item = torch.empty(0, dtype=f.dtype).element_size()
+            self._slots[f.name] = _Slot(offset, numel, item, _TYPECODE[f.dtype])
+            offset += -(-numel * item // _ALIGN) * _ALIGN
+        self.nbytes = offset
+        self.host = torch.zeros(offset, dtype=torch.uint8, pin_memory=self.asynchronous)
+        self._host_ptr = self.host.data_ptr()
+        self.arena = torch.empty(offset, dtype=torch.uint8, device=self.device)
+        self.views: dict[str, torch.Tensor] = {}
+        for f in fields:
+            slot = self._slots[f.name]
+            host = self._typed(self.host, slot, f.dtype)
+            host.fill_(f.fill)
+            self.views[f.name] = self._typed(self.arena, slot, f.dtype).view(f.shape)
+        self.arena.copy_(self.host)
         self._done: torch.cuda.Event | None = None
 
     @staticmethod
-    def _key(buf: torch.Tensor) -> tuple:
-        return (buf.data_ptr(), buf.dtype, buf.numel())
+    def _typed(buf: torch.Tensor, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+        return buf[slot.offset: slot.offset + slot.numel * slot.itemsize].view(dtype)
 
-    def register(self, buf: torch.Tensor) -> torch.Tensor:
-        """Give `buf` (a persistent device tensor) a host twin of its size, now
-        rather than at its first `put`."""
-        assert buf.is_contiguous() and buf.dtype in _TYPECODE, (buf.dtype, buf.stride())
-        key = self._key(buf)
-        if key not in self._twins:
-            self._twins[key] = torch.empty(
-                buf.numel(), dtype=buf.dtype, pin_memory=self.asynchronous)
-        return buf
+    def end(self, name: str, elements: int) -> int:
+        """Byte offset just past the first `elements` elements of `name`."""
+        slot = self._slots[name]
+        assert elements <= slot.numel, (name, elements, slot.numel)
+        return slot.offset + elements * slot.itemsize
 
     @contextmanager
-    def write(self) -> Iterator["HostStaging"]:
-        """Scope of one step's puts: waits until the twins are free, and marks
-        them busy again once the copies are queued."""
+    def write(self, upto: int | None = None) -> Iterator["HostStaging"]:
+        """Scope of one step's puts: waits until the twin is free, then queues
+        one copy of its first `upto` bytes (all of it by default)."""
         if self._done is not None:
             self._done.synchronize()
         yield self
+        n = self.nbytes if upto is None else upto
+        self.arena[:n].copy_(self.host[:n], non_blocking=self.asynchronous)
         if self.asynchronous:
             if self._done is None:
                 self._done = torch.cuda.Event()
             self._done.record()
 
-    def put(self, buf: torch.Tensor, values: array.array | Sequence) -> None:
-        """buf.view(-1)[:len(values)] = values, through the host twin."""
-        twin = self._twins.get(self._key(buf))
-        if twin is None:  # a buffer replaced after allocation: give it a twin now
-            twin = self._twins[self._key(self.register(buf))]
+    def put(self, name: str, values: array.array, start: int = 0) -> None:
+        """Twin of `name`, flattened: [start, start + len(values)) = values."""
+        slot = self._slots[name]
         n = len(values)
-        assert n <= twin.numel(), (n, twin.numel())
-        if n == 0:
-            return
-        if not isinstance(values, array.array):
-            values = array.array(_TYPECODE[buf.dtype], values)
-        assert values.typecode == _TYPECODE[buf.dtype], (values.typecode, buf.dtype)
-        twin[:n].copy_(torch.frombuffer(values, dtype=buf.dtype))
-        buf.view(-1)[:n].copy_(twin[:n], non_blocking=self.asynchronous)
+        assert values.typecode == slot.typecode, (name, values.typecode, slot.typecode)
+        assert start + n <= slot.numel, (name, start, n, slot.numel)
+        if n:
+            ctypes.memmove(self._host_ptr + slot.offset + start * slot.itemsize,
+                           values.buffer_info()[0], n * slot.itemsize)

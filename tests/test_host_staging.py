@@ -8,7 +8,7 @@ import torch
 
 from compile_backend.block_tables import BlockTables
 from compile_backend.config import CUDAGraphMode
-from compile_backend.host_staging import HostStaging, host_array
+from compile_backend.host_staging import Field, HostStaging, host_array
 from compile_backend.input_batch import InputBatch
 from compile_backend.input_buffers import InputBuffers
 from compile_backend.model_state import ModelState, attention_groups_for
@@ -72,15 +72,43 @@ def test_too_many_blocks_for_the_table_raise_and_write_nothing():
     assert torch.equal(tables.block_table, before)
 
 
-def test_staging_gives_a_replaced_buffer_its_own_twin():
-    st = HostStaging("cpu")
-    a = st.register(torch.zeros(4, dtype=torch.int32))
-    b = torch.full((6,), 7, dtype=torch.int32)  # never registered
+def test_arena_fields_are_aligned_typed_views_and_a_write_copies_up_to_its_bound():
+    st = HostStaging("cpu", [Field("a", (3,), torch.int64, -1), Field("b", (2, 5), torch.int32, 7),
+                             Field("c", (4,), torch.bool, 0)])
+    a, b, c = st.views["a"], st.views["b"], st.views["c"]
+    assert a.tolist() == [-1] * 3 and b.tolist() == [[7] * 5] * 2 and c.tolist() == [False] * 4
+    assert all(v.data_ptr() % 16 == 0 for v in (a, b, c))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one arena
     with st.write():
-        st.put(a, [1, 2, 3])
-        st.put(b, host_array(torch.int32) + host_array(torch.int32))  # empty: no-op
-        st.put(b, [5, 6])
-    assert a.tolist() == [1, 2, 3, 0] and b.tolist() == [5, 6, 7, 7, 7, 7]
+        st.put("a", host_array(torch.int64, [4, 5]))
+        st.put("b", host_array(torch.int32, [1, 2, 3]), start=4)  # flat offset: row 0 col 4 on
+        st.put("c", host_array(torch.bool, [True, False, True]))
+    assert a.tolist() == [4, 5, -1] and b.tolist() == [[7, 7, 7, 7, 1], [2, 3, 7, 7, 7]]
+    assert c.tolist() == [True, False, True, False]
+    with st.write(upto=st.end("b", 5)):  # only a and b's first row reach the device
+        st.put("b", host_array(torch.int32, [0] * 10))
+    assert b.tolist() == [[0] * 5, [2, 3, 7, 7, 7]]
+    with pytest.raises(AssertionError):
+        st.put("a", host_array(torch.int32, [1]))  # wrong element type
+
+
+def test_block_rows_rewritten_only_where_they_changed_still_read_right():
+    """Rows that shrink, grow, vanish (padding) or are mutated in place by the
+    caller between steps: the table always equals a fresh zero-padded build."""
+    cfg = kv_config(max_num_reqs=4, max_model_len=64)
+    tables = BlockTables(cfg, "cpu")
+    rows = [[5, 6, 7], [8], [9, 10]]
+    steps = [rows, [[5, 6, 7, 11], [8], [9, 10]], [[12], [8, 13]], [[12], [8, 13], [1, 2, 3, 4]]]
+    for i, block_ids in enumerate(steps):
+        if i == 1:
+            rows[0].append(11)  # in place: the same list object as step 0's
+            block_ids = rows
+        b = InputBatch([1] * len(block_ids), [1] * len(block_ids), [1] * len(block_ids),
+                       list(range(len(block_ids))), block_ids=block_ids,
+                       compressed_block_ids=[[1]] * len(block_ids)).pad_to(4, 4)
+        tables.write(b)
+        want = [r + [0] * (4 - len(r)) for r in block_ids] + [[0] * 4] * (4 - len(block_ids))
+        assert tables.block_table.tolist() == want, i
 
 
 def test_serving_builds_stop_being_logged_but_capture_builds_do_not():
