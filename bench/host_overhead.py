@@ -1,11 +1,16 @@
 """Host cost of what a PIECEWISE decode step does between graph replays.
 
     python bench/host_overhead.py [--batch 1] [--context 500] [--calls 2000]
+    python bench/host_overhead.py --prepare [--batches 1,64,256]   (any device)
 
 Each line: microseconds of host time per call (perf_counter over `--calls`
 calls, device work left queued; the device work of each call is a few
 microseconds, so the host is what is timed), median of 5 rounds. Shapes are the
 bench preset's attention (32 heads, 4 KV heads, head dim 64, bf16).
+
+--prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
+the persistent buffers and block tables, build metadata): the host work in
+front of every FULL replay. It runs on the CPU too (what it times is Python).
 """
 
 from __future__ import annotations
@@ -21,23 +26,43 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402,F401  (registers the mrv2 ops)
-from compile_backend.attention_metadata import AttentionMetadata  # noqa: E402
-from compile_backend.forward_context import ForwardContext, set_forward_context  # noqa: E402
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl  # noqa: E402
-from kernels.unified_attention import unified_attention, unified_attention_impl  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rounds = []
     for _ in range(5):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(rounds)
+
+
+def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str, float]]:
+    """Host us of ModelRunner.prepare_step for decode batches (hybrid model's
+    three metadata groups, block size 16, max_model_len = context + 64)."""
+    import bench.decode as decode  # the benchmark's batch builder
+    from compile_backend.config import CUDAGraphMode, CompilationConfig
+    from compile_backend.kv_cache_config import KVCacheConfig
+    from compile_backend.model_runner import ModelRunner
+    from compile_backend.models import build_model, preset
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for B in batches:
+        blocks = B * (math.ceil((context + 1) / 16) + 2) + 2
+        kv = KVCacheConfig(num_blocks=blocks, block_size=16, max_model_len=context + 64,
+                           max_num_reqs=max(batches), max_num_tokens=max(batches))
+        model = build_model("hybrid", preset("tiny", num_layers=1))
+        runner = ModelRunner(model, kv, CompilationConfig(cudagraph_mode="none"), dev,
+                             progress=False, compile_fn=lambda m: m)
+        batch = decode.decode_batch(B, context, kv, model.cfg.vocab_size)
+        rows.append((f"prepare_step, decode batch {B} ({dev})", per_call_us(
+            lambda: runner.prepare_step(batch, CUDAGraphMode.FULL, B, B, True), calls)))
+    return rows
 
 
 @torch.no_grad()
@@ -46,9 +71,23 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--prepare", action="store_true", help="time prepare_step (any device)")
+    ap.add_argument("--batches", default="1,64,256", help="decode batches for --prepare")
     args = ap.parse_args(argv)
+    if args.prepare:
+        rows = prepare_rows([int(b) for b in args.batches.split(",")], args.context,
+                            max(1, args.calls // 10))
+        print("| call | host us |\n|---|---:|")
+        for name, us in rows:
+            print(f"| {name} | {us:.1f} |")
+        return 0
     if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
+        ap.error("needs a CUDA device (or --prepare)")
+    from compile_backend.attention_metadata import AttentionMetadata
+    from compile_backend.forward_context import ForwardContext, set_forward_context
+    from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
+    from kernels.unified_attention import unified_attention, unified_attention_impl
+
     dev, dt = "cuda", torch.bfloat16
     B, H, KVH, D, bs = args.batch, 32, 4, 64, 16
     blocks = math.ceil((args.context + 1) / bs)
