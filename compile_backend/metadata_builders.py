@@ -14,7 +14,12 @@ Note [attention-like metadata is always capturable]: sconv and the compressor
 run inside captured segments in every mode, PIECEWISE included, where
 `for_capture` is False. Their builders ignore the flag: request count and
 max_query_len are always the padded batch's (the same at capture and at any
-replay of that size), and their tensors are persistent views.
+replay of that size), and their tensors are persistent views. One exception,
+as safe: in a uniform-decode graph (`batch.uniform_decode_graph` is True, set
+only for FULL graphs that replay one-token-per-request batches alone)
+max_query_len is 1. The padded T there would size the kernels' grids by T
+tokens per request: at 256 requests, 65 compressor groups per request instead
+of 1 (66560 programs for 1024 with work).
 """
 
 from __future__ import annotations
@@ -109,15 +114,23 @@ class SConvMetadataBuilder(_Builder):
 
     def build(self, batch: InputBatch, *, for_capture: bool) -> SConvMetadata:
         # See Note [attention-like metadata is always capturable].
-        B, T = batch.num_reqs_padded, batch.num_tokens_padded
+        B = batch.num_reqs_padded
         return SConvMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             state_indices=self.buffers.state_indices[:B],
             has_initial_state=self.buffers.has_initial_state[:B],
             num_reqs=B,
-            max_query_len=T,
+            max_query_len=_attention_like_max_query_len(batch),
             for_capture=for_capture,
         )
+
+
+def _attention_like_max_query_len(batch: InputBatch) -> int:
+    """See Note [attention-like metadata is always capturable]."""
+    if batch.uniform_decode_graph is True:
+        assert batch.uniform_decode or batch.num_reqs == 0, batch.query_lens
+        return 1
+    return batch.num_tokens_padded
 
 
 class CompressorMetadataBuilder(_Builder):
@@ -134,14 +147,14 @@ class CompressorMetadataBuilder(_Builder):
 
     def build(self, batch: InputBatch, *, for_capture: bool) -> CompressorMetadata:
         # See Note [attention-like metadata is always capturable].
-        B, T = batch.num_reqs_padded, batch.num_tokens_padded
+        B = batch.num_reqs_padded
         return CompressorMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             seq_lens=self.buffers.seq_lens[:B],
             state_indices=self.buffers.state_indices[:B],
             block_table=self.tables.compressed_block_table[:B],
             num_reqs=B,
-            max_query_len=T,
+            max_query_len=_attention_like_max_query_len(batch),
             for_capture=for_capture,
         )
 

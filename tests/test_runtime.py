@@ -367,6 +367,12 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
                                         uniform_decode=uniform)
     assert meta["layers.0.attn"].max_query_len == expected
     assert meta["layers.0.attn"].max_seq_len == r.kv_cache_config.max_model_len
-    assert meta["layers.0.conv"].max_query_len == 4  # attention-like: the padded bound
+    # attention-like: the padded bound, except in uniform-decode graphs (one token
+    # per request by construction; the padded T would size their grids by T)
+    assert meta["layers.0.conv"].max_query_len == expected
+    assert meta["layers.0.compress"].max_query_len == expected
+    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, r.input_buffers, r.block_tables,
+                                        r.attn_groups, r.kv_cache_config, full_cudagraph=False)
+    assert meta["layers.0.conv"].max_query_len == 4  # PIECEWISE: serves any 4-token batch
     assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, False))) == 1
     assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, True))) == 1
