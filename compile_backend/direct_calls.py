@@ -5,7 +5,8 @@ once per layer. Through the dispatcher a Python custom op passes several Python
 layers (autograd, ADInplaceOrView for mutating ops, the backend's alias check)
 before its implementation runs: tens of microseconds of host time per call,
 which the device waits for between two graph replays. An op may register its
-implementation here (`register_direct_impl`); after compiling, every eager
+implementation here (`register_direct_impl`, or `direct_custom_op` when defining
+it); after compiling, every eager
 piece's call of such an op is rewritten to call the implementation directly,
 but only while grad is off (inference): with grad on it goes through the
 dispatcher as before, so autograd still sees it.
@@ -13,15 +14,12 @@ dispatcher as before, so autograd still sees it.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from .op_registry import check_op_name, qualified_name
-
-logger = logging.getLogger(__name__)
 
 _DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
 
@@ -30,6 +28,18 @@ def register_direct_impl(name: str, impl: Callable[..., Any]) -> None:
     """`impl` takes the op's arguments (as the FX node passes them) and does
     exactly what the op's registered implementation does."""
     _DIRECT_IMPLS[check_op_name(name)] = impl
+
+
+def direct_custom_op(name: str, *, mutates_args, schema: str):
+    """`torch.library.custom_op(name, ...)(impl)` that also registers `impl` as
+    the op's direct implementation (one name for both)."""
+
+    def wrap(impl: Callable[..., Any]):
+        op = torch.library.custom_op(name, mutates_args=mutates_args, schema=schema)(impl)
+        register_direct_impl(name, impl)
+        return op
+
+    return wrap
 
 
 def direct_call(op: Any) -> Callable[..., Any] | None:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.direct_calls import register_direct_impl
+from compile_backend.direct_calls import direct_custom_op
 
 from ._common import (
     FLOAT_DTYPES, check_device, check_kv_caches, check_tensor, layer_metadata, next_pow2, use_triton,
@@ -103,14 +103,13 @@ def reshape_and_cache_impl(
     fn(key, value, key_cache, value_cache, meta.slot_mapping)
 
 
-reshape_and_cache_op = torch.library.custom_op(
+# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+reshape_and_cache_op = direct_custom_op(
     "mrv2::reshape_and_cache",
     mutates_args=("key_cache", "value_cache"),
     schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "str layer_name) -> ()",
 )(reshape_and_cache_impl)
-# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
-register_direct_impl("mrv2::reshape_and_cache", reshape_and_cache_impl)
 
 
 @reshape_and_cache_op.register_fake

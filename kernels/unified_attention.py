@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.direct_calls import register_direct_impl
+from compile_backend.direct_calls import direct_custom_op
 
 from ._common import (
     FLOAT_DTYPES, cdiv, check_device, check_int, check_kv_caches, check_tensor, dot_precision,
@@ -366,14 +366,13 @@ def unified_attention_impl(
     )
 
 
-unified_attention_op = torch.library.custom_op(
+# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+unified_attention_op = direct_custom_op(
     "mrv2::unified_attention",
     mutates_args=(),
     schema="(Tensor query, Tensor key_cache, Tensor value_cache, str layer_name, float scale) "
     "-> Tensor",
 )(unified_attention_impl)
-# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
-register_direct_impl("mrv2::unified_attention", unified_attention_impl)
 
 
 @unified_attention_op.register_fake
