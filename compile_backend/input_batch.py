@@ -56,7 +56,10 @@ class InputBatch:
         """[T] absolute position of every real token."""
         out: list[int] = []
         for q, s in zip(self.query_lens, self.seq_lens):
-            out.extend(range(s - q, s))
+            if q == 1:  # decode, the common case: no range object
+                out.append(s - 1)
+            else:
+                out.extend(range(s - q, s))
         return out
 
     def pad_to(self, num_tokens: int, num_reqs: int,

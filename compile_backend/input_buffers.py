@@ -43,18 +43,14 @@ class InputBuffers:
         pad_t, pad_b = T - batch.num_tokens, B - batch.num_reqs
         ids = host_array(torch.int64, batch.token_ids)
         ids.extend([0] * pad_t)
-        pos, qsl = host_array(torch.int64), host_array(torch.int32, [0])
-        has_state = host_array(torch.bool)
+        pos = host_array(torch.int64, batch.positions())
+        pos.extend([0] * pad_t)
+        qsl, has_state = host_array(torch.int32, [0]), host_array(torch.bool)
         start = 0
         for q, s in zip(batch.query_lens, batch.seq_lens):
-            if q == 1:  # decode: the common case
-                pos.append(s - 1)
-            else:
-                pos.extend(range(s - q, s))
             start += q
             qsl.append(start)
             has_state.append(q < s)
-        pos.extend([0] * pad_t)
         qsl.extend([start] * pad_b)
         lens = host_array(torch.int32, batch.seq_lens)
         lens.extend([0] * pad_b)

@@ -47,7 +47,8 @@ def test_buffers_hold_random_batches_written_back_to_back(device):
         for q in b.query_lens:
             qsl.append(qsl[-1] + q)
         assert bufs.input_ids[:T].tolist() == b.token_ids + [0] * pad_t
-        assert bufs.positions[:T].tolist() == b.positions() + [0] * pad_t
+        positions = [p for q, s in zip(b.query_lens, b.seq_lens) for p in range(s - q, s)]
+        assert bufs.positions[:T].tolist() == positions + [0] * pad_t
         assert bufs.query_start_loc[: B + 1].tolist() == qsl + [qsl[-1]] * pad_b
         assert bufs.seq_lens[:B].tolist() == b.seq_lens + [0] * pad_b
         assert bufs.state_indices[:B].tolist() == b.req_slots + [-1] * pad_b
