@@ -42,20 +42,6 @@ def host_ms(fn, reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def back_to_back_ms(fn, steps: int = 20, reps: int = 5) -> float:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(steps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) / steps)
-    return statistics.median(out)
-
-
 def host_profile(fn, top: int, steps: int = 50) -> str:
     """cProfile of `steps` calls: where the host time of a step goes."""
     import cProfile
@@ -128,7 +114,7 @@ def main(argv=None) -> int:
                 step()
             floor = bench.floor_bytes(model, b * (setup.context + 1)) / bw * 1e3
             line = (f"{args.model} {variant} b{b}: step {bench.median_ms(step, setup):.3f} ms, "
-                    f"host {host_ms(step):.3f} ms, back-to-back {back_to_back_ms(step):.3f} ms")
+                    f"host {host_ms(step):.3f} ms, back-to-back {bench.back_to_back_ms(step, setup):.3f} ms")
             rmode, desc, _, _ = runner.dispatch(batch)
             if rmode is cb.CUDAGraphMode.FULL:
                 graph = runner.full_graph.entries[desc].graph

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -67,10 +68,7 @@ class HostStaging:
         offset = 0
         for f in fields:
             assert f.dtype in _TYPECODE and f.name not in self._slots, (f.name, f.dtype)
-            numel = 1
-            for s in f.shape:
-                numel *= s
-            item = torch.empty(0, dtype=f.dtype).element_size()
+            numel, item = math.prod(f.shape), f.dtype.itemsize
             self._slots[f.name] = _Slot(offset, numel, item, _TYPECODE[f.dtype])
             offset += -(-numel * item // _ALIGN) * _ALIGN
         self.nbytes = offset
