@@ -18,7 +18,8 @@ import torch.fx
 from .config import CompilationConfig, CUDAGraphMode
 from .counters import counters
 from .direct_calls import rewrite_direct_calls
-from .op_registry import OpRegistry
+from .forward_context import has_forward_context
+from .op_registry import OpRegistry, OpRole
 from .piece_compiler import compile_pieces
 from .split import Piece, split_graph
 
@@ -60,8 +61,20 @@ class CompiledStep:
     passes_uuid: str | None = None
     compile_seconds: float = 0.0
     wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
+    # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
+    # graph captured lazily, or why it cannot be (then pieces run PIECEWISE).
+    full_graph: Any = None
+    full_blocker: str | None = None
+    _blocker_logged: bool = field(default=False, repr=False)
 
     def __call__(self, *args: Any) -> Any:
+        if self.graph_mode.has_full and not has_forward_context():
+            if self.full_graph is not None:
+                return self.full_graph(*args)
+            if not self._blocker_logged:
+                self._blocker_logged = True
+                counters["full_graph_fallbacks"] += 1
+                logger.warning("mrv2: %s", self.full_blocker)
         return self.split_gm(*args)
 
     @property
@@ -101,12 +114,52 @@ def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str],
     names, stable = [], []
     for i, a in enumerate(call.args):
         names.append(a.name if isinstance(a, torch.fx.Node) else repr(a))
-        grapharg = a.meta.get("grapharg") if isinstance(a, torch.fx.Node) else None
-        source = grapharg.source.name if grapharg is not None and grapharg.source else ""
-        source = source() if callable(source) else source
-        if "_parameters" in source or "_buffers" in source:
+        if _is_parameter_or_buffer(a):
             stable.append(i)
     return names, stable
+
+
+def _uses_no_runner_metadata(op: str, roles: OpRegistry) -> bool:
+    """Can `op` run without the runner's forward context? Attention-like ops
+    index their state by metadata; breakpoints outside aten and higher_order
+    (paged attention, users' own) are assumed to read it too."""
+    role = roles.role_of_name(op)
+    if role is OpRole.ATTENTION_LIKE:
+        return False
+    return role is not OpRole.BREAKPOINT or op.split("::")[0] in ("aten", "higher_order")
+
+
+def full_capture_blocker(pieces: Sequence[Piece], roles: OpRegistry, mode: CUDAGraphMode) -> str | None:
+    """Why the whole graph cannot be one lazily captured FULL graph without a
+    runner (None: it can), and what runs instead."""
+    instead = ("its pieces run as PIECEWISE graphs" if mode is not CUDAGraphMode.FULL_DECODE_ONLY
+               else "it runs eagerly")
+    for p in pieces:
+        if p.eager_reasons:
+            return (f"no FULL graph without a runner: piece {p.name} cannot be captured "
+                    f"({p.eager_reasons[0]}); {instead}")
+        for op in p.breakpoints + p.attention_like:
+            if not _uses_no_runner_metadata(op, roles):
+                return (f"no FULL graph without a runner: {op} reads attention metadata "
+                        f"that only a runner (compile_backend.ModelRunner) builds; {instead}")
+    return None
+
+
+def _stable_placeholders(gm: torch.fx.GraphModule) -> tuple[list[str], list[int]]:
+    """Names of the graph's inputs, and which are parameters or buffers."""
+    names, stable = [], []
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        names.append(n.name)
+        if _is_parameter_or_buffer(n):
+            stable.append(i)
+    return names, stable
+
+
+def _is_parameter_or_buffer(node: Any) -> bool:
+    grapharg = node.meta.get("grapharg") if isinstance(node, torch.fx.Node) else None
+    source = grapharg.source.name if grapharg is not None and grapharg.source else ""
+    source = source() if callable(source) else source
+    return "_parameters" in source or "_buffers" in source
 
 
 def mrv2_backend(
@@ -132,11 +185,16 @@ def mrv2_backend(
             counters["capture_fallbacks"] += 1
 
     wrappers: list[Any] = []
+    full_blocker = full_capture_blocker(pieces, roles, graph_mode) if graph_mode.has_full else None
+    # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
+    # for plain use when the whole graph cannot be one graph.
+    piecewise = graph_mode.has_piecewise or (
+        graph_mode is CUDAGraphMode.FULL and full_blocker is not None)
+    from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
 
     def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not (piece.captured and graph_mode.has_piecewise):
+        if not (piece.captured and piecewise):
             return fn
-        from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
 
         names, stable = _piece_inputs(split_gm, piece.name)
         w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
@@ -163,7 +221,13 @@ def mrv2_backend(
         passes_uuid=passes_uuid,
         compile_seconds=time.perf_counter() - t0,
         wrappers=wrappers,
+        full_blocker=full_blocker,
     )
+    if graph_mode.has_full and full_blocker is None:
+        names, stable = _stable_placeholders(split_gm)
+        step.full_graph = CUDAGraphWrapper(
+            split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
+            stable_inputs=stable, input_names=names)
     _compiled.append(step)
     logger.info(
         "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",

@@ -4,9 +4,18 @@ and, per batch descriptor, captures it once and replays it after.
 Which graph a call uses comes from the forward context the runner sets:
   runtime mode == wrapper's mode and a batch descriptor  -> capture or replay
   anything else (NONE, or FULL around a PIECEWISE piece) -> run the callable
-Without a forward context (plain torch.compile use, no runner), a PIECEWISE
-wrapper keys graphs by its inputs' shapes: the first call of a shape runs
-eagerly as warm-up, the second captures, later ones replay.
+Without a forward context (plain torch.compile use, no runner), a wrapper keys
+graphs by its inputs' shapes: the first call of a shape runs eagerly as
+warm-up, the second captures, later ones replay. A FULL wrapper runs its
+callable under a FULL forward context without a descriptor, so PIECEWISE
+wrappers inside it run their callables (one graph, not nested captures).
+
+Capture never hands out what it recorded. Capturing records kernels and runs
+none: the capturing call's outputs are uninitialised memory and its writes
+(KV cache, conv state) do not happen. So every capture is followed by one
+replay, whose outputs the call returns and whose writes happen exactly once.
+A caller that must not capture on demand (the draft loop) checks
+`is_captured` first and raises.
 
 Addresses. A graph reads and writes the addresses seen at capture. Inputs at a
 new address are copied into the capture-time tensor (held by the wrapper, so
@@ -30,7 +39,9 @@ import torch.utils._pytree as pytree
 
 from .config import CUDAGraphMode
 from .counters import counters
-from .forward_context import ForwardContext, get_forward_context, has_forward_context
+from .forward_context import (
+    ForwardContext, get_forward_context, has_forward_context, set_forward_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +52,8 @@ class TorchCUDAGraphs:
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager:
+    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()) -> contextlib.AbstractContextManager:
+        """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing)."""
         return torch.cuda.graph(graph, pool=pool)
 
     def pool(self) -> Any:
@@ -154,34 +166,45 @@ class CUDAGraphWrapper:
 
     def __call__(self, *args: Any) -> Any:
         if not has_forward_context():
-            if self.mode is not CUDAGraphMode.PIECEWISE:
-                return self.fn(*args)
             return self._lazy(args)
         ctx = get_forward_context()
         desc = ctx.batch_descriptor
         if ctx.cudagraph_runtime_mode is not self.mode or desc is None:
             return self.fn(*args)
-        key = desc.relaxed() if self.mode is CUDAGraphMode.PIECEWISE else desc
+        key = self.key_of(desc)
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
         return self._replay(entry, args, ctx)
 
+    def key_of(self, desc: Hashable) -> Hashable:
+        """The key a descriptor's graph is held under."""
+        return desc.relaxed() if self.mode is CUDAGraphMode.PIECEWISE else desc
+
+    def is_captured(self, desc: Hashable) -> bool:
+        return self.key_of(desc) in self.entries
+
     def _lazy(self, args: Sequence[Any]) -> Any:
         """No runner: graphs keyed by input shapes, captured on the second call."""
         key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
-        entry = self.entries.get(key)
-        if entry is not None:
-            return self._replay(entry, args, None)
-        if key not in self._warmed_shapes:
-            self._warmed_shapes.add(key)
-            counters["lazy_warmups"] += 1
-            return self.fn(*args)
-        return self._capture(key, args, None)
+        # A FULL graph holds every piece: PIECEWISE wrappers inside it see a FULL
+        # context without a descriptor and run their callables.
+        ctx = ForwardContext(cudagraph_runtime_mode=self.mode) if self.mode is CUDAGraphMode.FULL else None
+        with set_forward_context(ctx) if ctx is not None else contextlib.nullcontext():
+            entry = self.entries.get(key)
+            if entry is not None:
+                return self._replay(entry, args, ctx)
+            if key not in self._warmed_shapes:
+                self._warmed_shapes.add(key)
+                counters["lazy_warmups"] += 1
+                return self.fn(*args)
+            counters["lazy_captures"] += 1
+            return self._capture(key, args, ctx)
 
     # ---- capture and replay -------------------------------------------------
 
     def _capture(self, key: Hashable, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
+        """Capture, then replay once: the call returns the replay's outputs."""
         graph = self.graphs.new_graph()
         pool = shared_graph_pool(self.graphs)
         _pool_graphs.add(graph)
@@ -191,7 +214,7 @@ class CUDAGraphWrapper:
         if ctx is not None:
             ctx.capturing = True
         try:
-            with self.graphs.capture(graph, pool):
+            with self.graphs.capture(graph, pool, args):
                 outputs = self.fn(*args)
         finally:
             if ctx is not None:
@@ -211,6 +234,10 @@ class CUDAGraphWrapper:
             self.graphs.after_capture(graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
+        # The replay writes the outputs' memory (garbage until now). Hand out
+        # the strong tensors: the rest of this call (later pieces' captures)
+        # must not get their memory from the pool while they are in use.
+        self._replay(entry, args, ctx)
         return outputs
 
     def _input_name(self, i: int) -> str:

@@ -9,7 +9,9 @@ implementation here (`register_direct_impl`, or `direct_custom_op` when defining
 it); after compiling, every eager
 piece's call of such an op is rewritten to call the implementation directly,
 but only while grad is off (inference): with grad on it goes through the
-dispatcher as before, so autograd still sees it.
+dispatcher as before, so autograd still sees it. Under an active dispatch
+mode (a profiler, the CUDA-graph stand-in's write tracking) it goes through
+the dispatcher too, so the mode sees the op.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def direct_custom_op(name: str, *, mutates_args, schema: str):
 
 def direct_call(op: Any) -> Callable[..., Any] | None:
     """A plain function calling `op`'s direct implementation when grad is off
-    (and `op` itself otherwise); None if the op registered none."""
+    and no dispatch mode is active (and `op` itself otherwise); None if the
+    op registered none."""
     impl = _DIRECT_IMPLS.get(qualified_name(op))
     if impl is None:
         return None
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch._C._len_torch_dispatch_stack():
             return op(*args, **kwargs)
         return impl(*args, **kwargs)
 

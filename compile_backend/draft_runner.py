@@ -51,12 +51,16 @@ class DraftRunner:
         buf, tables = self.runner.input_buffers, self.runner.block_tables
         bs = self.runner.kv_cache_config.block_size
         real = buf.seq_lens[:num_reqs] > 0  # padding requests have seq_len 0
+        # A row that wrote no KV this step writes none in the next: padding
+        # rows, and every row of a capture's dummy batch (which must leave the
+        # cache, null block included, as it was).
+        writes = tables.slot_mapping[:num_reqs] >= 0
         buf.input_ids[:num_tokens].copy_(tokens)
         pos = buf.positions[:num_reqs]
         pos.add_(real.to(pos.dtype))
         buf.seq_lens[:num_reqs].add_(real.to(torch.int32))
         blk = tables.block_table[:num_reqs].gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
-        slots = torch.where(real, blk.to(torch.int64) * bs + pos % bs, -1)
+        slots = torch.where(writes, blk.to(torch.int64) * bs + pos % bs, -1)
         tables.slot_mapping[:num_reqs].copy_(slots)
         buf.has_initial_state[:num_reqs].copy_(real)
 
@@ -72,13 +76,19 @@ class DraftRunner:
 
     # ---- capture and propose --------------------------------------------------
 
-    def capture(self) -> list[DraftDescriptor]:
-        """One graph per (requests, k), largest first. PIECEWISE needs nothing
-        beyond the main runner's piecewise graphs."""
+    def capture(self, sizes: list[int] | None = None) -> list[DraftDescriptor]:
+        """One graph per (requests, k), largest first, for `sizes` (default:
+        every decode size of the runner). PIECEWISE needs nothing beyond the
+        main runner's piecewise graphs."""
         if self.mode is not CUDAGraphMode.FULL:
             return []
         r = self.runner
-        for n in sorted(r.decode_sizes, reverse=True):
+        sizes = r.decode_sizes if sizes is None else sizes
+        unknown = sorted(set(sizes) - set(r.decode_sizes))
+        if unknown:
+            raise ValueError(f"draft sizes {unknown} are not decode sizes of the runner "
+                             f"({r.decode_sizes}); a batch is padded to one of those")
+        for n in sorted(sizes, reverse=True):
             desc = DraftDescriptor(n, self.k)
             meta, _ = prepare_inputs_to_capture(
                 n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
@@ -105,10 +115,16 @@ class DraftRunner:
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
+            desc = DraftDescriptor(n, self.k)
+            if not self.loop_graph.is_captured(desc):  # checked before anything is written
+                raise RuntimeError(
+                    f"no draft graph for {n} requests x {self.k} draft tokens (the padded size "
+                    f"of this {batch.num_reqs}-request batch); captured: "
+                    f"{[tuple(d) for d in self.captured] or 'none'}. Call DraftRunner.capture() "
+                    "before propose(): the draft loop is not captured on demand")
             meta = r.prepare_step(batch, CUDAGraphMode.FULL, n, n, uniform_decode_graph=True)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            with set_forward_context(ForwardContext(meta, DraftDescriptor(n, self.k),
-                                                    CUDAGraphMode.FULL)):
+            with set_forward_context(ForwardContext(meta, desc, CUDAGraphMode.FULL)):
                 return self.loop_graph(ids, pos)[: batch.num_reqs].clone()
         # PIECEWISE / NONE / too large: step by step through the main runner.
         out = []

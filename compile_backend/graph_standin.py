@@ -1,21 +1,112 @@
-"""A CPU stand-in for CUDA graphs with the same observable contract, for
+"""A CPU stand-in for CUDA graphs, exactly as strict as the real thing, for
 tests and benchmark dry runs (`with use_graph_backend(StandInGraphs()):`).
 
-"Capture" runs the callable once (as the capture step does on a GPU, where
-kernels are recorded, not run; our dummy batches write no real state, so the
-difference does not show). "Replay" re-runs the callable on the tensors held
-from capture and under the forward context seen at capture: the Python ints
-baked into a graph and the metadata tensor objects are the capture-time ones,
-and only what was copied into the held input/persistent buffers is new, as on
-a GPU. Results are copied into the capture-time output tensors.
+The contract (what a CUDA graph does, and so what this does):
+
+- **Capture runs nothing observable.** On a GPU, capture records kernels and
+  runs none: the capturing call's outputs are uninitialised memory and no
+  tensor is written. Here the callable runs (so Python-level effects, such as
+  the metadata an op reads and the trace it records, happen as on a GPU), but
+  under a dispatch mode that saves every tensor an op is about to write and
+  puts it back when capture ends; the callable's own tensor arguments are
+  also saved whole, which covers compiled code that writes its inputs
+  without going through the dispatcher. Then every output that is new memory
+  (aliases no pre-existing tensor) is poisoned: NaN for floats, a sentinel
+  (the dtype's minimum) for integers, True for bools. So a caller that uses
+  what a capture returned, or relies on a capture's writes, fails on the CPU
+  as it would on the H200.
+  Not covered: a write that bypasses the dispatcher into a tensor that is not
+  one of the callable's arguments (an Inductor kernel of a piece nested in a
+  FULL capture, writing its own inputs). CPU tests compile pieces eagerly.
+- **Replay** re-runs the callable on the tensors held from capture and under
+  the forward context seen at capture: the Python ints baked into a graph and
+  the metadata tensor objects are the capture-time ones, and only what was
+  copied into the held input and persistent buffers is new, as on a GPU.
+  Results are copied into the capture-time output tensors.
 """
 
+from __future__ import annotations
+
 import contextlib
+from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .forward_context import ForwardContext, set_forward_context
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written_tensors(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors `func` writes, read from its schema (`Tensor(a!)`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        out += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+class _UndoWrites(TorchDispatchMode):
+    """Saves each tensor an op writes (on its first write through that view)
+    and which storages existed before capture; `undo()` restores them."""
+
+    def __init__(self, args: Sequence[Any]) -> None:
+        super().__init__()
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        self.produced: set[int] = set()  # storages created during capture
+        self.preexisting: set[int] = set()  # storages read or written that predate it
+        for t in pytree.tree_leaves(list(args)):
+            if isinstance(t, torch.Tensor):
+                self._save(t)
+                self.preexisting.add(_storage_ptr(t))
+
+    def _save(self, t: torch.Tensor) -> None:
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.saved.append((t, t.detach().clone()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self.produced:
+                self.preexisting.add(_storage_ptr(t))
+        for t in _written_tensors(func, args, kwargs):
+            if _storage_ptr(t) not in self.produced:
+                self._save(t)
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self.preexisting:
+                self.produced.add(_storage_ptr(t))
+        return out
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for t, before in reversed(self.saved):
+                t.copy_(before)
+        self.saved.clear()
+
+
+def poison_(t: torch.Tensor) -> None:
+    """What an output of a capture holds on a GPU: nothing meaningful."""
+    with torch.no_grad():
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(torch.iinfo(t.dtype).min)
 
 
 class StandInGraph:
@@ -24,6 +115,7 @@ class StandInGraph:
         self.entry = None
         self.ctx = None
         self.replays = 0
+        self.preexisting: set[int] = set()
 
     def replay(self):
         self.replays += 1
@@ -31,7 +123,7 @@ class StandInGraph:
         with scope, torch.no_grad():
             out = self.fn(*self.entry.inputs)
         for held, new in zip(pytree.tree_leaves(self.entry.outputs), pytree.tree_leaves(out)):
-            if isinstance(held, torch.Tensor):
+            if isinstance(held, torch.Tensor) and held is not new:
                 held.copy_(new)
 
 
@@ -44,8 +136,15 @@ class StandInGraphs:
         self.graphs.append(g)
         return g
 
-    def capture(self, graph, pool):
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture(self, graph: StandInGraph, pool: Any, args: Sequence[Any] = ()):
+        mode = _UndoWrites(args)
+        try:
+            with mode:
+                yield
+        finally:
+            mode.undo()
+            graph.preexisting = mode.preexisting
 
     def pool(self):
         return object()
@@ -58,6 +157,10 @@ class StandInGraphs:
 
     def after_capture(self, graph, fn, entry, ctx):
         graph.fn, graph.entry = fn, entry
+        for t in pytree.tree_leaves(entry.outputs):
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in graph.preexisting:
+                poison_(t)
+        graph.preexisting = set()
         if ctx is not None:  # frozen copy: same metadata objects, capture-time ints
             graph.ctx = ForwardContext(
                 attn_metadata=dict(ctx.attn_metadata), batch_descriptor=ctx.batch_descriptor,
