@@ -119,3 +119,26 @@ def check_against_eager(model, options, sizes, atol=1e-5, rtol=1e-5, mode=None):
             for (name, b), (_, rb) in zip(model.named_buffers(), eager.named_buffers()):
                 torch.testing.assert_close(b, rb, atol=atol, rtol=rtol, msg=name)
     return cb.compiled_steps()[-1]
+
+
+class StatefulSDPA(torch.nn.Module):
+    """Causal SDPA over a running state: nothing here needs runner metadata, so
+    a FULL mode captures the whole graph lazily without a runner."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(D, 3 * D)
+        self.out = torch.nn.Linear(D, D)
+        self.register_buffer("state", torch.randn(D))
+
+    def forward(self, x):  # [T, D]
+        q, k, v = self.qkv(x).view(1, 1, -1, 3 * D).chunk(3, dim=-1)  # [1, 1, T, D] each
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).view(-1, D)
+        self.state.mul_(0.5).add_(h.mean(0))  # the call's write: lost if capture is returned
+        return self.out(h) + self.state
+
+
+def plain_calls(shapes, repeats, device="cpu", seed=0):
+    """`repeats` calls per token count, fresh random inputs each (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(t, D, generator=g).to(device),) for t in shapes for _ in range(repeats)]

@@ -28,7 +28,9 @@ def _propose(mode):
         engine = make_engine(mode)
         engine.runner.capture()
         draft = DraftRunner(engine.runner, K)
+        builds_before = len(engine.runner.model_state.build_log)
         captured = draft.capture()
+        engine.draft_builds = engine.runner.model_state.build_log[builds_before:]
         block = engine.blocks.allocate(3 * 2)
         blocks = [block[2 * i: 2 * i + 2] for i in range(3)]
         cblocks = [engine.compressed_blocks.allocate(1) for _ in range(3)]
@@ -54,10 +56,10 @@ def test_draft_tokens_equal_an_eager_autoregressive_loop(mode):
     else:
         sizes = [s for s in engine.runner.decode_sizes]
         assert captured == [DraftDescriptor(n, K) for n in sorted(sizes, reverse=True)]
-        # captured through prepare_inputs_to_capture with full_cudagraph=True
-        draft_builds = [b for b in engine.runner.model_state.build_log
-                        if b["dummy"] and b["mode"] == "full"]
-        assert draft_builds and all(b["for_capture"] for b in draft_builds)
+        # captured through prepare_inputs_to_capture with full_cudagraph=True:
+        # every build the draft's capture made (warm-up and capture alike)
+        assert engine.draft_builds and all(b["dummy"] for b in engine.draft_builds)
+        assert all(b["for_capture"] and b["mode"] == "full" for b in engine.draft_builds)
         assert cb.counters["cudagraph_replays"] >= 1
 
 

@@ -1,0 +1,229 @@
+"""Check a model compiled with mrv2 against eager, call by call, in every mode.
+
+    from compile_backend.testing import check_against_eager
+    report = check_against_eager(model, [(x1,), (x1b,), (x1c,), (x2,), ...],
+                                 modes=("piecewise", "full"))
+
+For each mode, a fresh copy of the model is compiled with
+`torch.compile(backend="mrv2")` and driven beside an eager copy made from
+the same state. After every call the outputs, and every parameter and buffer
+of the two copies (KV caches, conv state: what a stateful model mutates), are
+compared; the first difference raises `EagerMismatch` naming the call index,
+the input shapes, the mode, the tensor and the error. Each input shape must
+come at least three times (warm-up, capture, replay), so that every path of a
+lazily captured graph is compared; a call that is a function `fn(model)`
+(a `generate` loop, say) drives the model as it likes and is not counted.
+
+With a `ModelRunner` instead of a model, the calls are `InputBatch`es; each
+mode gets a runner of its own over a copy of the runner's model (captured
+before the first call), and eager is the model run uncompiled (mode none).
+
+Also a pytest plugin (entry point `pytest11`): the fixture
+`mrv2_check_against_eager` is this function.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .config import CUDAGraphMode
+from .counters import counters
+
+ALL_MODES = tuple(m.value for m in CUDAGraphMode)
+
+
+class EagerMismatch(AssertionError):
+    """A compiled call differs from eager (the message says where)."""
+
+
+@dataclass
+class ModeReport:
+    mode: str
+    calls: int = 0
+    captures: int = 0  # CUDA graphs (or stand-in graphs) captured
+    replays: int = 0
+    shapes: dict[str, int] = field(default_factory=dict)  # input shapes -> calls
+
+
+@dataclass
+class CheckReport:
+    modes: list[ModeReport] = field(default_factory=list)
+
+    def __getitem__(self, mode: str) -> ModeReport:
+        return next(r for r in self.modes if r.mode == CUDAGraphMode.parse(mode).value)
+
+
+def _clone(x: Any) -> Any:
+    """A detached copy of every tensor in `x` (outputs of a replay alias graph
+    memory that the next replay overwrites; inputs may be written in place)."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, x)
+
+
+def _shapes(args: Any) -> str:
+    return str([tuple(t.shape) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)])
+
+
+def _leaves_with_names(x: Any, prefix: str) -> list[tuple[str, Any]]:
+    leaves, spec = pytree.tree_flatten_with_path(x)
+    return [(prefix + pytree.keystr(path), leaf) for path, leaf in leaves]
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)}/{got.dtype}, eager {tuple(want.shape)}/{want.dtype}"
+    if not got.dtype.is_floating_point:
+        bad = (got != want).sum().item()
+        return None if bad == 0 else f"{bad} of {got.numel()} elements differ"
+    g, w = got.double(), want.double()
+    if torch.equal(torch.isnan(g), torch.isnan(w)) and torch.allclose(g, w, atol=atol, rtol=rtol, equal_nan=True):
+        return None
+    err = (g - w).abs().nan_to_num(float("inf"))
+    return (f"max abs error {err.max().item():.3g} (atol {atol:g}, rtol {rtol:g}), "
+            f"{(err > atol + rtol * w.abs()).sum().item()} of {got.numel()} elements out of tolerance")
+
+
+def _compare(tag: str, got: Any, want: Any, atol: float, rtol: float) -> None:
+    """Raise EagerMismatch for the first tensor of `got` that differs from `want`."""
+    got_leaves, want_leaves = _leaves_with_names(got, "output"), _leaves_with_names(want, "output")
+    if len(got_leaves) != len(want_leaves):
+        raise EagerMismatch(f"{tag}: {len(got_leaves)} outputs, eager gave {len(want_leaves)}")
+    for (name, g), (_, w) in zip(got_leaves, want_leaves):
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor):
+            why = _first_difference(g, w, atol, rtol)
+        else:
+            why = None if g == w else f"{g!r}, eager {w!r}"
+        if why is not None:
+            raise EagerMismatch(f"{tag}: {name} differs from eager: {why}")
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    return state
+
+
+def _compare_state(tag: str, got: torch.nn.Module, want: torch.nn.Module, atol: float, rtol: float) -> None:
+    want_state = _state(want)
+    for name, g in _state(got).items():
+        why = _first_difference(g.detach(), want_state[name].detach(), atol, rtol)
+        if why is not None:
+            raise EagerMismatch(f"{tag}: model tensor {name!r} differs from eager: {why}")
+
+
+def _count_shapes(calls: Sequence[Any], min_calls_per_shape: int) -> None:
+    seen: dict[str, int] = {}
+    for c in calls:
+        if not callable(c):
+            seen[_shapes(c)] = seen.get(_shapes(c), 0) + 1
+    few = {s: n for s, n in seen.items() if n < min_calls_per_shape}
+    if few:
+        raise ValueError(
+            f"input shapes {few} come fewer than {min_calls_per_shape} times; a graph is "
+            "compared only when each shape is warmed up, captured and replayed: repeat "
+            "each shape's call at least that often (fresh inputs each time)")
+
+
+def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subject_state,
+           reference_state, calls: Sequence[Any], mode: str, atol: float, rtol: float,
+           report: ModeReport, describe: Callable[[Any], str]) -> None:
+    captures, replays = counters["cudagraph_captures"], counters["cudagraph_replays"]
+    for i, call in enumerate(calls):
+        shape = describe(call)
+        tag = f"call {i} (inputs {shape}), mode {mode}"
+        want = _clone(reference(call))
+        got = _clone(subject(call))
+        _compare(tag, got, want, atol, rtol)
+        _compare_state(tag, subject_state, reference_state, atol, rtol)
+        report.calls += 1
+        report.shapes[shape] = report.shapes.get(shape, 0) + 1
+    report.captures = counters["cudagraph_captures"] - captures
+    report.replays = counters["cudagraph_replays"] - replays
+
+
+def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
+                 options: dict[str, Any], atol: float, rtol: float) -> ModeReport:
+    import torch._dynamo
+
+    from .backend import mrv2_backend
+
+    torch._dynamo.reset()  # each mode compiles its own copy from scratch
+    reference, subject = copy.deepcopy(model), copy.deepcopy(model)
+    # In place (Module.compile), so that methods calling the module's own
+    # __call__ (a generate loop) run compiled too.
+    subject.compile(backend=mrv2_backend, options={**options, "cudagraph_mode": mode})
+
+    def run(m: Any, call: Any) -> Any:
+        return call(m) if callable(call) else m(*_clone(call))
+
+    report = ModeReport(mode)
+    _drive(lambda c: run(subject, c), lambda c: run(reference, c), subject, reference,
+           calls, mode, atol, rtol, report,
+           lambda c: "a function of the model" if callable(c) else _shapes(c))
+    return report
+
+
+def _runner_copy(runner: Any, mode: str, eager: bool) -> Any:
+    from .model_runner import ModelRunner
+
+    kv = dataclasses.replace(runner.kv_cache_config, groups=[])
+    config = dataclasses.replace(runner.config, cudagraph_mode=CUDAGraphMode.parse(mode))
+    return ModelRunner(copy.deepcopy(runner.model), kv, config, runner.device, progress=False,
+                       compile_fn=(lambda m: m) if eager else None)
+
+
+def _check_runner(runner: Any, calls: Sequence[Any], mode: str, atol: float, rtol: float) -> ModeReport:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    reference = _runner_copy(runner, "none", eager=True)
+    subject = _runner_copy(runner, mode, eager=False)
+    subject.capture()
+    report = ModeReport(mode)
+    # execute pads the batch it is given: each runner gets its own copy
+    _drive(lambda b: subject.execute(copy.deepcopy(b)),
+           lambda b: reference.execute(copy.deepcopy(b)), subject.model, reference.model,
+           calls, mode, atol, rtol, report,
+           lambda b: f"{b.num_tokens} tokens over {b.num_reqs} requests")
+    return report
+
+
+def check_against_eager(
+    model_or_runner: Any,
+    calls: Iterable[Any],
+    modes: Sequence[str] = ("piecewise", "full"),
+    *,
+    options: dict[str, Any] | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    min_calls_per_shape: int = 3,
+) -> CheckReport:
+    """Compare compiled and eager call by call in each of `modes`; raise
+    `EagerMismatch` at the first difference, else return what ran (calls,
+    graphs captured and replayed per mode: a check that replayed nothing
+    proves little). `options`: more backend options (`piece_compiler`, ...)
+    for a model; a runner brings its own config. The model is not changed:
+    every mode runs on copies."""
+    calls = list(calls)
+    if not calls:
+        raise ValueError("no calls to check: give the inputs of at least three calls per shape")
+    for m in modes:
+        CUDAGraphMode.parse(m)  # bad names fail before anything compiles
+    from .model_runner import ModelRunner
+
+    report = CheckReport()
+    with torch.no_grad():
+        for m in modes:
+            mode = CUDAGraphMode.parse(m).value
+            if isinstance(model_or_runner, ModelRunner):
+                report.modes.append(_check_runner(model_or_runner, calls, mode, atol, rtol))
+            else:
+                _count_shapes(calls, min_calls_per_shape)
+                report.modes.append(_check_model(model_or_runner, calls, mode,
+                                                 dict(options or {}), atol, rtol))
+    return report
