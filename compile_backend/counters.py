@@ -8,7 +8,11 @@ Keys (all ints):
   inductor_compiles      calls into Inductor's compile_fx
   capture_fallbacks      pieces kept eager because they cannot be captured
   cudagraph_captures     CUDA graphs captured
-  cudagraph_replays      CUDA-graph replays
+  cudagraph_replays      CUDA-graph replays (each capture is followed by one)
+  lazy_warmups           no runner: first calls of a shape, run eagerly
+  lazy_captures          no runner: captures on the second call of a shape
+  full_graph_fallbacks   no runner, a FULL mode: graphs that run PIECEWISE
+                         instead (something in them needs runner metadata)
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
   direct_calls           op calls in eager pieces rewritten to skip the dispatcher

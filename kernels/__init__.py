@@ -12,8 +12,14 @@ kernels/layers.py, which read metadata from the forward context by layer name.
 Dispatch (kernels/_common.py): CUDA tensors, or any tensors with
 TRITON_INTERPRET=1, run the Triton kernels; plain CPU tensors run the torch
 reference, so models built on these ops run on any CPU machine.
+
+Index checks (block ids, slots, state indices; Note [index checks] in
+kernels/_common.py) run before every launch on CPU tensors; on CUDA they cost
+a device sync and run only under `set_debug_checks(True)` or
+`with debug_checks():`, never while a CUDA graph is being captured.
 """
 
+from ._common import debug_checks, set_debug_checks
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -21,7 +27,8 @@ from .sconv import sconv, sconv_ref
 from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
 
 __all__ = [
-    "KVCompressor", "PagedAttention", "ShortConv",
+    "KVCompressor", "PagedAttention", "ShortConv", "debug_checks",
     "kv_compress", "kv_compress_ref", "num_kv_splits", "reshape_and_cache",
-    "reshape_and_cache_ref", "sconv", "sconv_ref", "unified_attention", "unified_attention_ref",
+    "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks", "unified_attention",
+    "unified_attention_ref",
 ]

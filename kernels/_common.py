@@ -1,5 +1,6 @@
 """What every kernel launcher shares: argument checks that raise `ValueError`
-naming the argument, and the switch between Triton and plain torch.
+naming the argument, index checks (`check_ids`), and the switch between
+Triton and plain torch.
 
 Dispatch rule (used by every `mrv2::` op): CUDA tensors, or any tensors while
 Triton's interpreter is on (`TRITON_INTERPRET=1`), go to the Triton launcher;
@@ -9,8 +10,9 @@ so that a model built on these ops runs on any CPU machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Iterable
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import triton.language as tl
@@ -152,3 +154,159 @@ def layer_metadata(layer_name: str, event: str):
     ctx = get_forward_context()
     ctx.record(layer_name, event)
     return ctx.metadata(layer_name)
+
+
+# Note [index checks]: the kernels index caches and states with values read
+# from metadata tensors (block ids, slots, state indices, query offsets). An
+# index out of range reads or writes another tensor's memory: a crash in
+# Triton's interpreter, silent corruption on a GPU. `check_ids` checks them
+# before any launch, always for CPU tensors (cheap, no sync) and for CUDA
+# tensors only under `set_debug_checks(True)`: there it costs one
+# device->host sync per launch, and it is skipped while a CUDA graph is being
+# captured (a sync is illegal then, and capture-time values are dummies).
+_debug_checks = False
+
+
+def set_debug_checks(on: bool) -> bool:
+    """Check index values on CUDA tensors too (Note [index checks]); returns
+    the previous setting. Off by default: each check syncs with the device."""
+    global _debug_checks
+    if not isinstance(on, bool):
+        raise ValueError(f"set_debug_checks: expected True or False, got {on!r}")
+    previous, _debug_checks = _debug_checks, on
+    return previous
+
+
+@contextlib.contextmanager
+def debug_checks(on: bool = True) -> Iterator[None]:
+    """`with debug_checks():` index checks on CUDA too, restored on exit."""
+    previous = set_debug_checks(on)
+    try:
+        yield
+    finally:
+        set_debug_checks(previous)
+
+
+def index_checks_on(device: torch.device) -> bool:
+    """Does `check_ids` run for index tensors on `device`? (Note [index checks])"""
+    if device.type == "cpu":
+        return True
+    if not _debug_checks:
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class _Range(NamedTuple):
+    """values[i] must lie in [lo, hi) (lo, hi: ints or tensors shaped like
+    values) wherever `used` (None: everywhere)."""
+    name: str
+    values: torch.Tensor
+    lo: int | torch.Tensor
+    hi: int | torch.Tensor
+    used: torch.Tensor | None
+    where: Callable[[int], str]  # first index -> whose entry it is: "request 3"
+    what: str  # "a block id", ...
+    why: str  # where the range comes from and what to do
+
+
+def _request(i: int) -> str:
+    return f"request {i}"
+
+
+def _pick(bound: int | torch.Tensor, idx: tuple[int, ...]) -> int:
+    return int(bound[idx]) if isinstance(bound, torch.Tensor) else bound
+
+
+def check_ids(
+    op: str,
+    *,
+    num_tokens: int | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    cache: tuple[str, torch.Tensor] | None = None,
+    positions_per_entry: int = 1,
+    state_indices: torch.Tensor | None = None,
+    states: tuple[str, int] | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    """Raise ValueError (naming `op`, the argument, the request or token, the
+    value and the valid range) unless every index a launch would use is in
+    range (Note [index checks]). Only what the kernels read is checked:
+      * query_start_loc [B+1]: non-decreasing offsets in [0, num_tokens];
+        request b is real when it has tokens (and, with state_indices, a state);
+      * state_indices [B] (every row): in [-1, num_states), -1 = padding row;
+      * seq_lens [B] (real rows): at least the request's new tokens, at most
+        what block_table's row covers;
+      * block_table [B, W] (real rows, entries in use): in [0, num_blocks).
+        Entry j is in use when j < ceil((seq_len // positions_per_entry) /
+        block_size), with cache = (name, [num_blocks, block_size, ...]);
+        positions_per_entry is 1 for attention, the group size for the
+        compressor (one cache entry per complete group);
+      * slot_mapping [T]: in [-1, num_blocks * block_size), -1 = write nothing.
+    Callers pass the metadata their kernels read; shapes are checked already."""
+    first = query_start_loc if query_start_loc is not None else slot_mapping
+    if not index_checks_on(first.device):
+        return
+    checks: list[_Range] = []
+    real = q_len = None
+    if query_start_loc is not None:
+        qsl = query_start_loc.long()
+        prev = torch.cat([qsl.new_zeros(1), qsl[:-1]])
+        checks.append(_Range(
+            "query_start_loc", qsl, prev, num_tokens + 1, None,
+            lambda i: f"start of request {i}" if i < len(qsl) - 1 else "end of the last request",
+            "an offset", f"Offsets never decrease and stay within the {num_tokens} tokens of "
+            "the input. Fix query_start_loc"))
+        q_len = qsl[1:] - qsl[:-1]
+        real = q_len > 0
+    if state_indices is not None:
+        name, num_states = states
+        idx = state_indices.long()
+        checks.append(_Range(
+            "state_indices", idx, -1, num_states, None, _request, "a state index",
+            f"{name} has {num_states} slots; -1 marks a padding row. Fix the state indices "
+            "or bind more state slots"))
+        real = idx >= 0 if real is None else real & (idx >= 0)
+    if block_table is not None:
+        cache_name, cache_t = cache
+        num_blocks, block_size = cache_t.shape[0], cache_t.shape[1]
+        width, per = block_table.shape[1], positions_per_entry
+        entries = "seq_len" if per == 1 else f"(seq_len // {per})"
+        lens = seq_lens.long()
+        checks.append(_Range(
+            "seq_lens", lens, q_len, (width * block_size + 1) * per, real, _request, "a length",
+            f"A seq_len counts at least the request's new tokens and at most what a block_table "
+            f"row covers ({width} entries x {block_size} cache entries"
+            + ("" if per == 1 else f" x {per} positions")
+            + "). Fix seq_lens or widen block_table"))
+        needed = (lens.clamp_min(0) // per + block_size - 1) // block_size
+        in_use = torch.arange(width, device=lens.device)[None, :] < needed[:, None]
+        checks.append(_Range(
+            "block_table", block_table.long(), 0, num_blocks, in_use & real[:, None],
+            _request, "a block id",
+            f"{cache_name} has {num_blocks} blocks; a request with new tokens uses its first "
+            f"ceil({entries} / {block_size}) entries. Fix the block table or bind more cache "
+            "blocks"))
+    if slot_mapping is not None:
+        cache_name, cache_t = cache
+        num_blocks, block_size = cache_t.shape[0], cache_t.shape[1]
+        checks.append(_Range(
+            "slot_mapping", slot_mapping.long(), -1, num_blocks * block_size, None,
+            lambda i: f"token {i}",
+            "a slot", f"{cache_name} has {num_blocks} blocks x {block_size} slots; -1 writes "
+            "nothing. Fix the slot mapping or bind more cache blocks"))
+
+    bad = []
+    for c in checks:
+        out = (c.values < c.lo) | (c.values >= c.hi)
+        bad.append(out if c.used is None else out & c.used)
+    flags = torch.stack([b.any() for b in bad]).tolist()  # the one device->host sync
+    for c, b, flag in zip(checks, bad, flags):
+        if flag:
+            idx = tuple(int(i) for i in b.nonzero()[0])
+            at = ", ".join(map(str, idx))
+            raise ValueError(
+                f"{op}: {c.name}[{at}] = {int(c.values[idx])} ({c.where(idx[0])}) is out "
+                f"of range: expected {c.what} in [{_pick(c.lo, idx)}, {_pick(c.hi, idx)}). "
+                f"{c.why}.")

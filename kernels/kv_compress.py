@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_int, check_tensor, layer_metadata, next_pow2,
-    use_triton,
+    FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_tensor, layer_metadata,
+    next_pow2, use_triton,
 )
 
 
@@ -143,7 +143,17 @@ def _check(key, score, compressed_cache, state_max, state_sum, state_acc,
     check_tensor("block_table", block_table, shape=(B, None))
     check_int("ratio", ratio, 1)
     check_int("max_query_len", max_query_len, 0)
+    _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
+               block_table, ratio)
     return device, B
+
+
+def _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
+               block_table, ratio):
+    check_ids("kv_compress", num_tokens=key.shape[0], query_start_loc=query_start_loc,
+              seq_lens=seq_lens, block_table=block_table,
+              cache=("compressed_cache", compressed_cache), positions_per_entry=ratio,
+              state_indices=state_indices, states=("state_max", state_max.shape[0]))
 
 
 def kv_compress(
@@ -163,7 +173,17 @@ def kv_compress(
     """Launcher. key [T, KVH, D] (last dim contiguous); score [T, KVH];
     compressed_cache [num_blocks, block_size, KVH, D] of key's dtype; state
     tensors fp32 contiguous; metadata int32 as in CompressorMetadata.
-    `max_query_len` (Python int) bounds every request's token count."""
+    `max_query_len` (Python int) bounds every request's token count. Any
+    head size D >= 1 works (no tl.dot; one [BLOCK_D] vector per program).
+
+    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
+    trusts query_start_loc to stay within the T tokens; each request with
+    tokens and a state to have seq_len >= its token count, within its
+    block_table row; its state index to lie in [-1, num_slots); and the
+    block ids of its complete groups (its first ceil((seq_len // ratio) /
+    block_size) entries) to lie in [0, num_blocks). Anything else reads and
+    writes other memory."""
     device, B = _check(key, score, compressed_cache, state_max, state_sum, state_acc,
                        query_start_loc, seq_lens, state_indices, block_table, ratio, max_query_len)
     T, KVH, D = key.shape
@@ -198,7 +218,9 @@ def kv_compress_ref(
     ratio: int,
 ) -> torch.Tensor:
     """Plain torch, token by token (all heads at once); updates the cache and
-    the state in place."""
+    the state in place. Index checks as in `kv_compress`."""
+    _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
+               block_table, ratio)
     out = torch.zeros_like(key)
     block_size = compressed_cache.shape[1]
     qsl = query_start_loc.tolist()

@@ -6,6 +6,10 @@ a model never passes metadata through `forward`.
 "attention" -> AttentionMetadata, "sconv" -> SConvMetadata,
 "compressor" -> CompressorMetadata. Caches and state are non-persistent
 buffers, empty until bound (`bind_*`) by whoever owns the memory.
+
+Sizes are checked at construction (ValueError): a layer accepts exactly the
+sizes its kernels handle (head sizes 1..MAX_HEAD_DIM for attention, any
+channel count for sconv, any head size for the compressor).
 """
 
 from __future__ import annotations
@@ -19,8 +23,17 @@ from . import kv_compress as _kv_compress  # noqa: F401  (registers mrv2::kv_com
 from . import reshape_and_cache as _reshape_and_cache  # noqa: F401
 from . import sconv as _sconv  # noqa: F401
 from . import unified_attention as _unified_attention  # noqa: F401
+from .unified_attention import MAX_HEAD_DIM
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+def _check_size(name: str, value: object, minimum: int, maximum: int | None = None,
+                why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        want = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {want}{why}, got {value!r}")
 
 
 class PagedAttention(nn.Module):
@@ -33,6 +46,10 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_name: str,
                  scale: float | None = None) -> None:
         super().__init__()
+        _check_size("num_heads", num_heads, 1)
+        _check_size("num_kv_heads", num_kv_heads, 1)
+        _check_size("head_dim", head_dim, 1, MAX_HEAD_DIM,
+                    " (the attention kernels hold [tile, head_dim] fp32 accumulators)")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -66,8 +83,8 @@ class ShortConv(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int, layer_name: str, bias: bool = True) -> None:
         super().__init__()
-        if kernel_size < 2:
-            raise ValueError(f"kernel_size must be >= 2, got {kernel_size}")
+        _check_size("channels", channels, 1)
+        _check_size("kernel_size", kernel_size, 2)
         self.channels, self.kernel_size, self.layer_name = channels, kernel_size, layer_name
         self.weight = nn.Parameter(torch.randn(channels, kernel_size) / math.sqrt(kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
@@ -90,8 +107,9 @@ class KVCompressor(nn.Module):
 
     def __init__(self, num_kv_heads: int, head_dim: int, ratio: int, layer_name: str) -> None:
         super().__init__()
-        if ratio < 1:
-            raise ValueError(f"ratio must be >= 1, got {ratio}")
+        _check_size("num_kv_heads", num_kv_heads, 1)
+        _check_size("head_dim", head_dim, 1)
+        _check_size("ratio", ratio, 1)
         self.num_kv_heads, self.head_dim, self.ratio = num_kv_heads, head_dim, ratio
         self.layer_name = layer_name
         self.register_buffer("compressed_cache",

@@ -14,7 +14,8 @@ import triton.language as tl
 from compile_backend.direct_calls import direct_custom_op
 
 from ._common import (
-    FLOAT_DTYPES, check_device, check_kv_caches, check_tensor, layer_metadata, next_pow2, use_triton,
+    FLOAT_DTYPES, check_device, check_ids, check_kv_caches, check_tensor, layer_metadata, next_pow2,
+    use_triton,
 )
 
 
@@ -53,7 +54,12 @@ def reshape_and_cache(
 ) -> None:
     """Launcher. key/value [T, KVH, D] (last dim contiguous), caches
     [num_blocks, block_size, KVH, D] contiguous and of key's dtype,
-    slot_mapping [T] int64. Checks everything before writing anything."""
+    slot_mapping [T] int64. Checks everything before writing anything.
+
+    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
+    trusts every slot to lie in [-1, num_blocks * block_size); any other
+    slot writes outside the caches."""
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("key", key)
     T, KVH, D = key.shape
@@ -62,6 +68,7 @@ def reshape_and_cache(
     check_kv_caches(key_cache, value_cache, dtype=key.dtype, dtype_of="key", device=device,
                     shape=(None, None, KVH, D))
     check_tensor("slot_mapping", slot_mapping, shape=(T,), dtypes=(torch.int64,), device=device)
+    check_ids("reshape_and_cache", slot_mapping=slot_mapping, cache=("key_cache", key_cache))
     block_size = key_cache.shape[1]
     if T == 0 or key_cache.shape[0] == 0:
         return
@@ -82,7 +89,9 @@ def reshape_and_cache_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain torch, in place (the tests' reference and the CPU fallback)."""
+    """Plain torch, in place (the tests' reference and the CPU fallback).
+    Index checks as in `reshape_and_cache`."""
+    check_ids("reshape_and_cache", slot_mapping=slot_mapping, cache=("key_cache", key_cache))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = key_cache.shape[1]

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_int, check_tensor, interpreting, layer_metadata,
-    next_pow2, use_triton,
+    FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_tensor, interpreting,
+    layer_metadata, next_pow2, use_triton,
 )
 
 
@@ -101,7 +101,13 @@ def sconv(
     [C] or None; conv_state [num_slots, C, K-1] of x's dtype, updated in place;
     query_start_loc [B+1] int32; state_indices [B] int32; has_initial_state [B]
     bool. `max_query_len` (Python int) bounds every request's token count.
-    `config` overrides the tile sizes (block_t, block_c, num_warps; benchmarks)."""
+    `config` overrides the tile sizes (block_t, block_c, num_warps; benchmarks).
+    Any channel count C >= 1 and width K >= 2 work (channels are tiled).
+
+    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
+    trusts query_start_loc to stay within the T tokens and every state index
+    to lie in [-1, num_slots); anything else reads and writes other memory."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("x", x)
     T, C = x.shape
@@ -119,6 +125,8 @@ def sconv(
     check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
     check_tensor("has_initial_state", has_initial_state, shape=(B,), dtypes=(torch.bool,), device=device)
     check_int("max_query_len", max_query_len, 0)
+    check_ids("sconv", num_tokens=T, query_start_loc=query_start_loc, state_indices=state_indices,
+              states=("conv_state", conv_state.shape[0]))
 
     out = torch.zeros_like(x)  # tokens outside any real request stay 0
     if B <= 0 or max_query_len == 0 or T == 0:
@@ -151,7 +159,10 @@ def sconv_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
 ) -> torch.Tensor:
-    """Plain torch, one request at a time; updates conv_state in place."""
+    """Plain torch, one request at a time; updates conv_state in place.
+    Index checks as in `sconv`."""
+    check_ids("sconv", num_tokens=x.shape[0], query_start_loc=query_start_loc,
+              state_indices=state_indices, states=("conv_state", conv_state.shape[0]))
     C, K = weight.shape
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros_like(x)

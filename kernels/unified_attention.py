@@ -18,6 +18,12 @@ Two paths, picked by the Python int `max_query_len`:
 Output rows of tokens that belong to no request (padding beyond qsl[B]) are 0.
 Configs are chosen by functions, not autotuned: autotuning would benchmark
 during the first call, which may be a CUDA-graph capture.
+
+Note [dot tiles]: on the GPU, `tl.dot` needs every dimension >= 16 (the
+interpreter does not check). The head dimension of every tile (BLOCK_D) is
+padded to at least 16, its extra columns masked to 0 on load and never
+stored, so any head size from 1 to MAX_HEAD_DIM works; the row tiles
+(BLOCK_M, BLOCK_H) and key tiles (TILE_N) are at least 16 too.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ import triton.language as tl
 from compile_backend.direct_calls import direct_custom_op
 
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_int, check_kv_caches, check_tensor, dot_precision,
-    interpreting, layer_metadata, next_pow2, upcast_dots, use_triton,
+    FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_kv_caches, check_tensor,
+    dot_precision, interpreting, layer_metadata, next_pow2, upcast_dots, use_triton,
 )
 
 LOG2E = 1.4426950408889634
@@ -41,6 +47,11 @@ LOG2E = 1.4426950408889634
 # than the extra parallelism gains.
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
+# Note [dot tiles]: the smallest tl.dot dimension on the GPU.
+DOT_MIN = 16
+# Largest head size: a program holds [BLOCK_M, BLOCK_D] fp32 accumulators and
+# stages [TILE_N, BLOCK_D] key/value tiles in shared memory.
+MAX_HEAD_DIM = 256
 
 
 @triton.jit
@@ -219,11 +230,19 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device: to
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
+def _dot_dim(n: int) -> int:
+    """A tl.dot tile dimension covering n: a power of two >= DOT_MIN."""
+    return max(DOT_MIN, next_pow2(n))
+
+
 def _tiles(head_dim: int, dtype: torch.dtype) -> dict:
     if interpreting():  # small tiles: more loop trips, cheap to interpret
         return dict(BLOCK_M=16, TILE_N=32, num_warps=4, num_stages=1)
     big = head_dim > 128 or dtype == torch.float32
-    return dict(BLOCK_M=64, TILE_N=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
+    # fp32 heads over 128: one stage keeps the [TILE_N, 256] fp32 key/value
+    # tiles within shared memory (stages change no numerics).
+    stages = 1 if head_dim > 128 and dtype == torch.float32 else 2 if big else 3
+    return dict(BLOCK_M=64, TILE_N=32 if big else 64, num_warps=4, num_stages=stages)
 
 
 def unified_attention(
@@ -244,10 +263,21 @@ def unified_attention(
     [B+1] int32; seq_lens [B] int32; block_table [B, max_blocks] int32.
     `max_query_len` / `max_seq_len` bound the batch (Python ints, shape the
     grid); `num_splits` overrides the decode split count and `config` the
-    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks."""
+    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks;
+    tile sizes are rounded up to powers of two >= 16 (Note [dot tiles]).
+
+    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    and for CUDA ones under `set_debug_checks(True)`. Without them the kernels
+    trust that query_start_loc stays within the T tokens, that each request
+    with queries has seq_len >= its query count and within its block_table
+    row, and that the block ids it reads (its first ceil(seq_len /
+    block_size)) lie in [0, num_blocks); anything else reads other memory."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("query", query)
     T, H, D = query.shape
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"query: expected a head size in [1, {MAX_HEAD_DIM}], got {D} "
+                         f"(shape {tuple(query.shape)})")
     check_kv_caches(key_cache, value_cache, dtype=query.dtype, dtype_of="query", device=device,
                     shape=(None, None, None, D))
     KVH, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -263,6 +293,8 @@ def unified_attention(
     check_tensor("block_table", block_table, shape=(B, None))
     check_int("max_query_len", max_query_len, 0)
     check_int("max_seq_len", max_seq_len, 0)
+    check_ids("unified_attention", num_tokens=T, query_start_loc=query_start_loc,
+              seq_lens=seq_lens, block_table=block_table, cache=("key_cache", key_cache))
 
     out = torch.zeros_like(query)  # padding tokens stay 0
     if B <= 0 or max_query_len == 0 or T == 0:
@@ -270,7 +302,8 @@ def unified_attention(
     qpk = H // KVH
     scale_log2 = float(scale) * LOG2E
     cfg = {**_tiles(D, query.dtype), **(config or {})}
-    common = dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), BLOCK_SIZE=block_size,
+    tile_n = _dot_dim(cfg["TILE_N"])
+    common = dict(HEAD_DIM=D, BLOCK_D=_dot_dim(D), BLOCK_SIZE=block_size,
                   UPCAST=upcast_dots(query.dtype), DOT_PRECISION=dot_precision(query.dtype))
     if max_query_len == 1:
         S = num_splits or num_kv_splits(B, KVH, max_seq_len, device)
@@ -286,7 +319,7 @@ def unified_attention(
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
             part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             part_m.stride(0), part_m.stride(1),
-            QUERIES_PER_KV=qpk, BLOCK_H=max(16, next_pow2(qpk)), TILE_N=cfg["TILE_N"],
+            QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), TILE_N=tile_n,
             NUM_SPLITS=S, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
         )
         _decode_reduce_kernel[(B, H)](
@@ -298,14 +331,14 @@ def unified_attention(
         )
         return out
 
-    block_m = max(cfg["BLOCK_M"], next_pow2(qpk))
+    block_m = max(_dot_dim(cfg["BLOCK_M"]), next_pow2(qpk))
     block_q = block_m // qpk
     grid = (B, cdiv(max_query_len, block_q), KVH)
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale_log2,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg["TILE_N"],
+        QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
     )
     return out
@@ -320,8 +353,11 @@ def unified_attention_ref(
     block_table: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain torch, one request at a time, math in fp32 (fp64 for fp64 input)."""
+    """Plain torch, one request at a time, math in fp32 (fp64 for fp64 input).
+    Index checks as in `unified_attention`."""
     T, H, D = query.shape
+    check_ids("unified_attention", num_tokens=T, query_start_loc=query_start_loc,
+              seq_lens=seq_lens, block_table=block_table, cache=("key_cache", key_cache))
     _, block_size, KVH, _ = key_cache.shape
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     out = torch.zeros_like(query)

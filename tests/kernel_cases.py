@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -31,6 +32,12 @@ DEVICES = [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
+# Head sizes off the usual 64/128: below tl.dot's minimum of 16 (the kernels
+# pad the tiles' head dimension) and not powers of two (masked columns).
+SMALL_HEAD_DIMS = [4, 8, 12, 24]
+# On the GPU: every size from 1 to the largest the attention layer accepts.
+GPU_HEAD_DIMS = [1, 4, 8, 12, 24, 40, 96, 256]
+
 # Relative error ||out - ref|| / ||ref|| allowed per dtype, against a fp32
 # reference computed from the same (rounded) inputs. bf16/fp16 outputs carry
 # one final rounding (2^-8 / 2^-11 relative) plus rounded P in P@V.
@@ -46,6 +53,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     err = rel_err(out, ref)
     assert err <= REL_TOL[dtype], f"{what} rel. error {err:.3g} > {REL_TOL[dtype]:.3g} ({dtype})"
+
+
+def stable_seed(*parts) -> int:
+    """A seed from the case's values that is the same in every process
+    (`hash()` of a str changes with PYTHONHASHSEED, so a failure would not rerun)."""
+    return zlib.crc32(repr(parts).encode()) % 2**31
 
 
 def gen(seed: int, device: str = "cpu") -> torch.Generator:

@@ -8,7 +8,8 @@ Tolerances: per-token outputs and cache entries within kernel_cases.REL_TOL
 import pytest
 import torch
 
-from kernel_cases import DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, paged_batch, randn
+from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, assert_close_rel, gen, paged_batch,
+                          randn)
 from kernels.kv_compress import kv_compress, kv_compress_ref
 
 KVH = 2
@@ -39,7 +40,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, ratio, dtype, head_dim, device):
     q_lens, seq_lens, idx, pad = CASES[case]
-    g = gen(hash((case, ratio, head_dim)) % 2**31)
+    g = gen(stable_seed(case, ratio, head_dim))
     bs = 4  # compressed-cache block size: long requests cross several blocks
     batch = paged_batch(q_lens, seq_lens, bs, device, g, pad_tokens=pad, entries_per_pos=ratio)
     T = batch.num_tokens
@@ -58,6 +59,23 @@ def test_matches_reference(case, ratio, dtype, head_dim, device):
     for name, a, b in zip(("max", "sum", "acc"), state, state_r):
         assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6), f"state_{name}"
     assert (out[int(batch.query_start_loc[-1]):] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [4, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_head_sizes(dtype, head_dim, device):
+    """Head sizes below 16 and not powers of two (masked [BLOCK_D] vectors)."""
+    test_matches_reference("mixed_continuing", 3, dtype, head_dim, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("head_dim", GPU_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_sizes_gpu(dtype, head_dim):
+    for case in CASES:
+        test_matches_reference(case, 4, dtype, head_dim, "cuda")
 
 
 def _definition(key, score, ratio):

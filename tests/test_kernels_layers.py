@@ -115,6 +115,29 @@ def test_metadata_kinds():
     assert "k_cache" not in layer.state_dict()
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: PagedAttention(4, 2, 257, "x"), r"head_dim must be an int in \[1, 256\]"),
+    (lambda: PagedAttention(4, 2, 0, "x"), r"head_dim must be an int in \[1, 256\]"),
+    (lambda: PagedAttention(4, 0, 8, "x"), "num_kv_heads must be an int >= 1"),
+    (lambda: ShortConv(0, 4, "x"), "channels must be an int >= 1"),
+    (lambda: ShortConv(8, 1, "x"), "kernel_size must be an int >= 2"),
+    (lambda: KVCompressor(2, 0, 4, "x"), "head_dim must be an int >= 1"),
+    (lambda: KVCompressor(2, 8, 0, "x"), "ratio must be an int >= 1"),
+], ids=["head_dim_257", "head_dim_0", "kv_heads_0", "channels_0", "kernel_1", "comp_head_dim_0",
+        "ratio_0"])
+def test_layers_reject_sizes(make, match):
+    """A layer refuses at construction the sizes its kernels cannot run."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_layers_accept_small_sizes():
+    assert PagedAttention(2, 1, 1, "x").head_dim == 1
+    assert PagedAttention(2, 1, 256, "x").head_dim == 256
+    assert ShortConv(1, 2, "x").channels == 1
+    assert KVCompressor(1, 1, 1, "x").head_dim == 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_eager_backend(device):
     """Dynamo traces the ops with their fake implementations (fullgraph), and

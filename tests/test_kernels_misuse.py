@@ -92,6 +92,17 @@ def test_unified_attention_misuse(arg, how, mutate):
         _call_attn(a)
 
 
+@pytest.mark.parametrize("head_dim", [257, 0])
+def test_unified_attention_head_size(head_dim):
+    a = _attn()
+    b = a["batch"]
+    q = torch.zeros(b.num_tokens, 4, head_dim, dtype=torch.float16, device=DEV)
+    kc = torch.zeros(b.num_blocks, 16, KVH, head_dim, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=rf"query: expected a head size in \[1, 256\], got {head_dim}"):
+        unified_attention(q, kc, kc, b.query_start_loc, b.seq_lens, b.block_table, 0.1,
+                          b.max_query_len, b.max_seq_len)
+
+
 def test_attention_metadata_misuse():
     a = _attn()
     a["batch"].block_table = a["batch"].block_table.long()

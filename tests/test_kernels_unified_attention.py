@@ -1,12 +1,26 @@
 """mrv2::unified_attention against its torch reference (rel. error per
 dtype: kernel_cases.REL_TOL), over decode, prefill, mixed, padded and long
-batches."""
+batches and head sizes from 1 to MAX_HEAD_DIM."""
+
+import os
 
 import pytest
 import torch
 
-from kernel_cases import DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, paged_batch, randn
-from kernels.unified_attention import num_kv_splits, unified_attention, unified_attention_ref
+from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, SMALL_HEAD_DIMS, assert_close_rel,
+                          gen, paged_batch, randn)
+from kernels.unified_attention import (MAX_HEAD_DIM, num_kv_splits, unified_attention,
+                                       unified_attention_ref)
+
+@pytest.fixture(autouse=True)
+def _gpu_dot_limits(monkeypatch):
+    """Triton's interpreter accepts tl.dot of any size; the GPU needs every
+    dimension >= 16 (Note [dot tiles]). Make the interpreter check that too."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
+
 
 # name: (q_lens, seq_lens, padding tokens beyond qsl[B])
 CASES = {
@@ -47,8 +61,48 @@ def _run(case, dtype, head_dim, device, seed, num_heads=4, num_kv_heads=2, block
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, dtype, head_dim, device):
-    out, ref = _run(case, dtype, head_dim, device, seed=hash((case, head_dim)) % 2**31)
+    out, ref = _run(case, dtype, head_dim, device, seed=stable_seed(case, head_dim))
     assert_close_rel(out, ref, dtype, case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", SMALL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_small_head_sizes(case, dtype, head_dim, device):
+    """Head sizes below tl.dot's 16 and not powers of two (Note [dot tiles] in
+    kernels/unified_attention.py): the split-KV decode and the prefill kernel,
+    within REL_TOL, on fresh random inputs."""
+    out, ref = _run(case, dtype, head_dim, device, seed=stable_seed(case, head_dim, 5))
+    assert_close_rel(out, ref, dtype, f"{case} D={head_dim}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_small_config_tiles_round_up(case, device):
+    """Tile overrides below tl.dot's 16 (or not powers of two) are rounded up."""
+    g = gen(17)
+    batch = paged_batch(*CASES[case][:2], 16, device, g)
+    shape = (batch.num_blocks, 16, 2, 4)
+    kc, vc = randn(shape, torch.float32, device, g), randn(shape, torch.float32, device, g)
+    q = randn((batch.num_tokens, 4, 4), torch.float32, device, g)
+    args = (q, kc, vc, batch.query_start_loc, batch.seq_lens, batch.block_table, 0.5)
+    out = unified_attention(*args, batch.max_query_len, batch.max_seq_len,
+                            config=dict(BLOCK_M=2, TILE_N=12))
+    ref = unified_attention_ref(*(a.cpu() for a in args[:-1]), 0.5)
+    assert_close_rel(out, ref, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("head_dim", GPU_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_head_sizes_gpu(case, dtype, head_dim):
+    """Every case compiled for real at head sizes 1 .. MAX_HEAD_DIM."""
+    assert max(GPU_HEAD_DIMS) == MAX_HEAD_DIM
+    out, ref = _run(case, dtype, head_dim, "cuda", seed=stable_seed(case, head_dim, 6))
+    assert_close_rel(out, ref, dtype, f"{case} D={head_dim}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
