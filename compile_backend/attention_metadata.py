@@ -16,7 +16,10 @@ import torch
 
 
 @dataclass
-class _Metadata:
+class Metadata:
+    """Base of every metadata dataclass, users' own included: `tensors()`
+    lets debug checks verify that no tensor moved since capture."""
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor field by name (for address checks and the dump)."""
         return {
@@ -27,7 +30,7 @@ class _Metadata:
 
 
 @dataclass
-class AttentionMetadata(_Metadata):
+class AttentionMetadata(Metadata):
     """For `mrv2::reshape_and_cache` and `mrv2::unified_attention`."""
 
     query_start_loc: torch.Tensor  # [B+1] int32: request b owns queries qsl[b]:qsl[b+1]
@@ -41,7 +44,7 @@ class AttentionMetadata(_Metadata):
 
 
 @dataclass
-class SConvMetadata(_Metadata):
+class SConvMetadata(Metadata):
     """For `mrv2::sconv` (short convolution with per-request state)."""
 
     query_start_loc: torch.Tensor  # [B+1] int32
@@ -53,7 +56,7 @@ class SConvMetadata(_Metadata):
 
 
 @dataclass
-class CompressorMetadata(_Metadata):
+class CompressorMetadata(Metadata):
     """For `mrv2::kv_compress` (DeepSeek-V4 style KV compressor).
 
     Request b's tokens this step sit at positions

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -66,16 +67,34 @@ class CompiledStep:
     full_graph: Any = None
     full_blocker: str | None = None
     _blocker_logged: bool = field(default=False, repr=False)
+    _values_by_shapes: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, *args: Any) -> Any:
         if self.graph_mode.has_full and not has_forward_context():
-            if self.full_graph is not None:
+            if self.full_graph is not None and self._fits_one_graph(args):
                 return self.full_graph(*args)
             if not self._blocker_logged:
                 self._blocker_logged = True
                 counters["full_graph_fallbacks"] += 1
                 logger.warning("mrv2: %s", self.full_blocker)
         return self.split_gm(*args)
+
+    def _fits_one_graph(self, args: Sequence[Any]) -> bool:
+        """A graph bakes in the Python values it is called with (Dynamo passes
+        an int that changed, such as a decode position, as an input). Values
+        that change between calls of one input shape would need a graph per
+        call: then the whole graph is given up for PIECEWISE pieces."""
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        values = tuple(a for a in args if not isinstance(a, torch.Tensor))
+        first = self._values_by_shapes.setdefault(shapes, values)
+        if first == values:
+            return True
+        self.full_graph = None  # its graphs go with it
+        self.full_blocker = (
+            "no FULL graph without a runner: the graph takes Python values that change "
+            f"between calls of one input shape ({list(first)}, then {list(values)}), which "
+            f"a graph would bake in; {_instead(self.graph_mode)}")
+        return False
 
     @property
     def __code__(self):
@@ -129,11 +148,15 @@ def _uses_no_runner_metadata(op: str, roles: OpRegistry) -> bool:
     return role is not OpRole.BREAKPOINT or op.split("::")[0] in ("aten", "higher_order")
 
 
+def _instead(mode: CUDAGraphMode) -> str:
+    return ("its pieces run as PIECEWISE graphs" if mode is not CUDAGraphMode.FULL_DECODE_ONLY
+            else "it runs eagerly")
+
+
 def full_capture_blocker(pieces: Sequence[Piece], roles: OpRegistry, mode: CUDAGraphMode) -> str | None:
     """Why the whole graph cannot be one lazily captured FULL graph without a
     runner (None: it can), and what runs instead."""
-    instead = ("its pieces run as PIECEWISE graphs" if mode is not CUDAGraphMode.FULL_DECODE_ONLY
-               else "it runs eagerly")
+    instead = _instead(mode)
     for p in pieces:
         if p.eager_reasons:
             return (f"no FULL graph without a runner: piece {p.name} cannot be captured "
@@ -162,6 +185,13 @@ def _is_parameter_or_buffer(node: Any) -> bool:
     return "_parameters" in source or "_buffers" in source
 
 
+def _inputs_needing_grad(example_inputs: Sequence[Any]) -> int:
+    """How many inputs require grad while grad is on (0 when it is off)."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
 def mrv2_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -170,6 +200,15 @@ def mrv2_backend(
 ) -> Callable[..., Any]:
     t0 = time.perf_counter()
     config = CompilationConfig.from_options(options, mode)
+    needs_grad = _inputs_needing_grad(example_inputs)
+    if needs_grad:
+        counters["grad_fallbacks"] += 1
+        warnings.warn(
+            f"mrv2 compiles for inference, but grad is enabled and {needs_grad} of this graph's "
+            "inputs (parameters included) require grad: this graph runs uncompiled and without "
+            "CUDA graphs, so that autograd still works. For graphs, call the compiled model "
+            "under torch.no_grad() or torch.inference_mode().", stacklevel=2)
+        return gm.forward
     roles = OpRegistry.from_config(config)
     counters["dynamo_graphs"] += 1
     graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
@@ -187,9 +226,9 @@ def mrv2_backend(
     wrappers: list[Any] = []
     full_blocker = full_capture_blocker(pieces, roles, graph_mode) if graph_mode.has_full else None
     # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
-    # for plain use when the whole graph cannot be one graph.
-    piecewise = graph_mode.has_piecewise or (
-        graph_mode is CUDAGraphMode.FULL and full_blocker is not None)
+    # for plain use when the whole graph cannot be one graph (known now, or at
+    # a call). Under a FULL graph or a runner's FULL step they run their callables.
+    piecewise = graph_mode.has_piecewise or graph_mode is CUDAGraphMode.FULL
     from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
 
     def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:

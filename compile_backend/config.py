@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from .debug_dump import check_dump_path
+from .op_registry import check_op_name
 
 
 class CUDAGraphMode(enum.Enum):
@@ -64,7 +68,8 @@ class CompilationConfig:
     attention_like_ops: extra attention-like ops, `namespace::name`.
     non_splitting_ops: ops to remove from the breakpoint defaults.
     piece_compiler: "inductor" (default) or "eager".
-    debug_dump_path: folder for the debug dump, or None.
+    debug_dump_path: folder for the debug dump, or None; a path that cannot hold
+        one (an existing file, a read-only place) raises when the config is built.
     debug_checks: check tensor addresses at every replay (slow; for debugging).
     strict_capture: a piece that must fall back to eager raises instead.
     enable_passes: run the FX passes (passes/) before splitting.
@@ -105,14 +110,20 @@ class CompilationConfig:
                     f"{name} must be a list of op names like 'mylib::my_attention', "
                     f"got {ops!r}"
                 )
+            for op in ops:  # the form only: whether it resolves is checked at compile
+                check_op_name(op)
             setattr(self, name, list(ops))
         if self.piece_compiler not in PIECE_COMPILERS:
             raise ValueError(
                 f"piece_compiler must be one of {PIECE_COMPILERS}, "
                 f"got {self.piece_compiler!r}"
             )
-        if self.debug_dump_path is not None and not isinstance(self.debug_dump_path, str):
-            self.debug_dump_path = str(self.debug_dump_path)
+        if self.debug_dump_path is not None:
+            if not isinstance(self.debug_dump_path, (str, os.PathLike)):
+                raise ValueError(
+                    f"debug_dump_path must be a folder path, got {self.debug_dump_path!r}")
+            self.debug_dump_path = os.fspath(self.debug_dump_path)
+            check_dump_path(self.debug_dump_path)  # refused now, not after compiling
         for name in ("debug_checks", "strict_capture", "enable_passes",
                      "reorder_for_fewer_pieces", "direct_op_calls"):
             if not isinstance(getattr(self, name), bool):

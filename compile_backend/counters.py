@@ -9,6 +9,7 @@ Keys (all ints):
   capture_fallbacks      pieces kept eager because they cannot be captured
   cudagraph_captures     CUDA graphs captured
   cudagraph_replays      CUDA-graph replays (each capture is followed by one)
+  grad_fallbacks         graphs run uncompiled because grad was on (inference only)
   lazy_warmups           no runner: first calls of a shape, run eagerly
   lazy_captures          no runner: captures on the second call of a shape
   full_graph_fallbacks   no runner, a FULL mode: graphs that run PIECEWISE

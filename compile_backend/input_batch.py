@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .kv_cache_config import KVCacheConfig
+
 
 @dataclass
 class InputBatch:
@@ -28,11 +30,21 @@ class InputBatch:
     compressed_block_ids: list[list[int]] = field(default_factory=list)  # compressor cache
 
     def __post_init__(self) -> None:
-        assert len(self.query_lens) == len(self.seq_lens) == len(self.req_slots), (
-            len(self.query_lens), len(self.seq_lens), len(self.req_slots))
-        assert sum(self.query_lens) == len(self.token_ids), (sum(self.query_lens), len(self.token_ids))
-        assert all(q <= s for q, s in zip(self.query_lens, self.seq_lens)), (
-            self.query_lens, self.seq_lens)
+        if not len(self.query_lens) == len(self.seq_lens) == len(self.req_slots):
+            raise ValueError(
+                f"query_lens, seq_lens and req_slots need one entry per request, got "
+                f"{len(self.query_lens)}, {len(self.seq_lens)} and {len(self.req_slots)}")
+        if sum(self.query_lens) != len(self.token_ids):
+            raise ValueError(
+                f"token_ids has {len(self.token_ids)} tokens but query_lens adds up to "
+                f"{sum(self.query_lens)}; give every request's new tokens, request by request")
+        if self.query_lens and (min(self.query_lens) < 0 or not all(
+                q <= s for q, s in zip(self.query_lens, self.seq_lens))):
+            i, q, s = next((i, q, s) for i, (q, s) in enumerate(zip(self.query_lens, self.seq_lens))
+                           if not 0 <= q <= s)
+            raise ValueError(
+                f"request {i}: query_len {q} with seq_len {s}; valid: 0 <= query_len <= seq_len "
+                "(seq_len counts the cached tokens and this step's)")
         self.num_tokens_padded = max(self.num_tokens_padded, self.num_tokens)
         self.num_reqs_padded = max(self.num_reqs_padded, self.num_reqs)
 
@@ -51,6 +63,59 @@ class InputBatch:
     @property
     def uniform_decode(self) -> bool:
         return self.num_reqs > 0 and all(q == 1 for q in self.query_lens)
+
+    def check_against(self, cfg: KVCacheConfig) -> None:
+        """Raise ValueError, naming the request, the field, the value and the
+        valid range, for sizes and ids the cache layout cannot hold: a bad
+        req_slot would fail deep inside an op (or, negative, be taken for a
+        padding row and skip its state), a seq_len past max_model_len would
+        outgrow the block table. Block ids are checked where they are written
+        (BlockTables.write), row by row as rows change.
+
+        On the per-step host path: the good path is a few min/max over the
+        lists; only a failure scans request by request to name the culprit.
+        Dummy batches (capture, engines' padding steps) use slot -1.
+        """
+        B = self.num_reqs
+        if self.num_tokens > cfg.max_num_tokens:
+            raise ValueError(
+                f"batch has {self.num_tokens} tokens, more than max_num_tokens="
+                f"{cfg.max_num_tokens}; split it or raise max_num_tokens")
+        if B > cfg.max_num_reqs:
+            raise ValueError(
+                f"batch has {B} requests, more than max_num_reqs={cfg.max_num_reqs}; "
+                "split it or raise max_num_reqs")
+        if B == 0:
+            return
+        low = -1 if self.is_dummy else 0
+        slots = self.req_slots
+        if (min(slots) < low or max(slots) >= cfg.max_num_reqs
+                or max(self.seq_lens) > cfg.max_model_len):
+            raise ValueError(self._first_out_of_range(cfg, low))
+        if not self.is_dummy and len(set(slots)) != B:
+            i = next(i for i, s in enumerate(slots) if s in slots[:i])
+            raise ValueError(
+                f"request {i}: req_slot {slots[i]} is also request {slots.index(slots[i])}'s; "
+                "each request needs its own slot (two on one slot would share one state)")
+        for name in ("block_ids", "compressed_block_ids"):
+            rows = len(getattr(self, name))
+            if rows not in (0, B):
+                raise ValueError(
+                    f"{name} has {rows} rows for {B} requests; give one row per request "
+                    "(or none, for a model without that cache)")
+
+    def _first_out_of_range(self, cfg: KVCacheConfig, low: int) -> str:
+        """The error for the first request whose slot or seq_len is out of range."""
+        for i, (slot, s) in enumerate(zip(self.req_slots, self.seq_lens)):
+            if not low <= slot < cfg.max_num_reqs:
+                return (f"request {i}: req_slot {slot} is out of range; valid: {low} <= req_slot "
+                        f"< max_num_reqs={cfg.max_num_reqs}"
+                        + ("" if low else " (-1 marks padding rows, which the runner adds itself)"))
+            if s > cfg.max_model_len:
+                return (f"request {i}: seq_len {s} is more than max_model_len={cfg.max_model_len}; "
+                        "valid: query_len <= seq_len <= max_model_len (raise max_model_len or "
+                        "finish the request)")
+        raise AssertionError((self.req_slots, self.seq_lens))
 
     def positions(self) -> list[int]:
         """[T] absolute position of every real token."""

@@ -11,7 +11,7 @@ class KVCacheGroup:
     """Layers that share one block table (and so one metadata build)."""
 
     name: str  # "attention", "compressed", "sconv", ...
-    kind: str  # metadata kind: "attention" | "compressor" | "sconv"
+    kind: str  # metadata kind: "attention" | "compressor" | "sconv" | a registered one
     layer_names: list[str] = field(default_factory=list)
 
 
@@ -33,6 +33,18 @@ class KVCacheConfig:
         for name in ("max_model_len", "max_num_reqs", "max_num_tokens", "compress_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_compressed_blocks(self) -> int:
+        """Blocks of the KV compressor's paged cache: it is bound with as many
+        blocks as the KV cache (models' `bind_caches`), block 0 the null block."""
+        return self.num_blocks
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The most tokens one batch can hold: max_num_tokens, and no more than
+        max_num_reqs requests of max_model_len tokens each."""
+        return min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
 
     @property
     def max_blocks_per_req(self) -> int:

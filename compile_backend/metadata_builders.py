@@ -1,8 +1,14 @@
 """Metadata builders: one per op family, behind one protocol.
 
+    builder.kind                    the `metadata_kind` of the layers it serves
     builder.capture_support         what graphs its metadata can be captured in
+    builder.attention_like          its ops run inside captured graphs in every mode
     builder.persistent_tensors()    name -> tensor whose address a graph keeps
     builder.build(batch, *, for_capture) -> the op family's metadata dataclass
+
+A runner constructs one builder per kind its model's layers use, as
+`builder_cls(kv_cache_config, input_buffers, block_tables)`. The built-in
+kinds are below; `register_metadata_builder(kind, builder_cls)` adds a user's.
 
 Every tensor a builder hands out is a view of a persistent buffer (InputBuffers,
 BlockTables), so its address is the same at capture and at every replay of the
@@ -25,12 +31,14 @@ of 1 (66560 programs for 1024 with work).
 from __future__ import annotations
 
 import enum
+import inspect
 from typing import Protocol
 
 import torch
 
 from .attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
 from .block_tables import BlockTables
+from .config import CUDAGraphMode
 from .input_batch import InputBatch
 from .input_buffers import InputBuffers
 from .kv_cache_config import KVCacheConfig
@@ -53,7 +61,12 @@ class MetadataBuilder(Protocol):
     def build(self, batch: InputBatch, *, for_capture: bool): ...
 
 
-class _Builder:
+class BaseMetadataBuilder:
+    """Keeps what every builder reads: the cache layout, the step's persistent
+    input buffers and the block tables (their tensors are the views to hand
+    out). Subclasses set `kind` (and `capture_support`, `attention_like` where
+    the defaults do not fit) and define `persistent_tensors` and `build`."""
+
     kind = ""
     capture_support = CaptureSupport.ALWAYS
     attention_like = False
@@ -62,7 +75,7 @@ class _Builder:
         self.cfg, self.buffers, self.tables = cfg, buffers, tables
 
 
-class AttentionMetadataBuilder(_Builder):
+class AttentionMetadataBuilder(BaseMetadataBuilder):
     kind = "attention"
 
     def persistent_tensors(self) -> dict[str, torch.Tensor]:
@@ -101,7 +114,7 @@ class AttentionMetadataBuilder(_Builder):
         )
 
 
-class SConvMetadataBuilder(_Builder):
+class SConvMetadataBuilder(BaseMetadataBuilder):
     kind = "sconv"
     attention_like = True
 
@@ -133,7 +146,7 @@ def _attention_like_max_query_len(batch: InputBatch) -> int:
     return batch.num_tokens_padded
 
 
-class CompressorMetadataBuilder(_Builder):
+class CompressorMetadataBuilder(BaseMetadataBuilder):
     kind = "compressor"
     attention_like = True
 
@@ -159,8 +172,67 @@ class CompressorMetadataBuilder(_Builder):
         )
 
 
-BUILDERS = {
+BUILDERS: dict[str, type] = {
     "attention": AttentionMetadataBuilder,
     "sconv": SConvMetadataBuilder,
     "compressor": CompressorMetadataBuilder,
 }
+
+_PROTOCOL = ("kind: str, capture_support: CaptureSupport, attention_like: bool, "
+             "persistent_tensors(self) -> dict[str, Tensor], build(self, batch, *, for_capture)")
+
+
+def register_metadata_builder(kind: str, builder_cls: type) -> type:
+    """Make layers whose `metadata_kind` is `kind` buildable by ModelRunner:
+    it constructs `builder_cls(kv_cache_config, input_buffers, block_tables)`
+    and calls its `build` once per step and at every capture (README, "Your
+    own attention-like ops"). Process-wide; registering the same class again
+    does nothing. Returns `builder_cls`. Raises TypeError or ValueError,
+    with the fix, for a class that does not follow the protocol."""
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"a metadata kind is a non-empty string, got {kind!r}")
+    if not isinstance(builder_cls, type):
+        raise TypeError(
+            f"register_metadata_builder({kind!r}, ...) takes the builder class (the runner "
+            f"constructs it), got {builder_cls!r}")
+    name = f"{builder_cls.__module__}.{builder_cls.__qualname__}"
+    missing = [m for m in ("persistent_tensors", "build")
+               if not callable(getattr(builder_cls, m, None))]
+    missing += [a for a in ("kind", "capture_support", "attention_like")
+                if not hasattr(builder_cls, a)]
+    if missing:
+        raise TypeError(
+            f"metadata builder {name} lacks {missing}; a builder has {_PROTOCOL} "
+            "(subclass compile_backend.BaseMetadataBuilder for the constructor and defaults)")
+    if builder_cls.kind != kind:
+        raise ValueError(
+            f"metadata builder {name} declares kind {builder_cls.kind!r} but is registered as "
+            f"{kind!r}; set `kind = {kind!r}` on the class")
+    if not isinstance(builder_cls.capture_support, CaptureSupport):
+        raise TypeError(
+            f"metadata builder {name}: capture_support must be a CaptureSupport member "
+            f"({', '.join(c.name for c in CaptureSupport)}), got {builder_cls.capture_support!r}")
+    if not isinstance(builder_cls.attention_like, bool):
+        raise TypeError(
+            f"metadata builder {name}: attention_like must be True or False, got "
+            f"{builder_cls.attention_like!r}")
+    try:
+        inspect.signature(builder_cls).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"metadata builder {name} must be constructible as builder_cls(kv_cache_config, "
+            f"input_buffers, block_tables); its signature is {inspect.signature(builder_cls)}"
+        ) from None
+    # The rule the runner applies to its builders (an attention-like builder
+    # must always be capturable), checked now rather than at the first runner.
+    from .capture import lower_graph_mode  # capture.py imports this module
+
+    lower_graph_mode(CUDAGraphMode.PIECEWISE, [builder_cls])
+    known = BUILDERS.get(kind)
+    if known is not None and known is not builder_cls:
+        raise ValueError(
+            f"metadata kind {kind!r} is already registered to "
+            f"{known.__module__}.{known.__qualname__}; give {name} (and its layers' "
+            "metadata_kind) another kind name")
+    BUILDERS[kind] = builder_cls
+    return builder_cls

@@ -51,6 +51,32 @@ class CaptureRecord:
                 "for_capture": self.for_capture}
 
 
+def fit_capture_sizes(sizes: list[int], kv: KVCacheConfig) -> list[int]:
+    """The capture sizes a batch can reach (sorted), logging the others once:
+    no batch holds more than KVCacheConfig.max_batch_tokens tokens."""
+    limit = kv.max_batch_tokens
+    dropped = [s for s in sizes if s > limit]
+    if dropped:
+        logger.info(
+            "capture sizes %s dropped: no batch has more than %d tokens (max_num_tokens=%d, "
+            "max_num_reqs=%d x max_model_len=%d)", dropped, limit, kv.max_num_tokens,
+            kv.max_num_reqs, kv.max_model_len)
+    return sorted(s for s in sizes if s <= limit)
+
+
+def _empty_plan_message(mode: CUDAGraphMode, sizes: list[int], kv: KVCacheConfig) -> str:
+    if mode is CUDAGraphMode.FULL_DECODE_ONLY:
+        bound = (f"max_num_reqs={kv.max_num_reqs} (its graphs hold one token per request; "
+                 f"max_num_tokens={kv.max_num_tokens}, max_model_len={kv.max_model_len})")
+    else:
+        bound = (f"{kv.max_batch_tokens}, the most tokens a batch holds (min(max_num_tokens="
+                 f"{kv.max_num_tokens}, max_num_reqs={kv.max_num_reqs} x max_model_len="
+                 f"{kv.max_model_len}))")
+    return (f"cudagraph_mode {mode.value} has no graph to capture: no size in capture_sizes="
+            f"{sizes} is at most {bound}. Add such a size to capture_sizes, or use "
+            "cudagraph_mode='none'")
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,6 +103,12 @@ class ModelRunner:
         here, self.mode_reason = graph_mode_on_this_machine(self.config.cudagraph_mode)
         self.mode, lowered_reason = lower_graph_mode(here, builders)
         self.mode_reason = lowered_reason or self.mode_reason
+        self.capture_sizes = fit_capture_sizes(self.config.capture_sizes, kv_cache_config)
+        # Uniform-decode graphs: one token per request.
+        self.decode_sizes = [s for s in self.capture_sizes if s <= kv_cache_config.max_num_reqs]
+        if self.mode is not CUDAGraphMode.NONE and not self.capture_plan():
+            raise ValueError(_empty_plan_message(self.mode, self.config.capture_sizes,
+                                                 kv_cache_config))
         options = self.config.summary()
         options["cudagraph_mode"] = self.mode.value
         if compile_fn is None:
@@ -87,9 +119,6 @@ class ModelRunner:
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
             weak_outputs=False)
-        sizes = [s for s in self.config.capture_sizes if s <= kv_cache_config.max_num_tokens]
-        self.capture_sizes = sizes
-        self.decode_sizes = [s for s in sizes if s <= kv_cache_config.max_num_reqs]
         self.captures: list[CaptureRecord] = []
         self.captured = False
 
@@ -98,7 +127,7 @@ class ModelRunner:
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         mark_token_dim(input_ids)
         mark_token_dim(positions)
-        with symbolic_tokens():
+        with symbolic_tokens(), torch.no_grad():  # a runner serves inference only
             return self.compiled(input_ids, positions)
 
     def _forward(self, T: int, desc: BatchDescriptor | None,
@@ -133,10 +162,12 @@ class ModelRunner:
 
     def capture(self, trace: list | None = None) -> list[CaptureRecord]:
         """Capture every graph the mode needs. With mode NONE this only warms
-        up (compiles) once at the largest size."""
+        up (compiles) once, at the largest capture size (without one: the
+        largest batch, KVCacheConfig.max_batch_tokens)."""
         plan = self.capture_plan()
-        if not plan:
-            self.warmup(max(self.capture_sizes), trace)
+        if not plan:  # mode NONE (a mode with graphs and no plan is refused in __init__)
+            sizes = self.capture_sizes
+            self.warmup(sizes[-1] if sizes else self.kv_cache_config.max_batch_tokens, trace)
             self.captured = True
             return []
         from tqdm import tqdm
@@ -206,28 +237,31 @@ class ModelRunner:
         return CUDAGraphMode.NONE, None, T, B
 
     def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
-        """Run one step; returns the rows of the real tokens ([T, ...])."""
-        if batch.num_tokens > self.kv_cache_config.max_num_tokens:
-            raise ValueError(
-                f"batch has {batch.num_tokens} tokens, more than max_num_tokens="
-                f"{self.kv_cache_config.max_num_tokens}; split it or raise max_num_tokens")
-        if batch.num_reqs > self.kv_cache_config.max_num_reqs:
-            raise ValueError(
-                f"batch has {batch.num_reqs} requests, more than max_num_reqs="
-                f"{self.kv_cache_config.max_num_reqs}")
+        """Run one step; returns the rows of the real tokens ([T, ...]). A
+        batch the cache layout cannot hold raises ValueError, before anything
+        is written (InputBatch.check_against, then BlockTables.write)."""
+        batch.check_against(self.kv_cache_config)  # before dispatch counts a fallback
         runtime, desc, Tp, Bp = self.dispatch(batch)
-        meta = self.prepare_step(batch, runtime, Tp, Bp,
-                                 desc.uniform_decode if desc is not None else None)
+        meta = self._write_step(batch, runtime, Tp, Bp,
+                                desc.uniform_decode if desc is not None else None)
         out = self._forward(Tp, desc, runtime, meta, trace)
         return out[: batch.num_tokens]
 
     def prepare_step(self, batch: InputBatch, runtime: CUDAGraphMode, num_tokens: int,
                      num_reqs: int, uniform_decode_graph: bool | None) -> dict[str, Any]:
-        """Pad the batch, write it into the persistent buffers and build its
-        metadata (`for_capture` when it replays in a FULL graph)."""
+        """Check the batch against the cache layout, pad it, write it into the
+        persistent buffers and build its metadata (`for_capture` when it
+        replays in a FULL graph)."""
+        batch.check_against(self.kv_cache_config)
+        return self._write_step(batch, runtime, num_tokens, num_reqs, uniform_decode_graph)
+
+    def _write_step(self, batch: InputBatch, runtime: CUDAGraphMode, num_tokens: int,
+                    num_reqs: int, uniform_decode_graph: bool | None) -> dict[str, Any]:
         batch.pad_to(num_tokens, num_reqs, uniform_decode_graph)
-        self.input_buffers.write(batch)
+        # Block tables first: their write checks every changed row's block ids
+        # before it writes anything, so a bad id leaves every buffer as it was.
         slots = self.block_tables.write(batch)
+        self.input_buffers.write(batch)
         return self.model_state.prepare_attn(
             batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
             for_capture=runtime is CUDAGraphMode.FULL)

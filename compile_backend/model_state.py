@@ -36,7 +36,11 @@ def attention_groups_for(
     groups = []
     for kind, names in by_kind.items():
         if kind not in BUILDERS:
-            raise ValueError(f"layer kind {kind!r} has no metadata builder; known: {sorted(BUILDERS)}")
+            raise ValueError(
+                f"layer kind {kind!r} (layers {names}) has no metadata builder; known: "
+                f"{sorted(BUILDERS)}. Register one before building the runner: "
+                f"compile_backend.register_metadata_builder({kind!r}, YourBuilder) (README, "
+                "\"Your own attention-like ops\")")
         groups.append(AttentionGroup(BUILDERS[kind](cfg, buffers, tables), names))
         cfg.groups.append(KVCacheGroup(name=kind, kind=kind, layer_names=names))
     return groups

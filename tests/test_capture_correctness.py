@@ -80,7 +80,7 @@ def test_plain_compile_full_captures_the_whole_graph_lazily():
     step = cb.compiled_steps()[-1]
     assert step.full_graph is not None and step.full_blocker is None
     assert report["full"].captures == 2  # one FULL graph per shape, nothing else
-    assert step.wrappers == []
+    assert all(not w.entries for w in step.wrappers)  # the pieces' wrappers stay idle
 
 
 def test_plain_compile_full_with_runner_metadata_ops_runs_piecewise_and_says_why(caplog):
@@ -177,3 +177,38 @@ def test_draft_propose_refuses_an_uncaptured_size_and_writes_nothing(torch_refer
             draft.propose(_decode_batch(engine))
         with pytest.raises(ValueError, match="not decode sizes"):
             draft.capture(sizes=[3])
+
+
+def test_grad_enabled_runs_uncompiled_with_a_warning_that_names_the_fix():
+    model = StatefulSDPA()
+    compiled = torch.compile(model, backend="mrv2", options=EAGER)
+    x = torch.randn(5, 16)
+    with pytest.warns(UserWarning, match=r"torch.no_grad\(\) or torch.inference_mode\(\)"):
+        out = compiled(x)
+    assert out.requires_grad  # autograd still works: backward reaches the weights
+    out.sum().backward()
+    assert model.qkv.weight.grad is not None and cb.counters["grad_fallbacks"] == 1
+
+
+class PositionInput(torch.nn.Module):
+    """Takes a Python int that changes every call (as a decode position does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.register_buffer("state", torch.randn(16))
+
+    def forward(self, x, pos: int):
+        self.state.add_(x.mean(0))
+        h = torch.nn.functional.scaled_dot_product_attention(*(self.a(x).view(1, 1, -1, 16),) * 3)
+        return h.view(-1, 16) * pos + self.state
+
+
+def test_plain_compile_full_gives_up_the_whole_graph_when_an_int_input_changes(caplog):
+    g = torch.Generator().manual_seed(2)
+    calls = [(torch.randn(5, 16, generator=g), pos) for pos in range(3, 9)]
+    with use_graph_backend(StandInGraphs()), caplog.at_level(logging.WARNING):
+        report = check_against_eager(PositionInput(), calls, ["full"], options=EAGER)
+    step = cb.compiled_steps()[-1]
+    assert step.full_graph is None and "change between calls of one input shape" in step.full_blocker
+    assert report["full"].replays > 0  # the pieces were captured instead

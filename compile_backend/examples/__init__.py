@@ -1,0 +1,2 @@
+"""Worked examples of the extension points (each module is imported and run
+by the tests)."""

@@ -1,0 +1,100 @@
+"""Capture plans that fit the configuration, and option problems found when
+the config is built. Regressions: a capture size no batch can reach failed
+inside capture (a dummy batch past max_model_len); capture_sizes=[] failed in
+capture() with "max() arg is an empty sequence"; a debug_dump_path that is a
+file was found only after compiling."""
+
+import logging
+
+import pytest
+import torch
+
+import compile_backend as cb
+from compile_backend.cuda_graph import use_graph_backend
+from compile_backend.debug_dump import DumpPathError
+from compile_backend.graph_standin import StandInGraphs
+from compile_backend.input_batch import InputBatch
+from compile_backend.model_runner import ModelRunner
+from compile_backend.models import build_model, preset
+from runtime_helpers import kv_config
+from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
+
+Mode = cb.CUDAGraphMode
+
+
+def _runner(mode, capture_sizes, **kv):
+    cfg = kv_config(**kv)
+    model = build_model("hybrid", preset("tiny", num_layers=1))
+    model.bind_caches(cfg.num_blocks, cfg.block_size, cfg.max_num_reqs, "cpu")
+    config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=capture_sizes,
+                                  piece_compiler="eager")
+    return ModelRunner(model, cfg, config, "cpu", progress=False)
+
+
+def test_sizes_no_batch_can_reach_are_dropped_with_one_log_line(caplog):
+    """4 requests of at most 8 tokens: no batch has more than 32 tokens,
+    although max_num_tokens is 64."""
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        with caplog.at_level(logging.INFO, logger="compile_backend.model_runner"):
+            r = _runner("full_and_piecewise", [1, 2, 4, 8, 16, 32, 48, 64, 128], max_model_len=8)
+        lines = [rec.getMessage() for rec in caplog.records if "dropped" in rec.getMessage()]
+        assert lines == ["capture sizes [48, 64, 128] dropped: no batch has more than 32 tokens "
+                         "(max_num_tokens=64, max_num_reqs=4 x max_model_len=8)"]
+        assert r.capture_sizes == [1, 2, 4, 8, 16, 32] and r.decode_sizes == [1, 2, 4]
+        assert max(d.num_tokens for _, d in r.capture_plan()) == 32
+        records = r.capture()  # every dummy batch fits max_model_len
+    assert len(records) == len(r.capture_plan()) == 6 + 3
+
+
+@pytest.mark.parametrize("mode, sizes, kv, message", [
+    ("piecewise", [], {},
+     r"cudagraph_mode piecewise has no graph to capture: no size in capture_sizes=\[\] is at "
+     r"most 64, the most tokens a batch holds \(min\(max_num_tokens=64, max_num_reqs=4 x "
+     r"max_model_len=64\)\)\. Add such a size to capture_sizes, or use cudagraph_mode='none'"),
+    ("full", [128, 256], {"max_num_tokens": 64},
+     r"cudagraph_mode full has no graph to capture: no size in capture_sizes=\[128, 256\]"),
+    ("full_and_piecewise", [16, 32], {"max_model_len": 2},
+     r"is at most 8, the most tokens a batch holds \(min\(max_num_tokens=64, max_num_reqs=4 x "
+     r"max_model_len=2\)\)"),
+    ("full_decode_only", [8, 16], {},
+     r"cudagraph_mode full_decode_only has no graph to capture: no size in capture_sizes="
+     r"\[8, 16\] is at most max_num_reqs=4 \(its graphs hold one token per request; "
+     r"max_num_tokens=64, max_model_len=64\)"),
+])
+def test_an_empty_plan_is_refused_when_the_runner_is_built(mode, sizes, kv, message):
+    with use_graph_backend(StandInGraphs()):
+        with pytest.raises(ValueError, match=message):
+            _runner(mode, sizes, **kv)
+    assert cb.counters["dynamo_graphs"] == 0  # before anything compiled
+
+
+def test_mode_none_without_capture_sizes_warms_up_at_the_largest_batch():
+    """It warms up at max_num_tokens capped to what a dummy batch can hold."""
+    with torch.no_grad():
+        r = _runner("none", [], max_model_len=8)  # 4 requests x 8 tokens < 64
+        assert r.capture() == []
+        assert r.model_state.build_log[-1]["num_tokens"] == 32
+        out = r.execute(InputBatch([5, 6, 7], [2, 1], [2, 4], [0, 1], block_ids=[[1], [2]],
+                                   compressed_block_ids=[[1], [2]]))
+    assert out.shape[0] == 3 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("build", [
+    lambda path: cb.CompilationConfig(debug_dump_path=path),
+    lambda path: cb.CompilationConfig.from_options({"debug_dump_path": path}),
+])
+def test_a_dump_path_that_is_a_file_is_refused_when_the_config_is_built(tmp_path, build):
+    taken = tmp_path / "taken"
+    taken.write_text("keep")
+    with pytest.raises(DumpPathError, match="is an existing file; give a folder path"):
+        build(str(taken))
+    with pytest.raises(DumpPathError, match="is a file"):
+        build(taken / "dump")
+    assert taken.read_text() == "keep" and sorted(tmp_path.iterdir()) == [taken]
+    assert build(tmp_path / "new" / "dump").debug_dump_path == str(tmp_path / "new" / "dump")
+    assert sorted(tmp_path.iterdir()) == [taken]  # checking creates nothing
+
+
+def test_an_op_name_of_the_wrong_form_is_refused_when_the_config_is_built():
+    with pytest.raises(ValueError, match="'state_mix' is not of the form 'namespace::name'"):
+        cb.CompilationConfig(attention_like_ops=["state_mix"])
