@@ -13,6 +13,7 @@ from the forward context this runner sets.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -137,10 +138,19 @@ class ModelRunner:
         ctx = ForwardContext(attn_metadata=metadata, batch_descriptor=desc,
                              cudagraph_runtime_mode=runtime, trace=trace)
         ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
-        with set_forward_context(ctx):
+        with set_forward_context(ctx), self._kernel_checks():
             if runtime is CUDAGraphMode.FULL:
                 return self.full_graph(ids, pos)
             return self._run_compiled(ids, pos)
+
+    def _kernel_checks(self) -> contextlib.AbstractContextManager:
+        """With `debug_checks`, the kernels check their index values on CUDA
+        too (a sync per launch; never during a capture)."""
+        if not self.config.debug_checks:
+            return contextlib.nullcontext()
+        from kernels import debug_checks
+
+        return debug_checks()
 
     # ---- capture ---------------------------------------------------------------
 

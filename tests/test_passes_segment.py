@@ -31,7 +31,8 @@ def compile_and_check(fn, inputs, **options):
     compiled = torch.compile(fn, backend="mrv2", options=opts)
     mine = [t.clone() for t in inputs]
     ref = [t.clone() for t in inputs]
-    out, expected = compiled(*mine), fn(*ref)
+    with torch.no_grad():  # inference: with grad on the graph would run uncompiled
+        out, expected = compiled(*mine), fn(*ref)
     for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, **TOL)
     for a, b in zip(mine, ref):  # inputs mutated the same way
