@@ -55,12 +55,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_backend as cb  # noqa: E402
-from compile_backend.cuda_graph import use_graph_backend  # noqa: E402
-from compile_backend.graph_standin import StandInGraphs  # noqa: E402
-from compile_backend.input_batch import InputBatch  # noqa: E402
-from compile_backend.kv_cache_config import KVCacheConfig  # noqa: E402
-from compile_backend.model_runner import ModelRunner  # noqa: E402
-from compile_backend.models import build_model, preset  # noqa: E402
+from compile_backend.runtime.cuda_graph import use_graph_backend  # noqa: E402
+from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
+from compile_backend.runner.input_batch import InputBatch  # noqa: E402
+from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
+from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
+from compile_backend.demo.models import build_model, preset  # noqa: E402
 
 ATTENTION_OPS = ["mrv2::unified_attention", "mrv2::reshape_and_cache"]
 MATCH_TOL = 5e-2

@@ -45,10 +45,10 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
     """Host us of ModelRunner.prepare_step for decode batches (hybrid model's
     three metadata groups, block size 16, max_model_len = context + 64)."""
     import bench.decode as decode  # the benchmark's batch builder
-    from compile_backend.config import CUDAGraphMode, CompilationConfig
-    from compile_backend.kv_cache_config import KVCacheConfig
-    from compile_backend.model_runner import ModelRunner
-    from compile_backend.models import build_model, preset
+    from compile_backend.core.config import CUDAGraphMode, CompilationConfig
+    from compile_backend.runner.kv_cache_config import KVCacheConfig
+    from compile_backend.runner.model_runner import ModelRunner
+    from compile_backend.demo.models import build_model, preset
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (or --prepare)")
-    from compile_backend.attention_metadata import AttentionMetadata
-    from compile_backend.forward_context import ForwardContext, set_forward_context
+    from compile_backend.runner.attention_metadata import AttentionMetadata
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
     from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
     from kernels.unified_attention import unified_attention, unified_attention_impl
 

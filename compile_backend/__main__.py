@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from compile_backend.demo.cli import main
 
 sys.exit(main())

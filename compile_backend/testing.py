@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .config import CUDAGraphMode
-from .counters import counters
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.counters import counters
 
 ALL_MODES = tuple(m.value for m in CUDAGraphMode)
 
@@ -48,6 +48,7 @@ class ModeReport:
     calls: int = 0
     captures: int = 0  # CUDA graphs (or stand-in graphs) captured
     replays: int = 0
+    full_graph_fallbacks: int = 0  # no runner: FULL given up (the log says why)
     shapes: dict[str, int] = field(default_factory=dict)  # input shapes -> calls
 
 
@@ -133,6 +134,7 @@ def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subje
            reference_state, calls: Sequence[Any], mode: str, atol: float, rtol: float,
            report: ModeReport, describe: Callable[[Any], str]) -> None:
     captures, replays = counters["cudagraph_captures"], counters["cudagraph_replays"]
+    fallbacks = counters["full_graph_fallbacks"]
     for i, call in enumerate(calls):
         shape = describe(call)
         tag = f"call {i} (inputs {shape}), mode {mode}"
@@ -144,13 +146,14 @@ def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subje
         report.shapes[shape] = report.shapes.get(shape, 0) + 1
     report.captures = counters["cudagraph_captures"] - captures
     report.replays = counters["cudagraph_replays"] - replays
+    report.full_graph_fallbacks = counters["full_graph_fallbacks"] - fallbacks
 
 
 def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
                  options: dict[str, Any], atol: float, rtol: float) -> ModeReport:
     import torch._dynamo
 
-    from .backend import mrv2_backend
+    from compile_backend.compile.backend import mrv2_backend
 
     torch._dynamo.reset()  # each mode compiles its own copy from scratch
     reference, subject = copy.deepcopy(model), copy.deepcopy(model)
@@ -169,7 +172,7 @@ def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
 
 
 def _runner_copy(runner: Any, mode: str, eager: bool) -> Any:
-    from .model_runner import ModelRunner
+    from compile_backend.runner.model_runner import ModelRunner
 
     kv = dataclasses.replace(runner.kv_cache_config, groups=[])
     config = dataclasses.replace(runner.config, cudagraph_mode=CUDAGraphMode.parse(mode))
@@ -214,7 +217,7 @@ def check_against_eager(
         raise ValueError("no calls to check: give the inputs of at least three calls per shape")
     for m in modes:
         CUDAGraphMode.parse(m)  # bad names fail before anything compiles
-    from .model_runner import ModelRunner
+    from compile_backend.runner.model_runner import ModelRunner
 
     report = CheckReport()
     with torch.no_grad():

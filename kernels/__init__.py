@@ -6,7 +6,7 @@ Importing this package registers the ops:
     mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
     mrv2::sconv              (attention-like) kernels/sconv.py
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
-Their roles live in compile_backend/op_registry.py. Models use the layers in
+Their roles live in compile_backend/core/op_registry.py. Models use the layers in
 kernels/layers.py, which read metadata from the forward context by layer name.
 
 Dispatch (kernels/_common.py): CUDA tensors, or any tensors with

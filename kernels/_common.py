@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 import triton.language as tl
 
-from compile_backend.forward_context import get_forward_context
+from compile_backend.core.forward_context import get_forward_context
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)

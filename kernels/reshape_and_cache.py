@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.direct_calls import direct_custom_op
+from compile_backend.core.direct_calls import direct_custom_op
 
 from ._common import (
     FLOAT_DTYPES, check_device, check_ids, check_kv_caches, check_tensor, layer_metadata, next_pow2,
@@ -112,7 +112,7 @@ def reshape_and_cache_impl(
     fn(key, value, key_cache, value_cache, meta.slot_mapping)
 
 
-# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+# Eager pieces call it without the dispatcher (compile_backend/core/direct_calls.py).
 reshape_and_cache_op = direct_custom_op(
     "mrv2::reshape_and_cache",
     mutates_args=("key_cache", "value_cache"),

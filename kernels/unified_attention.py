@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.direct_calls import direct_custom_op
+from compile_backend.core.direct_calls import direct_custom_op
 
 from ._common import (
     FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_kv_caches, check_tensor,
@@ -402,7 +402,7 @@ def unified_attention_impl(
     )
 
 
-# Eager pieces call it without the dispatcher (compile_backend/direct_calls.py).
+# Eager pieces call it without the dispatcher (compile_backend/core/direct_calls.py).
 unified_attention_op = direct_custom_op(
     "mrv2::unified_attention",
     mutates_args=(),

@@ -57,9 +57,10 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
-from compile_backend.counters import counters
-from compile_backend.op_registry import OpRegistry, OpRole, node_op_name, resolve_op_name
-from compile_backend.split import EAGER_REASON, is_eager_node
+from compile_backend.core.counters import counters
+from compile_backend.core.op_registry import (
+    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name, resolve_op_name,
+)
 
 from .pass_base import (
     Mrv2Pass,

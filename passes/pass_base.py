@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from compile_backend.op_registry import node_op_name
+from compile_backend.core.op_registry import node_op_name
 
 
 @dataclass

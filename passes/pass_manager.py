@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.fx
 
-from compile_backend.op_registry import OpRegistry
+from compile_backend.core.op_registry import OpRegistry
 
 from .capture_safety import CaptureSafetyPass
 from .pass_base import Mrv2Pass

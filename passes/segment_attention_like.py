@@ -1,7 +1,7 @@
 """Keep attention-like ops inside captured segments, and order the graph so
 that it splits into as few pieces as the data and the mutations allow.
 
-The splitter (compile_backend/split.py) cuts wherever the node kind changes
+The splitter (compile_backend/compile/split.py) cuts wherever the node kind changes
 in graph order: eager (breakpoints, capture fallbacks, and tuple accessors of
 their outputs) or captured (everything else). Attention-like ops are never
 eager: the registry's precedence keeps them out of the breakpoints even when
@@ -56,9 +56,8 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from compile_backend.counters import counters
-from compile_backend.op_registry import OpRegistry, OpRole, node_op_name
-from compile_backend.split import is_eager_node
+from compile_backend.core.counters import counters
+from compile_backend.core.op_registry import OpRegistry, OpRole, is_eager_node, node_op_name
 
 from .pass_base import (
     Mrv2Pass,

@@ -4,11 +4,11 @@ captures with the CPU graph stand-in."""
 import torch
 
 import compile_backend as cb
-from compile_backend.cuda_graph import use_graph_backend
-from compile_backend.engine import Engine
-from compile_backend.kv_cache_config import KVCacheConfig
-from compile_backend.models import build_model, preset
-from compile_backend.graph_standin import StandInGraphs
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.demo.engine import Engine
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.demo.models import build_model, preset
+from compile_backend.runtime.graph_standin import StandInGraphs
 
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 

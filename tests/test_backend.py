@@ -42,7 +42,7 @@ def test_backend_found_by_name_without_import():
                           options={"piece_compiler": "eager"})
         x = torch.randn(4, 3)
         assert torch.equal(f(x), torch.relu(x) * 2)
-        assert "compile_backend.backend" in sys.modules  # loaded by the entry point
+        assert "compile_backend.compile.backend" in sys.modules  # loaded by the entry point
         print("OK")
     """)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
@@ -218,10 +218,10 @@ def test_inductor_pieces_compile_once_and_match_eager():
 def test_no_cuda_runs_mode_none_and_says_why(caplog, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    import compile_backend.backend as backend
+    import compile_backend.compile.backend as backend
 
     monkeypatch.setattr(backend, "_warned_no_cuda", False)
-    with caplog.at_level(logging.WARNING, logger="compile_backend.backend"):
+    with caplog.at_level(logging.WARNING, logger="compile_backend.compile.backend"):
         check_against_eager(MLP(), {"cudagraph_mode": "full"}, [3])
         check_against_eager(MLP(), {"cudagraph_mode": "piecewise"}, [3])
     step = cb.compiled_steps()[-1]
@@ -229,3 +229,20 @@ def test_no_cuda_runs_mode_none_and_says_why(caplog, monkeypatch):
     assert "torch.cuda.is_available() is False" in step.mode_reason
     said = [r for r in caplog.records if "CUDA graphs are off" in r.getMessage()]
     assert len(said) == 1  # once per process
+
+
+def test_configured_backend_checks_options_when_called_and_combines_a_mode():
+    with pytest.raises(ValueError, match="unknown cudagraph mode 'fastest'"):
+        cb.backend(cudagraph_mode="fastest")
+    with pytest.raises(ValueError, match="piece_compiler"):
+        cb.backend(piece_compiler="tvm")
+    with pytest.raises(Exception, match="nolib"):
+        cb.backend(splitting_ops=["nolib::attn"])
+    model = MLP()
+    compiled = torch.compile(model, backend=cb.backend(cudagraph_mode="full", piece_compiler="eager"))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    step = cb.compiled_steps()[-1]
+    assert step.config.cudagraph_mode is cb.CUDAGraphMode.FULL
+    assert step.config.piece_compiler == "eager"

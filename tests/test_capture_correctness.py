@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.cuda_graph import CUDAGraphWrapper, use_graph_backend
-from compile_backend.draft_runner import DraftRunner
-from compile_backend.graph_standin import StandInGraphs
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.runner.draft_runner import DraftRunner
+from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.testing import EagerMismatch, check_against_eager
 from backend_models import TOY_OPTIONS, StatefulSDPA, ToyHybrid, plain_calls
 from runtime_helpers import make_engine
@@ -103,7 +103,7 @@ def test_returning_what_capture_recorded_is_caught(monkeypatch):
         graph = self.graphs.new_graph()
         with self.graphs.capture(graph, object(), args):
             outputs = self.fn(*args)
-        from compile_backend.cuda_graph import CapturedGraph
+        from compile_backend.runtime.cuda_graph import CapturedGraph
 
         entry = CapturedGraph(graph, list(args), [a.data_ptr() if isinstance(a, torch.Tensor)
                                                   else None for a in args], outputs)
@@ -152,7 +152,7 @@ def test_capture_leaves_every_cache_and_state_unchanged(mode, torch_reference_ke
 
 
 def _decode_batch(engine):
-    from compile_backend.input_batch import InputBatch
+    from compile_backend.runner.input_batch import InputBatch
 
     blocks = [engine.blocks.allocate(1) for _ in range(3)]
     cblocks = [engine.compressed_blocks.allocate(1) for _ in range(3)]

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.draft_runner import DraftRunner
-from compile_backend.engine import Engine
-from compile_backend.input_batch import InputBatch
-from compile_backend.kv_cache_config import KVCacheConfig
-from compile_backend.models import build_model, preset
+from compile_backend.runner.draft_runner import DraftRunner
+from compile_backend.demo.engine import Engine
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.demo.models import build_model, preset
 from compile_backend.testing import check_against_eager
 from backend_models import TOY_OPTIONS, StatefulSDPA, ToyHybrid, plain_calls
 
@@ -60,7 +60,10 @@ def test_hf_generate_with_a_static_cache_equals_eager_every_mode(arch):
 
     report = check_against_eager(model, [generate], ALL_MODES, options={"piece_compiler": "eager"})
     for mode in GRAPH_MODES:
-        assert report[mode].replays > 0, mode
+        # full_decode_only without a runner: one FULL graph, or eager when it
+        # cannot be one (Mistral passes its decode position as an int input)
+        ran_eagerly = mode == "full_decode_only" and report[mode].full_graph_fallbacks
+        assert report[mode].replays > 0 or ran_eagerly, mode
 
 
 def _engine(mode, dtype=torch.float32, **kv):

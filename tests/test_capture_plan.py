@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.cuda_graph import use_graph_backend
-from compile_backend.debug_dump import DumpPathError
-from compile_backend.graph_standin import StandInGraphs
-from compile_backend.input_batch import InputBatch
-from compile_backend.model_runner import ModelRunner
-from compile_backend.models import build_model, preset
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.debug.dump import DumpPathError
+from compile_backend.runtime.graph_standin import StandInGraphs
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.model_runner import ModelRunner
+from compile_backend.demo.models import build_model, preset
 from runtime_helpers import kv_config
 from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
 
@@ -35,7 +35,7 @@ def test_sizes_no_batch_can_reach_are_dropped_with_one_log_line(caplog):
     """4 requests of at most 8 tokens: no batch has more than 32 tokens,
     although max_num_tokens is 64."""
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        with caplog.at_level(logging.INFO, logger="compile_backend.model_runner"):
+        with caplog.at_level(logging.INFO, logger="compile_backend.runner.model_runner"):
             r = _runner("full_and_piecewise", [1, 2, 4, 8, 16, 32, 48, 64, 128], max_model_len=8)
         lines = [rec.getMessage() for rec in caplog.records if "dropped" in rec.getMessage()]
         assert lines == ["capture sizes [48, 64, 128] dropped: no batch has more than 32 tokens "

@@ -8,18 +8,18 @@ import torch
 import torch.nn.functional as F
 
 import compile_backend as cb
-from compile_backend.cli import main
-from compile_backend.cuda_graph import use_graph_backend
-from compile_backend.debug_dump import (
+from compile_backend.demo.cli import main
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.debug.dump import (
     DumpPathError,
     depyf_dump,
     read_manifest,
     update_manifest_runtime,
     write_compile_dump,
 )
-from compile_backend.engine import Engine
-from compile_backend.models import build_model, preset
-from compile_backend.graph_standin import StandInGraphs
+from compile_backend.demo.engine import Engine
+from compile_backend.demo.models import build_model, preset
+from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, kv_config, random_prompts
 
 TOP_LEVEL = {
@@ -139,7 +139,7 @@ def test_depyf_dump_context_writes_depyf_output(tmp_path):
 
 
 def test_second_run_starts_a_new_manifest(tmp_path):
-    from compile_backend.debug_dump import reset_dump
+    from compile_backend.debug.dump import reset_dump
 
     dump = tmp_path / "dump"
     _compile_two_graphs(dump)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from compile_backend.cli import main
-from compile_backend.demo import NO_CUDA, modes_to_run
+from compile_backend.demo.cli import main
+from compile_backend.demo.run import NO_CUDA, modes_to_run
 
 FAST = ["--preset", "tiny", "--batch", "2", "--steps", "3", "--prompt-len", "8",
         "--piece-compiler", "eager", "--no-progress"]

@@ -1,16 +1,16 @@
 """Eager pieces call registered ops without the dispatcher while grad is off
-(compile_backend/direct_calls.py), and compute the same as through it."""
+(compile_backend/core/direct_calls.py), and compute the same as through it."""
 
 import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.cuda_graph import use_graph_backend
-from compile_backend.direct_calls import direct_call, register_direct_impl
-from compile_backend.graph_standin import StandInGraphs
-from compile_backend.input_batch import InputBatch
-from compile_backend.model_runner import ModelRunner
-from compile_backend.models import build_model, preset
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.core.direct_calls import direct_call, register_direct_impl
+from compile_backend.runtime.graph_standin import StandInGraphs
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.model_runner import ModelRunner
+from compile_backend.demo.models import build_model, preset
 from runtime_helpers import kv_config
 
 CALLS: list[str] = []

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.cuda_graph import use_graph_backend
-from compile_backend.draft_runner import DraftDescriptor, DraftRunner
-from compile_backend.input_batch import InputBatch
-from compile_backend.graph_standin import StandInGraphs
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runner.draft_runner import DraftDescriptor, DraftRunner
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import make_engine, random_prompts
 
 

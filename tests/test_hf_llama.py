@@ -5,7 +5,7 @@ breakpoint the dump shows one eager piece per layer."""
 import pytest
 import torch
 
-from compile_backend.debug_dump import read_manifest
+from compile_backend.debug.dump import read_manifest
 
 transformers = pytest.importorskip("transformers")
 

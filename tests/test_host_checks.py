@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from compile_backend.config import CUDAGraphMode
-from compile_backend.input_batch import InputBatch
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.runner.input_batch import InputBatch
 from runtime_helpers import make_engine
 from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
 

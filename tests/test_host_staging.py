@@ -1,4 +1,4 @@
-"""Host staging of step inputs (compile_backend/host_staging.py) and what the
+"""Host staging of step inputs (compile_backend/runner/host_staging.py) and what the
 persistent buffers hold after a write, against a plain-list reference."""
 
 import random
@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from compile_backend.block_tables import BlockTables
-from compile_backend.config import CUDAGraphMode
-from compile_backend.host_staging import Field, HostStaging, host_array
-from compile_backend.input_batch import InputBatch
-from compile_backend.input_buffers import InputBuffers
-from compile_backend.model_state import ModelState, attention_groups_for
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.runner.host_staging import Field, HostStaging, host_array
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.input_buffers import InputBuffers
+from compile_backend.runner.model_state import ModelState, attention_groups_for
 from runtime_helpers import kv_config
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

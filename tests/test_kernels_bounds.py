@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from compile_backend.attention_metadata import AttentionMetadata
-from compile_backend.forward_context import ForwardContext, set_forward_context
+from compile_backend.runner.attention_metadata import AttentionMetadata
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from kernel_cases import assert_close_rel, gen, paged_batch, randn, state_batch
 from kernels import (debug_checks, kv_compress, reshape_and_cache, set_debug_checks, sconv,
                      unified_attention, unified_attention_ref)

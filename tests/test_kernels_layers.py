@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from compile_backend.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
-from compile_backend.forward_context import ForwardContext, set_forward_context
+from compile_backend.runner.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from kernel_cases import DEVICES, assert_close_rel, gen, paged_batch, randn
 from kernels import (KVCompressor, PagedAttention, ShortConv, kv_compress_ref, reshape_and_cache_ref,
                      sconv_ref, unified_attention_ref)

@@ -15,7 +15,7 @@ import compile_backend as cb
 import pass_ops  # noqa: F401  (registers passtest::*)
 import passes
 import toy_ops  # noqa: F401
-from compile_backend.split import EAGER_REASON
+from compile_backend.compile.split import EAGER_REASON
 from passes import CaptureSafetyError, CaptureSafetyPass
 
 T, D = 6, 8

@@ -26,7 +26,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import compile_backend as cb
 import pass_ops  # noqa: F401  (registers passtest::*)
 import toy_ops  # noqa: F401
-from compile_backend.split import split_graph
+from compile_backend.compile.split import split_graph
 from passes import PassManager
 from passes.segment_attention_like import SegmentAttentionLikePass
 

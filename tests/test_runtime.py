@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.capture import lower_graph_mode
-from compile_backend.cuda_graph import CUDAGraphWrapper, use_graph_backend
-from compile_backend.input_batch import InputBatch
-from compile_backend.metadata_builders import CaptureSupport
-from compile_backend.graph_standin import StandInGraphs
+from compile_backend.runner.capture import lower_graph_mode
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.metadata_builders import CaptureSupport
+from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, generate, make_engine, random_prompts
 
 Mode = cb.CUDAGraphMode
@@ -79,7 +79,7 @@ def test_metadata_is_built_at_every_capture_with_the_right_for_capture(mode):
 def test_piecewise_capture_that_skips_metadata_fails(monkeypatch):
     """Regression (the seed's bug): PIECEWISE capture once skipped metadata;
     attention-like ops inside the piecewise graphs then cannot run at capture."""
-    from compile_backend.model_state import ModelState
+    from compile_backend.runner.model_state import ModelState
 
     real = ModelState.prepare_attn
 
@@ -358,7 +358,7 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     """Regression: a FULL mixed-batch graph of 4 tokens over 4 requests was
     captured with max_query_len=1 (its dummy batch looks like decode), so it
     replayed prefills through the single-token decode kernel."""
-    from compile_backend.capture import prepare_inputs_to_capture
+    from compile_backend.runner.capture import prepare_inputs_to_capture
 
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()):

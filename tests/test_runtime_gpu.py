@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.engine import Engine
-from compile_backend.kv_cache_config import KVCacheConfig
-from compile_backend.models import build_model, preset
+from compile_backend.demo.engine import Engine
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.demo.models import build_model, preset
 
 pytestmark = pytest.mark.gpu
 
@@ -87,8 +87,8 @@ def test_debug_mode_catches_a_moved_persistent_metadata_tensor():
 
 
 def _draft_tokens(mode, k=3):
-    from compile_backend.draft_runner import DraftRunner
-    from compile_backend.input_batch import InputBatch
+    from compile_backend.runner.draft_runner import DraftRunner
+    from compile_backend.runner.input_batch import InputBatch
 
     torch._dynamo.reset()
     with torch.no_grad():

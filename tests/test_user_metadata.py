@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 import compile_backend as cb
-from compile_backend.block_tables import BlockTables
-from compile_backend.cuda_graph import use_graph_backend
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.runtime.cuda_graph import use_graph_backend
 from compile_backend.examples import running_state
 from compile_backend.examples.running_state import RunningSum, RunningSumMetadata
-from compile_backend.graph_standin import StandInGraphs
-from compile_backend.input_buffers import InputBuffers
-from compile_backend.metadata_builders import BUILDERS, AttentionMetadataBuilder
-from compile_backend.model_runner import ModelRunner
-from compile_backend.model_state import attention_groups_for
+from compile_backend.runtime.graph_standin import StandInGraphs
+from compile_backend.runner.input_buffers import InputBuffers
+from compile_backend.runner.metadata_builders import BUILDERS, AttentionMetadataBuilder
+from compile_backend.runner.model_runner import ModelRunner
+from compile_backend.runner.model_state import attention_groups_for
 from kernels.layers import PagedAttention
 from runtime_helpers import CAPTURE_SIZES, kv_config
 from test_runtime import _copy, _random_schedule, _torch_reference_kernels  # noqa: F401 (fixture)

@@ -29,7 +29,7 @@ from torch import nn
 
 from compile_backend import (BaseMetadataBuilder, CaptureSupport, Metadata, get_forward_context,
                              register_metadata_builder, register_op_role)
-from compile_backend.input_batch import InputBatch
+from compile_backend.runner.input_batch import InputBatch
 
 
 @dataclass

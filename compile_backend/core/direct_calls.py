@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .op_registry import check_op_name, qualified_name
+from compile_backend.core.op_registry import check_op_name, qualified_name
 
 _DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
 

@@ -21,19 +21,19 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import graph_mode_on_this_machine, mrv2_backend
-from .batch_descriptor import BatchDescriptor
-from .block_tables import BlockTables
-from .capture import lower_graph_mode, prepare_inputs_to_capture
-from .config import CompilationConfig, CUDAGraphMode
-from .counters import counters
-from .cuda_graph import CUDAGraphWrapper, current_graph_backend
-from .forward_context import ForwardContext, set_forward_context
-from .input_batch import InputBatch
-from .input_buffers import InputBuffers
-from .kv_cache_config import KVCacheConfig
-from .model_state import ModelState, attention_groups_for
-from .symbolic import mark_token_dim, symbolic_tokens
+from compile_backend.compile.backend import graph_mode_on_this_machine, mrv2_backend
+from compile_backend.core.batch_descriptor import BatchDescriptor
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.runner.capture import lower_graph_mode, prepare_inputs_to_capture
+from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.core.counters import counters
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, current_graph_backend
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.input_buffers import InputBuffers
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.runner.model_state import ModelState, attention_groups_for
+from compile_backend.core.symbolic import mark_token_dim, symbolic_tokens
 
 logger = logging.getLogger(__name__)
 

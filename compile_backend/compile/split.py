@@ -19,10 +19,10 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from .op_registry import OpRegistry, OpRole, node_op_name
+from compile_backend.core.op_registry import (
+    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
+)
 
-# node.meta key a pass sets (to a reason string) to keep a node out of graphs.
-EAGER_REASON = "mrv2_eager_reason"
 
 # Nodes that carry no computation worth listing among a piece's ops.
 _BOOKKEEPING = ("python::getitem",)
@@ -49,10 +49,6 @@ class Piece:
             "attention_like": self.attention_like,
             "eager_reasons": self.eager_reasons,
         }
-
-
-def is_eager_node(node: torch.fx.Node, roles: OpRegistry) -> bool:
-    return roles.role(node) is OpRole.BREAKPOINT or EAGER_REASON in node.meta
 
 
 def assign_partitions(gm: torch.fx.GraphModule, roles: OpRegistry) -> dict[torch.fx.Node, int]:

@@ -210,3 +210,11 @@ class OpRegistry:
 
     def summary(self) -> dict[str, list[str]]:
         return {r.value: self.names(r) for r in (OpRole.BREAKPOINT, OpRole.ATTENTION_LIKE)}
+
+
+# node.meta key a pass sets (to a reason string) to keep a node out of graphs.
+EAGER_REASON = "mrv2_eager_reason"
+
+
+def is_eager_node(node: torch.fx.Node, roles: OpRegistry) -> bool:
+    return roles.role(node) is OpRole.BREAKPOINT or EAGER_REASON in node.meta

@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import clear_compiled_steps, compiled_steps
-from .config import CompilationConfig, CUDAGraphMode
-from .counters import counters, reset_counters
-from .engine import Engine
-from .kv_cache_config import KVCacheConfig
-from .models import build_model, preset
+from compile_backend.compile.backend import clear_compiled_steps, compiled_steps
+from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.core.counters import counters, reset_counters
+from compile_backend.demo.engine import Engine
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.demo.models import build_model, preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_MODES = [m.value for m in CUDAGraphMode]
@@ -99,7 +99,7 @@ def _prompts(opts: DemoOptions, vocab: int) -> list[list[int]]:
 def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dtype,
              reference: bool = False, dump: str | None = None) -> ModeResult:
     """Generate once in `mode` with a fresh model and a fresh Dynamo."""
-    from . import debug_dump
+    from compile_backend.debug import dump as debug_dump
 
     torch._dynamo.reset()
     reset_counters()

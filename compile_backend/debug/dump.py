@@ -34,7 +34,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .counters import counters
+from compile_backend.core.counters import counters
+from compile_backend.core.dump_path import DumpPathError, check_dump_path  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -42,44 +43,13 @@ MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
 DEPYF_NOTE = (
     "depyf output needs `mrv2 demo --dump DIR` or a "
-    "`with compile_backend.debug_dump.depyf_dump(DIR):` block around the compiled run"
+    "`with compile_backend.debug.dump.depyf_dump(DIR):` block around the compiled run"
 )
 
 # Paths this process has started a dump in (a path's first graph starts a new manifest).
 _started: set[str] = set()
 # Paths currently inside depyf_dump().
 _depyf_active: set[str] = set()
-
-
-class DumpPathError(ValueError):
-    """A dump path that cannot hold a dump; the message says why and what to do."""
-
-
-def check_dump_path(path: str | os.PathLike) -> Path:
-    """Refuse, before creating anything, a path that is a file or whose
-    nearest existing ancestor is not a writable folder."""
-    p = Path(path).expanduser().absolute()
-    if p.exists():
-        if not p.is_dir():
-            raise DumpPathError(f"dump path {str(p)!r} is an existing file; give a folder path")
-        _probe(p, f"dump folder {str(p)!r} is not writable")
-        return p
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise DumpPathError(f"cannot create dump folder {str(p)!r}: {str(parent)!r} is a file")
-    _probe(parent, f"cannot create dump folder {str(p)!r}: {str(parent)!r} is not writable")
-    return p
-
-
-def _probe(folder: Path, message: str) -> None:
-    """Create and remove a hidden folder: os.access says yes to root even
-    where the file system says no (/proc, read-only mounts)."""
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".mrv2-probe.", dir=folder))
-    except OSError as e:
-        raise DumpPathError(f"{message} ({e.strerror})") from None
 
 
 def reset_dump(path: str | os.PathLike) -> None:

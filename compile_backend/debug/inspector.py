@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from .debug_dump import MANIFEST
+from compile_backend.debug.dump import MANIFEST
 
 
 class DumpError(ValueError):

@@ -7,13 +7,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .block_tables import BlockTables
-from .config import CUDAGraphMode
-from .input_batch import InputBatch
-from .input_buffers import InputBuffers
-from .kv_cache_config import KVCacheConfig
-from .metadata_builders import CaptureSupport
-from .model_state import AttentionGroup, ModelState
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.input_buffers import InputBuffers
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.runner.metadata_builders import CaptureSupport
+from compile_backend.runner.model_state import AttentionGroup, ModelState
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .batch_descriptor import BatchDescriptor
-from .config import CUDAGraphMode
+from compile_backend.core.batch_descriptor import BatchDescriptor
+from compile_backend.core.config import CUDAGraphMode
 
 
 @dataclass

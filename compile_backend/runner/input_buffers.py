@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_staging import Field, HostStaging, host_array
-from .input_batch import InputBatch
-from .kv_cache_config import KVCacheConfig
+from compile_backend.runner.host_staging import Field, HostStaging, host_array
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.kv_cache_config import KVCacheConfig
 
 
 @dataclass

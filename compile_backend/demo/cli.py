@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import PIECE_COMPILERS
-from .models import MODELS, PRESETS
+from compile_backend.core.config import PIECE_COMPILERS
+from compile_backend.demo.models import MODELS, PRESETS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .demo import ALL_MODES, DTYPES
+    from compile_backend.demo.run import ALL_MODES, DTYPES
 
     p = _Parser(prog="mrv2", description="mrv2: CUDA-graph backend demo and debug-dump inspector")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
@@ -60,8 +60,8 @@ def _fail(message: str) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .debug_dump import DumpPathError, check_dump_path
-    from .demo import DemoOptions, format_table, run_demo
+    from compile_backend.debug.dump import DumpPathError, check_dump_path
+    from compile_backend.demo.run import DemoOptions, format_table, run_demo
 
     try:
         opts = DemoOptions(model=args.model, preset=args.preset, modes=args.modes or ["all"],
@@ -84,7 +84,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect_dump import DumpError, load_dump, piece_code, summary, write_svg
+    from compile_backend.debug.inspector import DumpError, load_dump, piece_code, summary, write_svg
 
     try:
         manifest = load_dump(args.dir)

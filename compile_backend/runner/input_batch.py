@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .kv_cache_config import KVCacheConfig
+from compile_backend.runner.kv_cache_config import KVCacheConfig
 
 
 @dataclass

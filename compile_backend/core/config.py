@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .debug_dump import check_dump_path
-from .op_registry import check_op_name
+from compile_backend.core.dump_path import check_dump_path
+from compile_backend.core.op_registry import check_op_name
 
 
 class CUDAGraphMode(enum.Enum):
@@ -76,7 +76,7 @@ class CompilationConfig:
     reorder_for_fewer_pieces: let the segment pass move independent nodes
         across breakpoints so that fewer pieces result.
     direct_op_calls: eager pieces call registered ops' implementations without
-        the dispatcher while grad is off (compile_backend/direct_calls.py).
+        the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE

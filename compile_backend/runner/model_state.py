@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from .block_tables import BlockTables
-from .config import CUDAGraphMode
-from .counters import counters
-from .input_batch import InputBatch
-from .kv_cache_config import KVCacheConfig, KVCacheGroup
-from .metadata_builders import BUILDERS, MetadataBuilder
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.counters import counters
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.kv_cache_config import KVCacheConfig, KVCacheGroup
+from compile_backend.runner.metadata_builders import BUILDERS, MetadataBuilder
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Typed metadata, one dataclass per op family: written by a metadata builder
-(compile_backend/metadata_builders.py), read by the op through the forward
+(compile_backend/runner/metadata_builders.py), read by the op through the forward
 context. B = padded number of requests, T = padded number of tokens.
 
 Padding convention (DESIGN.md, "The metadata contract"): padding requests own

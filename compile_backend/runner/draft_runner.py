@@ -17,12 +17,12 @@ from typing import NamedTuple
 
 import torch
 
-from .capture import prepare_inputs_to_capture
-from .config import CUDAGraphMode
-from .cuda_graph import CUDAGraphWrapper, current_graph_backend
-from .forward_context import ForwardContext, set_forward_context
-from .input_batch import InputBatch
-from .model_runner import ModelRunner
+from compile_backend.runner.capture import prepare_inputs_to_capture
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, current_graph_backend
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.model_runner import ModelRunner
 
 
 class DraftDescriptor(NamedTuple):

@@ -36,12 +36,12 @@ from typing import Protocol
 
 import torch
 
-from .attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
-from .block_tables import BlockTables
-from .config import CUDAGraphMode
-from .input_batch import InputBatch
-from .input_buffers import InputBuffers
-from .kv_cache_config import KVCacheConfig
+from compile_backend.runner.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
+from compile_backend.runner.block_tables import BlockTables
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.input_buffers import InputBuffers
+from compile_backend.runner.kv_cache_config import KVCacheConfig
 
 
 class CaptureSupport(enum.IntEnum):
@@ -225,7 +225,7 @@ def register_metadata_builder(kind: str, builder_cls: type) -> type:
         ) from None
     # The rule the runner applies to its builders (an attention-like builder
     # must always be capturable), checked now rather than at the first runner.
-    from .capture import lower_graph_mode  # capture.py imports this module
+    from compile_backend.runner.capture import lower_graph_mode  # capture.py imports this module
 
     lower_graph_mode(CUDAGraphMode.PIECEWISE, [builder_cls])
     known = BUILDERS.get(kind)

@@ -34,7 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .forward_context import ForwardContext, set_forward_context
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

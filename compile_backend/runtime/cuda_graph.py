@@ -37,9 +37,9 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .config import CUDAGraphMode
-from .counters import counters
-from .forward_context import (
+from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.counters import counters
+from compile_backend.core.forward_context import (
     ForwardContext, get_forward_context, has_forward_context, set_forward_context,
 )
 

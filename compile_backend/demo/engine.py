@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import CompilationConfig
-from .input_batch import InputBatch
-from .kv_cache_config import KVCacheConfig
-from .model_runner import ModelRunner
+from compile_backend.core.config import CompilationConfig
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.runner.model_runner import ModelRunner
 
 
 class BlockAllocator:

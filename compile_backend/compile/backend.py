@@ -16,13 +16,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from .config import CompilationConfig, CUDAGraphMode
-from .counters import counters
-from .direct_calls import rewrite_direct_calls
-from .forward_context import has_forward_context
-from .op_registry import OpRegistry, OpRole
-from .piece_compiler import compile_pieces
-from .split import Piece, split_graph
+from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.core.counters import counters
+from compile_backend.core.direct_calls import rewrite_direct_calls
+from compile_backend.core.forward_context import has_forward_context
+from compile_backend.core.op_registry import OpRegistry, OpRole
+from compile_backend.compile.piece_compiler import compile_pieces
+from compile_backend.compile.split import Piece, split_graph
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ _warned_no_cuda = False
 def graph_mode_on_this_machine(requested: CUDAGraphMode) -> tuple[CUDAGraphMode, str | None]:
     """The mode that can run here, and why it differs from the request."""
     global _warned_no_cuda
-    from .cuda_graph import graph_backend_overridden
+    from compile_backend.runtime.cuda_graph import graph_backend_overridden
 
     if requested is CUDAGraphMode.NONE or torch.cuda.is_available() or graph_backend_overridden():
         return requested, None
@@ -229,7 +229,7 @@ def mrv2_backend(
     # for plain use when the whole graph cannot be one graph (known now, or at
     # a call). Under a FULL graph or a runner's FULL step they run their callables.
     piecewise = graph_mode.has_piecewise or graph_mode is CUDAGraphMode.FULL
-    from .cuda_graph import CUDAGraphWrapper  # the runtime's seam
+    from compile_backend.runtime.cuda_graph import CUDAGraphWrapper  # the runtime's seam
 
     def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not (piece.captured and piecewise):
@@ -274,7 +274,25 @@ def mrv2_backend(
         step.compile_seconds,
     )
     if config.debug_dump_path:
-        from .debug_dump import write_compile_dump
+        from compile_backend.debug.dump import write_compile_dump
 
         write_compile_dump(config.debug_dump_path, step)
     return step
+
+
+def backend(**options: Any) -> Callable[..., Any]:
+    """The mrv2 backend with `options` bound and checked now, so that misuse
+    fails at `torch.compile` time with its own message (not at the first call,
+    inside Dynamo's error), and so that a graph mode combines with other
+    options (torch refuses `mode=` together with `options=`):
+
+        torch.compile(model, backend=compile_backend.backend(
+            cudagraph_mode="full", piece_compiler="eager"))
+    """
+    config = CompilationConfig.from_options(options)
+    OpRegistry.from_config(config)  # op names resolve now
+
+    def mrv2_configured(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return mrv2_backend(gm, example_inputs, options=dict(options))
+
+    return mrv2_configured

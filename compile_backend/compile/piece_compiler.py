@@ -18,8 +18,8 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .counters import counters
-from .split import Piece
+from compile_backend.core.counters import counters
+from compile_backend.compile.split import Piece
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""The compile side: the Dynamo backend, splitting at breakpoints, piece
+compilation."""

@@ -1,0 +1,1 @@
+"""Debugging: the debug dump (manifest, graphs, depyf) and `mrv2 inspect`."""

@@ -1,0 +1,86 @@
+"""The house: sub-packages by stage, imports only downward (read from the
+source, function-local imports included), and a package import that loads
+neither Dynamo nor Triton."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Lower stages first; a package may import only packages before it.
+ORDER = ["core", "runtime", "kernels", "passes", "debug", "compile", "runner", "demo", "examples"]
+
+
+def _package(module: str) -> str | None:
+    """The stage a module belongs to: compile_backend.<stage>..., kernels, passes."""
+    parts = module.split(".")
+    if parts[0] in ("kernels", "passes"):
+        return parts[0]
+    if parts[0] == "compile_backend" and len(parts) > 1 and parts[1] in ORDER:
+        return parts[1]
+    return None
+
+
+def _imports(path: pathlib.Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")[: -node.level]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            out.add(name)
+            out |= {f"{name}.{a.name}" for a in node.names}  # `from pkg import submodule`
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {p: set() for p in ORDER}
+    for folder in ("compile_backend", "kernels", "passes"):
+        for path in (ROOT / folder).rglob("*.py"):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            src = _package(module)
+            if src is None:
+                continue
+            for name in _imports(path, module):
+                dst = _package(name)
+                if dst is not None and dst != src:
+                    edges[src].add(dst)
+    return edges
+
+
+def test_imports_only_go_down():
+    upward = [(src, dst) for src, dsts in _edges().items() for dst in dsts
+              if ORDER.index(dst) > ORDER.index(src)]
+    assert upward == []
+
+
+def test_passes_and_kernels_import_only_the_shared_vocabulary():
+    edges = _edges()
+    assert edges["kernels"] <= {"core"}
+    assert edges["passes"] <= {"core"}
+    assert edges["core"] == set()
+
+
+def test_importing_the_package_or_a_kernel_loads_neither_dynamo_nor_triton():
+    code = ("import sys, compile_backend, compile_backend.core.forward_context; "
+            "print('torch._dynamo' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_the_public_api_imports_from_the_package():
+    import compile_backend as cb
+
+    for name in ["mrv2_backend", "CompilationConfig", "CUDAGraphMode", "ModelRunner",
+                 "KVCacheConfig", "InputBatch", "prepare_inputs_to_capture", "register_op_role",
+                 "register_metadata_builder", "mark_token_dim", "symbolic_tokens",
+                 "write_compile_dump", "depyf_dump", "read_manifest", "backend"]:
+        assert getattr(cb, name) is not None, name
+    assert sorted(cb.__all__) == cb.__all__
