@@ -14,7 +14,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the slow tier (tests marked slow); CI runs both tiers")
+
+
 def pytest_collection_modifyitems(config, items):
+    # The quick tier by default; `-m slow` or `--full` selects the slow tier too.
+    if not config.getoption("--full") and "slow" not in (config.getoption("-m") or ""):
+        slow = pytest.mark.skip(reason="slow tier: run with --full")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (GPU tests run with -m gpu on the H200)")

@@ -34,6 +34,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_backend_found_by_name_without_import():
     """A fresh process finds "mrv2" through the entry point alone."""
     r = _run_python("""
@@ -48,6 +49,7 @@ def test_backend_found_by_name_without_import():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_import_first_then_compile_has_no_duplicate_name():
     r = _run_python("""
         import compile_backend, torch
@@ -246,3 +248,9 @@ def test_configured_backend_checks_options_when_called_and_combines_a_mode():
     step = cb.compiled_steps()[-1]
     assert step.config.cudagraph_mode is cb.CUDAGraphMode.FULL
     assert step.config.piece_compiler == "eager"
+
+
+def test_a_namespace_pattern_that_matches_no_op_is_refused():
+    with pytest.raises(ValueError, match=r"op pattern 'nolib::\*' matches no op: no op of namespace 'nolib'"):
+        cb.backend(splitting_ops=["nolib::*"])
+    cb.backend(splitting_ops=["toy::*"], attention_like_ops=["toy::state_mix"])  # registered: fine

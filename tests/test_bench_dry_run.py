@@ -22,6 +22,7 @@ def bench(monkeypatch):
     return module
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_dry_run_compares_every_variant_with_eager(bench, tmp_path):
     """Regression: the first step's logits were kept as a view of the graph's
     output and read after later replays had overwritten it; with per-request
@@ -49,6 +50,7 @@ def test_without_a_gpu_the_benchmark_says_how_to_dry_run(bench):
         bench.main(["--batches", "1"])
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_runs_of_one_model_each_merge_into_one_table(bench, tmp_path):
     for m in ("llama", "hybrid"):
         assert bench.main(["--dry-run", "--model", m, "--batches", "1,2", "--mixed", "",

@@ -47,10 +47,13 @@ def test_sizes_no_batch_can_reach_are_dropped_with_one_log_line(caplog):
 
 
 @pytest.mark.parametrize("mode, sizes, kv, message", [
-    ("piecewise", [], {},
-     r"cudagraph_mode piecewise has no graph to capture: no size in capture_sizes=\[\] is at "
-     r"most 64, the most tokens a batch holds \(min\(max_num_tokens=64, max_num_reqs=4 x "
-     r"max_model_len=64\)\)\. Add such a size to capture_sizes, or use cudagraph_mode='none'"),
+    ("piecewise", [], {},  # refused by the config already
+     r"capture_sizes is empty: cudagraph_mode piecewise needs at least one token count to "
+     r"capture \(for example \[1, 2, 4, 8\]\); or use cudagraph_mode='none'"),
+    ("piecewise", [128], {"max_model_len": 8},
+     r"cudagraph_mode piecewise has no graph to capture: no size in capture_sizes=\[128\] is at "
+     r"most 32, the most tokens a batch holds \(min\(max_num_tokens=64, max_num_reqs=4 x "
+     r"max_model_len=8\)\)\. Add such a size to capture_sizes, or use cudagraph_mode='none'"),
     ("full", [128, 256], {"max_num_tokens": 64},
      r"cudagraph_mode full has no graph to capture: no size in capture_sizes=\[128, 256\]"),
     ("full_and_piecewise", [16, 32], {"max_model_len": 2},

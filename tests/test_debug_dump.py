@@ -142,11 +142,17 @@ def test_second_run_starts_a_new_manifest(tmp_path):
     from compile_backend.debug.dump import reset_dump
 
     dump = tmp_path / "dump"
-    _compile_two_graphs(dump)
+    with depyf_dump(dump):
+        _compile_two_graphs(dump)
+    (dump / "step.svg").write_text("<svg/>")  # what `mrv2 inspect` draws there
+    (dump / "notes.txt").write_text("mine")  # not the dump's: left alone
     torch._dynamo.reset()
     reset_dump(dump)
-    _compile_two_graphs(dump)
+    _compile_two_graphs(dump)  # a new run, without depyf
     assert len(read_manifest(dump)["graphs"]) == 2
+    assert read_manifest(dump)["depyf"]["written"] is False
+    assert not (dump / "depyf").exists() and not (dump / "step.svg").exists()
+    assert (dump / "notes.txt").read_text() == "mine"
 
 
 def test_dump_path_that_is_a_file_raises_and_writes_nothing(tmp_path):
@@ -215,6 +221,8 @@ def test_inspect_summary_piece_and_svg(runtime_dump, capsys):
     assert main(["inspect", str(dump), "--piece", str(eager["index"])]) == 0
     code = capsys.readouterr().out
     assert "def forward" in code and "unified_attention" in code
+    # the ops as the model wrote them, not the direct calls eager pieces make
+    assert "torch.ops.mrv2.unified_attention(" in code and "direct_" not in code
 
     out_svg = dump.parent / "picture.svg"
     assert main(["inspect", str(dump), "--svg", str(out_svg)]) == 0
@@ -233,3 +241,23 @@ def test_inspect_bad_inputs(tmp_path, capsys):
     (dump / "manifest.json").write_text("{not json")
     assert main(["inspect", str(dump)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_inspect_names_ops_as_users_write_them_and_says_when_nothing_is_captured(tmp_path, capsys):
+    from compile_backend.debug.inspector import display_name
+
+    assert display_name("torch._VariableFunctionsClass.rsqrt") == "aten.rsqrt"
+    assert display_name("torch._C._nn.linear") == "aten.linear"
+    assert display_name("_operator.mul") == "mul"
+    assert display_name("python::getitem") == "getitem"
+    assert display_name("mrv2::unified_attention") == "mrv2.unified_attention"
+    dump = tmp_path / "dump"
+    model = TwoGraphs()
+    compiled = torch.compile(model, backend="mrv2", options={
+        **OPTIONS, "cudagraph_mode": "none", "debug_dump_path": str(dump)})
+    with torch.no_grad():
+        compiled(torch.randn(8, 32))
+    assert main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "captured" not in out.replace("captures", "") and "eager (mode none)" in out
+    assert "_VariableFunctionsClass" not in out and "_operator" not in out

@@ -104,6 +104,7 @@ def test_bad_arguments(argv, word, tmp_path, capsys):
     assert not dump.exists()
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_python_dash_m_subprocess(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(
@@ -114,6 +115,7 @@ def test_python_dash_m_subprocess(tmp_path):
     assert "equal to eager" in proc.stdout
 
 
+@pytest.mark.slow  # full tier: a subprocess or a long run
 def test_python_dash_m_unknown_preset_exits_2():
     proc = subprocess.run(
         [sys.executable, "-m", "compile_backend", "demo", "--preset", "huge"],

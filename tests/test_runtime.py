@@ -194,6 +194,7 @@ def test_tokens_equal_eager_with_state_carried_across_steps(mode):
     _tokens_equal_eager(mode)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreted_kernels
 def test_tokens_equal_eager_through_the_triton_kernels():
     """The same through Triton's interpreter on the CPU (the kernels the GPU runs)."""
@@ -324,7 +325,7 @@ def _random_schedule(seed, steps=10, slots=4, max_len=60):
 
 
 @pytest.mark.parametrize("seed", [
-    pytest.param(0, marks=pytest.mark.interpreted_kernels),  # the Triton kernels, interpreted
+    pytest.param(0, marks=[pytest.mark.interpreted_kernels, pytest.mark.slow]),  # the Triton kernels, interpreted
     1, 2])
 def test_random_schedules_replay_equal_eager_in_every_mode(seed):
     """Fresh random batches (sizes, prefill/decode mix, request churn): every

@@ -103,6 +103,11 @@ class CompilationConfig:
                 "for example [1, 2, 4, 8, 16]"
             )
         self.capture_sizes = sorted(set(sizes))
+        if not self.capture_sizes and self.cudagraph_mode is not CUDAGraphMode.NONE:
+            raise ValueError(
+                f"capture_sizes is empty: cudagraph_mode {self.cudagraph_mode.value} needs at "
+                "least one token count to capture (for example [1, 2, 4, 8]); or use "
+                "cudagraph_mode='none'")
         for name in ("splitting_ops", "attention_like_ops", "non_splitting_ops"):
             ops = getattr(self, name)
             if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):

@@ -16,6 +16,7 @@ the dispatcher too, so the mode sees the op.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -58,7 +59,7 @@ def direct_call(op: Any) -> Callable[..., Any] | None:
         return impl(*args, **kwargs)
 
     # FX code generation names the callee after these.
-    name = "direct_" + qualified_name(op).replace("::", "_")
+    name = _mangled(qualified_name(op))
     call.__name__ = call.__qualname__ = name
     return call
 
@@ -79,3 +80,19 @@ def rewrite_direct_calls(gm: torch.fx.GraphModule) -> int:
     if n:
         gm.recompile()
     return n
+
+
+def _mangled(name: str) -> str:
+    """The name FX code calls a direct call by: mrv2::reshape_and_cache ->
+    direct_mrv2_reshape_and_cache."""
+    return "direct_" + name.replace("::", "_")
+
+
+def public_code(code: str) -> str:
+    """FX code with direct calls shown as the ops they call
+    (`torch.ops.mrv2.unified_attention`), as the user's model wrote them."""
+    for name in _DIRECT_IMPLS:
+        ns, op = name.split("::")
+        # FX prefixes the callee with its module's path: ..._direct_calls_direct_mrv2_op
+        code = re.sub(rf"\b\w*{_mangled(name)}\b", f"torch.ops.{ns}.{op}", code)
+    return code

@@ -83,6 +83,12 @@ def resolve_op_name(name: str) -> None:
     if ns in _NAMESPACE_MODULES:
         importlib.import_module(_NAMESPACE_MODULES[ns])
     if op == "*":
+        if ns != "higher_order" and not any(
+                n.startswith(ns + "::") for n in torch._C._dispatch_get_all_op_names()):
+            raise ValueError(
+                f"op pattern {name!r} matches no op: no op of namespace {ns!r} is registered. "
+                "Register the namespace's ops (torch.library.custom_op, or import the library "
+                "that defines them) before torch.compile, or fix the namespace")
         return
     try:
         packet = getattr(getattr(torch.ops, ns), op)

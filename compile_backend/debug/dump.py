@@ -35,11 +35,13 @@ from typing import Any, Iterator
 import torch
 
 from compile_backend.core.counters import counters
+from compile_backend.core.direct_calls import public_code
 from compile_backend.core.dump_path import DumpPathError, check_dump_path  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+DEFAULT_SVG = "step.svg"  # where `mrv2 inspect` draws the step unless told otherwise
 SCHEMA_VERSION = 1
 DEPYF_NOTE = (
     "depyf output needs `mrv2 demo --dump DIR` or a "
@@ -106,14 +108,25 @@ def _empty_manifest() -> dict[str, Any]:
     }
 
 
+def _clear_previous_run(root: Path, keep_depyf: bool) -> None:
+    """A new run starts over: remove what an earlier run wrote here (its
+    graphs, depyf output, inspect's picture, manifest), and nothing else."""
+    owned = [*root.glob("graph_*"), root / DEFAULT_SVG, root / MANIFEST]
+    if not keep_depyf:
+        owned.append(root / "depyf")
+    for old in owned:
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+
+
 def _load_or_start(root: Path) -> dict[str, Any]:
     key = str(root)
     if key in _started and (root / MANIFEST).exists():
         return read_manifest(root)
     _started.add(key)
-    for old in root.glob("graph_*"):  # a previous process's dump: start over
-        if old.is_dir():
-            shutil.rmtree(old)
+    _clear_previous_run(root, keep_depyf=key in _depyf_active)
     manifest = _empty_manifest()
     if key in _depyf_active:
         manifest["depyf"] = {"dir": "depyf", "written": True, "note": None}
@@ -169,7 +182,7 @@ def _write_graph_files(folder: Path, step: Any) -> None:
     (folder / "graph_after_passes.py").write_text(step.passed_code)
     (folder / "split_graph.py").write_text(step.split_gm.code)
     for p in step.pieces:
-        code = p.graph_module.code if p.graph_module is not None else "# no graph module\n"
+        code = public_code(p.graph_module.code) if p.graph_module is not None else "# no graph module\n"
         (folder / "pieces" / f"piece_{p.index}.py").write_text(code)
 
 
@@ -249,6 +262,8 @@ def depyf_dump(path: str | os.PathLike) -> Iterator[Path]:
     root = check_dump_path(path)
     root.mkdir(parents=True, exist_ok=True)
     key = str(root)
+    if key not in _started:  # a new run: depyf must not add to an earlier run's files
+        shutil.rmtree(root / "depyf", ignore_errors=True)
     _depyf_active.add(key)
     note = None
     try:

@@ -38,12 +38,35 @@ def load_dump(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _role(piece: dict[str, Any]) -> str:
-    return "captured" if piece["captured"] else "eager"
+def _role(piece: dict[str, Any], graph_mode: str) -> str:
+    """captured | eager: in mode none nothing is captured, whatever the piece."""
+    return "captured" if piece["captured"] and graph_mode != "none" else "eager"
+
+
+def _label(piece: dict[str, Any], graph_mode: str) -> str:
+    role = _role(piece, graph_mode)
+    return f"{role} (mode none)" if graph_mode == "none" else role
+
+
+# FX targets of torch functions that are aten ops under another Python name.
+_ATEN_PREFIXES = ("torch._VariableFunctionsClass.", "torch._C._VariableFunctions.", "torch._C._nn.",
+                  "torch._C._linalg.", "torch._C._special.", "torch._C._fft.")
+
+
+def display_name(op: str) -> str:
+    """An op as users write it: `aten.rsqrt` (not torch._VariableFunctionsClass.rsqrt),
+    `mul` (not _operator.mul), `mrv2.unified_attention` (not mrv2::unified_attention)."""
+    for prefix in _ATEN_PREFIXES:
+        if op.startswith(prefix):
+            return "aten." + op[len(prefix):]
+    for prefix in ("_operator.", "operator.", "python::"):
+        if op.startswith(prefix):
+            return op[len(prefix):]
+    return op.replace("::", ".")
 
 
 def _op_counts(ops: list[str]) -> str:
-    counts = collections.Counter(op.split("::")[-1] for op in ops)
+    counts = collections.Counter(display_name(op) for op in ops)
     return ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.items())
 
 
@@ -68,7 +91,7 @@ def summary(manifest: dict[str, Any]) -> str:
             out.append(f"  pass {ps['name']}: {'changed' if ps['changed'] else 'unchanged'} "
                        f"(uuid {str(ps['uuid'])[:12]})")
         for p in pieces:
-            out.append(f"  piece {p['index']:<3} {_role(p):<8} {len(p['ops']):>4} ops  "
+            out.append(f"  piece {p['index']:<3} {_label(p, g['graph_mode']):<8} {len(p['ops']):>4} ops  "
                        f"{_op_counts(p['ops'])}")
             for r in p["eager_reasons"]:
                 out.append(f"        fallback: {r}")
@@ -109,7 +132,7 @@ def piece_code(path: str | Path, manifest: dict[str, Any], index: int, graph: in
     if not match:
         raise DumpError(f"no piece {index} in graph {graph}: it has pieces 0..{len(pieces) - 1}")
     p = match[0]
-    header = f"# graph {graph} piece {index}: {_role(p)}, {len(p['ops'])} ops\n"
+    header = f"# graph {graph} piece {index}: {_label(p, graphs[graph]['graph_mode'])}, {len(p['ops'])} ops\n"
     return header + (Path(path) / p["file"]).read_text()
 
 
@@ -139,9 +162,9 @@ def svg(manifest: dict[str, Any]) -> str:
         x = float(PAD)
         for p, w in zip(pieces, weights):
             width = MIN_W + max(room, 0) * w / sum(weights)
-            role = _role(p)
+            role = _role(p, g["graph_mode"])
             fill, ink = COLOURS[role]
-            title = f"piece {p['index']}: {role}, {len(p['ops'])} ops"
+            title = f"piece {p['index']}: {_label(p, g['graph_mode'])}, {len(p['ops'])} ops"
             if p["eager_reasons"]:
                 title += "; " + "; ".join(p["eager_reasons"])
             parts.append(

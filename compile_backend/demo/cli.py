@@ -10,6 +10,7 @@ Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -84,6 +85,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from compile_backend.debug.dump import DEFAULT_SVG
     from compile_backend.debug.inspector import DumpError, load_dump, piece_code, summary, write_svg
 
     try:
@@ -92,7 +94,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(piece_code(args.dir, manifest, args.piece, args.graph), end="")
             return 0
         print(summary(manifest))
-        svg = write_svg(manifest, args.svg or f"{args.dir}/step.svg")
+        svg = write_svg(manifest, args.svg or os.path.join(args.dir, DEFAULT_SVG))
     except (DumpError, OSError) as e:
         return _fail(str(e))
     print(f"picture: {svg}")

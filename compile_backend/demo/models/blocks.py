@@ -80,7 +80,8 @@ class SelfAttention(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding -> layers -> norm -> logits. Subclasses make the layers."""
+    """Embedding -> layers -> norm -> logits, seeded random weights in
+    cfg.dtype. Subclasses make the layers."""
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
@@ -89,6 +90,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_weights()
+        self.to(cfg.dtype)
 
     def init_weights(self) -> "Decoder":
         """Seeded random weights; small std keeps activations in range."""

@@ -49,5 +49,3 @@ class HybridLayer(nn.Module):
 class HybridDecoder(Decoder):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, [HybridLayer(cfg, i) for i in range(cfg.num_layers)])
-        self.init_weights()
-        self.to(cfg.dtype)

@@ -25,5 +25,3 @@ class LlamaLayer(nn.Module):
 class LlamaDecoder(Decoder):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, [LlamaLayer(cfg, i) for i in range(cfg.num_layers)])
-        self.init_weights()
-        self.to(cfg.dtype)
