@@ -122,3 +122,21 @@ def test_python_dash_m_unknown_preset_exits_2():
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_help_imports_no_torch_and_bare_mrv2_prints_usage():
+    """`mrv2 --help` stays under a second by importing nothing heavy."""
+    code = ("import sys; from compile_backend.demo.cli import main; rc = main([]); "
+            "print('torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("usage: mrv2")
+    assert out.stdout.split()[-2:] == ["False", "0"]
+
+
+def test_demo_choices_by_name_match_what_they_build():
+    from compile_backend.demo.models import MODELS, PRESETS
+    from compile_backend.demo.names import DTYPE_NAMES, MODEL_NAMES, PRESET_NAMES
+    from compile_backend.demo.run import DTYPES
+
+    assert (sorted(MODELS), sorted(PRESETS), sorted(DTYPES)) == (
+        list(MODEL_NAMES), list(PRESET_NAMES), list(DTYPE_NAMES))

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from compile_backend.core.dump_path import check_dump_path
-from compile_backend.core.op_registry import check_op_name
 
 
 class CUDAGraphMode(enum.Enum):
@@ -115,6 +114,8 @@ class CompilationConfig:
                     f"{name} must be a list of op names like 'mylib::my_attention', "
                     f"got {ops!r}"
                 )
+            from compile_backend.core.op_registry import check_op_name  # torch: not at import
+
             for op in ops:  # the form only: whether it resolves is checked at compile
                 check_op_name(op)
             setattr(self, name, list(ops))

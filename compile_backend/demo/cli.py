@@ -14,8 +14,8 @@ import os
 import sys
 from typing import Sequence
 
-from compile_backend.core.config import PIECE_COMPILERS
-from compile_backend.demo.models import MODELS, PRESETS
+from compile_backend.core.config import PIECE_COMPILERS, CUDAGraphMode
+from compile_backend.demo.names import DTYPE_NAMES, MODEL_NAMES, PRESET_NAMES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,21 +27,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from compile_backend.demo.run import ALL_MODES, DTYPES
-
+    modes = [m.value for m in CUDAGraphMode]
     p = _Parser(prog="mrv2", description="mrv2: CUDA-graph backend demo and debug-dump inspector")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     d = sub.add_parser("demo", help="generate in every graph mode and compare with eager")
-    d.add_argument("--model", choices=sorted(MODELS), default="hybrid")
-    d.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    d.add_argument("--mode", action="append", choices=ALL_MODES + ["all"], dest="modes",
+    d.add_argument("--model", choices=MODEL_NAMES, default="hybrid")
+    d.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    d.add_argument("--mode", action="append", choices=modes + ["all"], dest="modes",
                    help="graph mode (repeatable); default all that this machine supports")
     d.add_argument("--batch", type=int, default=4, help="number of prompts")
     d.add_argument("--steps", type=int, default=8, help="new tokens per prompt")
     d.add_argument("--prompt-len", type=int, default=16)
     d.add_argument("--dump", metavar="DIR", help="write a debug dump (see docs/manifest.md)")
-    d.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    d.add_argument("--dtype", choices=DTYPE_NAMES, help="default: fp32 on CPU, bf16 on CUDA")
     d.add_argument("--piece-compiler", choices=PIECE_COMPILERS, default="inductor")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
@@ -102,8 +101,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    if not argv:  # bare `mrv2`: what it can do
+        parser.print_help()
+        return 0
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already reported)
         return int(e.code or 0)
     return _demo(args) if args.verb == "demo" else _inspect(args)

@@ -2,11 +2,14 @@
 short convolution, KV compressor), built from `ModelConfig` with seeded
 random weights. `build_model(name, preset)` is the one entry point."""
 
+from compile_backend.demo.names import MODEL_NAMES, PRESET_NAMES
+
 from .config import PRESETS, ModelConfig, preset
 from .hybrid import HybridDecoder
 from .llama import LlamaDecoder
 
 MODELS = {"llama": LlamaDecoder, "hybrid": HybridDecoder}
+assert sorted(MODELS) == list(MODEL_NAMES) and sorted(PRESETS) == list(PRESET_NAMES)
 
 
 def build_model(name: str, config: ModelConfig):
