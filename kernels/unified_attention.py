@@ -55,6 +55,41 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _kv_tile_step(
+    q, m, l, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh, d, d_ok,
+    scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the paged keys [start, start + TILE_N)
+    (those below `end`) for R query rows, shared by prefill and decode.
+    q [R, BLOCK_D]; m, l [R] (running max, in log2 units, and sum); acc
+    [R, BLOCK_D]; q_pos [R] absolute query positions, read only when CAUSAL
+    (a key is visible to a row at or before its position). Returns m, l, acc."""
+    pos = start + tl.arange(0, TILE_N)
+    pos_ok = pos < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_off + kvh * stride_c_h
+    kv_mask = pos_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [R, TILE_N]
+    if CAUSAL:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
+    else:
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
     scale_log2,
@@ -95,25 +130,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
     for start in range(0, kv_end, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        pos_ok = pos < kv_end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_off + kvh * stride_c_h
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _kv_tile_step(
+            q, m, l, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, start, kv_end, kvh, d, d_ok,
+            scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=True, UPCAST=UPCAST,
+            DOT_PRECISION=DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_rows = (q_start + tok).to(tl.int64)
@@ -160,24 +181,12 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
     for start in range(lo, hi, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        pos_ok = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_off + kvh * stride_c_h
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, TILE_N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        # one query token: every key of the split is visible (q_pos unused)
+        m, l, acc = _kv_tile_step(
+            q, m, l, acc, m, k_cache_ptr, v_cache_ptr, bt_row, start, hi, kvh, d, d_ok,
+            scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
+            DOT_PRECISION=DOT_PRECISION)
 
     pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split
     tl.store(part_m_ptr + pm, m, mask=h_ok)
