@@ -130,12 +130,7 @@ def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str],
     """Names of a piece's inputs, and which are parameters or buffers (their
     address must never change between capture and replay)."""
     call = next(n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name)
-    names, stable = [], []
-    for i, a in enumerate(call.args):
-        names.append(a.name if isinstance(a, torch.fx.Node) else repr(a))
-        if _is_parameter_or_buffer(a):
-            stable.append(i)
-    return names, stable
+    return _names_and_stable(call.args)
 
 
 def _uses_no_runner_metadata(op: str, roles: OpRegistry) -> bool:
@@ -168,14 +163,11 @@ def full_capture_blocker(pieces: Sequence[Piece], roles: OpRegistry, mode: CUDAG
     return None
 
 
-def _stable_placeholders(gm: torch.fx.GraphModule) -> tuple[list[str], list[int]]:
-    """Names of the graph's inputs, and which are parameters or buffers."""
-    names, stable = [], []
-    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        names.append(n.name)
-        if _is_parameter_or_buffer(n):
-            stable.append(i)
-    return names, stable
+def _names_and_stable(args: Sequence[Any]) -> tuple[list[str], list[int]]:
+    """Names of graph inputs, and the indices of those that are parameters or
+    buffers (stable addresses: `debug_checks` names them if they move)."""
+    names = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in args]
+    return names, [i for i, a in enumerate(args) if _is_parameter_or_buffer(a)]
 
 
 def _is_parameter_or_buffer(node: Any) -> bool:
@@ -234,7 +226,6 @@ def mrv2_backend(
     def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not (piece.captured and piecewise):
             return fn
-
         names, stable = _piece_inputs(split_gm, piece.name)
         w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
                              debug_checks=config.debug_checks, stable_inputs=stable,
@@ -263,7 +254,8 @@ def mrv2_backend(
         full_blocker=full_blocker,
     )
     if graph_mode.has_full and full_blocker is None:
-        names, stable = _stable_placeholders(split_gm)
+        names, stable = _names_and_stable(
+            [n for n in split_gm.graph.nodes if n.op == "placeholder"])
         step.full_graph = CUDAGraphWrapper(
             split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
             stable_inputs=stable, input_names=names)

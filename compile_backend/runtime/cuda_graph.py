@@ -161,6 +161,9 @@ class CUDAGraphWrapper:
         self.weak_outputs = weak_outputs
         self.entries: dict[Hashable, CapturedGraph] = {}
         self._warmed_shapes: set[Hashable] = set()
+        # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
+        # inside it see a FULL context without a descriptor and run their callables.
+        self._lazy_ctx = ForwardContext(cudagraph_runtime_mode=mode) if mode is CUDAGraphMode.FULL else None
 
     # ---- dispatch ---------------------------------------------------------
 
@@ -187,9 +190,7 @@ class CUDAGraphWrapper:
     def _lazy(self, args: Sequence[Any]) -> Any:
         """No runner: graphs keyed by input shapes, captured on the second call."""
         key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
-        # A FULL graph holds every piece: PIECEWISE wrappers inside it see a FULL
-        # context without a descriptor and run their callables.
-        ctx = ForwardContext(cudagraph_runtime_mode=self.mode) if self.mode is CUDAGraphMode.FULL else None
+        ctx = self._lazy_ctx
         with set_forward_context(ctx) if ctx is not None else contextlib.nullcontext():
             entry = self.entries.get(key)
             if entry is not None:
