@@ -257,14 +257,15 @@ def run_decode(model_name, variant, setup, batches, bw):
             runner.execute(batch)
         ms = median_ms(lambda: runner.execute(batch), setup)
         b2b_ms = back_to_back_ms(lambda: runner.execute(batch), setup)
-        mode, desc, _, _ = runner.dispatch(batch)
+        step = runner.dispatch(batch)
+        desc = step.descriptor
         replay_ms = None
-        if mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
+        if step.mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
             graph = runner.full_graph.entries[desc].graph
             replay_ms = median_ms(graph.replay, setup)
         rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
                      "b2b_ms": b2b_ms, "replay_ms": replay_ms, "floor_bytes": floor_bytes(model, b * (setup.context + 1)),
-                     "dispatched": mode.value, "first": first})
+                     "dispatched": step.mode.value, "first": first})
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"])
     if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
@@ -294,7 +295,7 @@ def run_mixed(model_name, variant, setup, sizes):
             step()
         rows.append({"model": model_name, "variant": variant, "tokens": n,
                      "ms": median_ms(step, setup, reps=10), "first": first,
-                     "dispatched": runner.dispatch(batch)[0].value})
+                     "dispatched": runner.dispatch(batch).mode.value})
     return rows
 
 

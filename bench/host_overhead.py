@@ -45,7 +45,8 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
     """Host us of ModelRunner.prepare_step for decode batches (hybrid model's
     three metadata groups, block size 16, max_model_len = context + 64)."""
     import bench.decode as decode  # the benchmark's batch builder
-    from compile_backend.core.config import CUDAGraphMode, CompilationConfig
+    from compile_backend.core.config import CompilationConfig
+    from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
     from compile_backend.runner.kv_cache_config import KVCacheConfig
     from compile_backend.runner.model_runner import ModelRunner
     from compile_backend.demo.models import build_model, preset
@@ -60,8 +61,9 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
         runner = ModelRunner(model, kv, CompilationConfig(cudagraph_mode="none"), dev,
                              progress=False, compile_fn=lambda m: m)
         batch = decode.decode_batch(B, context, kv, model.cfg.vocab_size)
+        step = StepGraph(CUDAGraphMode.FULL, B, B, uniform_decode=True)
         rows.append((f"prepare_step, decode batch {B} ({dev})", per_call_us(
-            lambda: runner.prepare_step(batch, CUDAGraphMode.FULL, B, B, True), calls)))
+            lambda: runner.prepare_step(batch, step), calls)))
     return rows
 
 

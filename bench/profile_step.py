@@ -115,9 +115,9 @@ def main(argv=None) -> int:
             floor = bench.floor_bytes(model, b * (setup.context + 1)) / bw * 1e3
             line = (f"{args.model} {variant} b{b}: step {bench.median_ms(step, setup):.3f} ms, "
                     f"host {host_ms(step):.3f} ms, back-to-back {bench.back_to_back_ms(step, setup):.3f} ms")
-            rmode, desc, _, _ = runner.dispatch(batch)
-            if rmode is cb.CUDAGraphMode.FULL:
-                graph = runner.full_graph.entries[desc].graph
+            step_graph = runner.dispatch(batch)
+            if step_graph.mode is cb.CUDAGraphMode.FULL:
+                graph = runner.full_graph.entries[step_graph.descriptor].graph
                 line += f", replay {bench.median_ms(graph.replay, setup):.3f} ms"
                 target = graph.replay
             else:

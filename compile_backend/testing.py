@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters
 
 ALL_MODES = tuple(m.value for m in CUDAGraphMode)

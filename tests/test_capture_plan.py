@@ -41,7 +41,7 @@ def test_sizes_no_batch_can_reach_are_dropped_with_one_log_line(caplog):
         assert lines == ["capture sizes [48, 64, 128] dropped: no batch has more than 32 tokens "
                          "(max_num_tokens=64, max_num_reqs=4 x max_model_len=8)"]
         assert r.capture_sizes == [1, 2, 4, 8, 16, 32] and r.decode_sizes == [1, 2, 4]
-        assert max(d.num_tokens for _, d in r.capture_plan()) == 32
+        assert max(s.num_tokens for s in r.capture_plan()) == 32
         records = r.capture()  # every dummy batch fits max_model_len
     assert len(records) == len(r.capture_plan()) == 6 + 3
 

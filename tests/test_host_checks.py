@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import StepGraph
 from compile_backend.runner.input_batch import InputBatch
 from runtime_helpers import make_engine
 from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
@@ -79,7 +79,7 @@ def runner():
 @pytest.mark.parametrize("change, message", BAD)
 def test_bad_batch_raises_naming_request_field_value_and_range_and_writes_nothing(
         runner, change, message):
-    runner.prepare_step(_good(), CUDAGraphMode.NONE, 8, 4, None)  # buffers hold a real step
+    runner.prepare_step(_good(), StepGraph.eager(8, 4))  # buffers hold a real step
     before, rows = _buffers(runner)
     batch = _good()
     change(batch)
@@ -93,10 +93,10 @@ def test_a_row_changed_in_place_after_it_was_written_is_checked_again(runner):
     """Only rows that differ from the held ones are checked: one the caller
     extends in place (the same list object) differs, so it is checked."""
     batch = _good()
-    runner.prepare_step(batch, CUDAGraphMode.NONE, 8, 4, None)
+    runner.prepare_step(batch, StepGraph.eager(8, 4))
     batch.block_ids[1].append(999)
     with pytest.raises(ValueError, match=r"request 1: block_ids\[2\] = 999"):
-        runner.prepare_step(batch, CUDAGraphMode.NONE, 8, 4, None)
+        runner.prepare_step(batch, StepGraph.eager(8, 4))
 
 
 def test_query_len_past_seq_len_raises_when_the_batch_is_built():

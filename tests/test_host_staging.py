@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compile_backend.runner.block_tables import BlockTables
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import StepGraph
 from compile_backend.runner.host_staging import Field, HostStaging, host_array
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.input_buffers import InputBuffers
@@ -39,7 +39,7 @@ def test_buffers_hold_random_batches_written_back_to_back(device):
     for _ in range(20):
         b = random_batch(rng, cfg, rng.randint(1, 6))
         T = b.num_tokens + rng.randint(0, 64 - b.num_tokens)
-        b.pad_to(T, rng.randint(b.num_reqs, 8))
+        b.pad_to(StepGraph.eager(T, rng.randint(b.num_reqs, 8)))
         bufs.write(b)
         slots = tables.write(b)
         B, pad_t, pad_b = b.num_reqs_padded, T - b.num_tokens, b.num_reqs_padded - b.num_reqs
@@ -106,7 +106,7 @@ def test_block_rows_rewritten_only_where_they_changed_still_read_right():
             block_ids = rows
         b = InputBatch([1] * len(block_ids), [1] * len(block_ids), [1] * len(block_ids),
                        list(range(len(block_ids))), block_ids=block_ids,
-                       compressed_block_ids=[[1]] * len(block_ids)).pad_to(4, 4)
+                       compressed_block_ids=[[1]] * len(block_ids)).pad_to(StepGraph.eager(4, 4))
         tables.write(b)
         want = [r + [0] * (4 - len(r)) for r in block_ids] + [[0] * 4] * (4 - len(block_ids))
         assert tables.block_table.tolist() == want, i
@@ -119,14 +119,12 @@ def test_serving_builds_stop_being_logged_but_capture_builds_do_not():
     class Layer(torch.nn.Module):
         metadata_kind, layer_name = "attention", "layer0"
 
-    state = ModelState(attention_groups_for(Layer(), cfg, bufs, tables))
+    state = ModelState(cfg, bufs, tables, attention_groups_for(Layer(), cfg, bufs, tables))
     state.MAX_LOGGED_SERVING_BUILDS = 3
     serve = InputBatch([1], [1], [5], [0], block_ids=[[1]], compressed_block_ids=[[1]])
     dummy = InputBatch.make_dummy(1, 1, cfg.max_model_len)
     for batch in [serve] * 5 + [dummy]:
-        bufs.write(batch)
-        slots = tables.write(batch)
-        meta = state.prepare_attn(batch, CUDAGraphMode.NONE, tables, slots, state.attn_groups,
-                                  cfg, for_capture=False)
+        state.write(batch.pad_to(StepGraph.eager(batch.num_tokens, batch.num_reqs)))
+        meta = state.prepare_attn(batch)
         assert meta["layer0"].seq_lens.tolist() == batch.seq_lens  # built whether logged or not
     assert [b["dummy"] for b in state.build_log] == [False] * 3 + [True]

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runner.capture import lower_graph_mode
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
 from compile_backend.runner.input_batch import InputBatch
-from compile_backend.runner.metadata_builders import CaptureSupport
+from compile_backend.core.graph_mode import CaptureSupport, StepGraph, lower_graph_mode
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, generate, make_engine, random_prompts
 
@@ -83,11 +82,10 @@ def test_piecewise_capture_that_skips_metadata_fails(monkeypatch):
 
     real = ModelState.prepare_attn
 
-    def skip_when_piecewise(self, *args, for_capture, **kwargs):
-        batch = args[0]
-        if batch.is_dummy and not for_capture:
+    def skip_when_piecewise(self, batch):
+        if batch.is_dummy and not batch.graph.for_capture:
             return {}
-        return real(self, *args, for_capture=for_capture, **kwargs)
+        return real(self, batch)
 
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
@@ -145,13 +143,13 @@ def _batch(qlens, ctx=0):
 @pytest.mark.parametrize(
     "mode, qlens, expected",
     [
-        ("full_and_piecewise", [1, 1, 1], (Mode.FULL, cb.BatchDescriptor(4, 4, True), 4, 4)),
-        ("full_and_piecewise", [5, 1], (Mode.PIECEWISE, cb.BatchDescriptor(8), 8, 4)),
-        ("piecewise", [1, 1, 1], (Mode.PIECEWISE, cb.BatchDescriptor(4), 4, 4)),
-        ("full", [3, 9], (Mode.FULL, cb.BatchDescriptor(16, 4, False), 16, 4)),
-        ("full", [1], (Mode.FULL, cb.BatchDescriptor(1, 1, True), 1, 1)),
-        ("full_decode_only", [2, 1], (Mode.NONE, None, 3, 2)),
-        ("piecewise", [20, 20], (Mode.NONE, None, 40, 2)),  # larger than every size
+        ("full_and_piecewise", [1, 1, 1], StepGraph(Mode.FULL, 4, 4, uniform_decode=True)),
+        ("full_and_piecewise", [5, 1], StepGraph(Mode.PIECEWISE, 8, 4)),
+        ("piecewise", [1, 1, 1], StepGraph(Mode.PIECEWISE, 4, 4)),
+        ("full", [3, 9], StepGraph(Mode.FULL, 16, 4)),
+        ("full", [1], StepGraph(Mode.FULL, 1, 1, uniform_decode=True)),
+        ("full_decode_only", [2, 1], StepGraph.eager(3, 2)),
+        ("piecewise", [20, 20], StepGraph.eager(40, 2)),  # larger than every size
     ],
 )
 def test_dispatch_pads_to_the_nearest_capture_size(mode, qlens, expected):
@@ -163,9 +161,9 @@ def test_dispatch_pads_to_the_nearest_capture_size(mode, qlens, expected):
         runner.decode_sizes = [s for s in runner.capture_sizes if s <= 4]
         runner.captured = True
         assert runner.dispatch(_batch(qlens)) == expected
-    if expected[0] is Mode.NONE and sum(qlens) > 32:
+    if expected.mode is Mode.NONE and sum(qlens) > 32:
         assert cb.counters["eager_no_graph"] == 1
-    if mode == "full_decode_only" and expected[0] is Mode.NONE:
+    if mode == "full_decode_only" and expected.mode is Mode.NONE:
         assert cb.counters["eager_mixed_batch"] == 1
 
 
@@ -174,9 +172,9 @@ def test_padded_buffers_follow_the_padding_convention():
     with use_graph_backend(StandInGraphs()):
         engine = make_engine("piecewise")
     runner = engine.runner
-    batch = _batch([3, 1], ctx=5).pad_to(8, 4)
-    runner.input_buffers.write(batch)
-    slots = runner.block_tables.write(batch)
+    batch = _batch([3, 1], ctx=5).pad_to(StepGraph.eager(8, 4))
+    runner.model_state.write(batch)
+    slots = runner.block_tables.slot_mapping[:8]
     buf = runner.input_buffers
     assert buf.query_start_loc[:5].tolist() == [0, 3, 4, 4, 4]
     assert buf.seq_lens[:4].tolist() == [8, 6, 0, 0]
@@ -364,8 +362,7 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()):
         r = make_engine("full").runner
-    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, r.input_buffers, r.block_tables,
-                                        r.attn_groups, r.kv_cache_config, full_cudagraph=True,
+    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=True,
                                         uniform_decode=uniform)
     assert meta["layers.0.attn"].max_query_len == expected
     assert meta["layers.0.attn"].max_seq_len == r.kv_cache_config.max_model_len
@@ -373,8 +370,29 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     # per request by construction; the padded T would size their grids by T)
     assert meta["layers.0.conv"].max_query_len == expected
     assert meta["layers.0.compress"].max_query_len == expected
-    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, r.input_buffers, r.block_tables,
-                                        r.attn_groups, r.kv_cache_config, full_cudagraph=False)
+    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=False)
     assert meta["layers.0.conv"].max_query_len == 4  # PIECEWISE: serves any 4-token batch
-    assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, False))) == 1
-    assert r.capture_plan().count((Mode.FULL, cb.BatchDescriptor(4, 4, True))) == 1
+    assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4)) == 1
+    assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4, uniform_decode=True)) == 1
+
+
+def test_a_step_graph_is_decided_once_and_refuses_a_piecewise_uniform_decode():
+    """One frozen value per step: a PIECEWISE graph serves any batch of its
+    size, so it cannot bake in the decode shortcut (max_query_len 1)."""
+    from compile_backend.runner.capture import prepare_inputs_to_capture
+
+    step = StepGraph(Mode.FULL, 8, 8, uniform_decode=True)
+    with pytest.raises(AttributeError):
+        step.uniform_decode = False  # frozen
+    assert step.for_capture and step.descriptor == cb.BatchDescriptor(8, 8, True)
+    assert StepGraph(Mode.PIECEWISE, 8, 4).descriptor == cb.BatchDescriptor(8)
+    assert StepGraph.eager(3, 2).descriptor is None
+    with pytest.raises(ValueError, match="serves any batch of its size"):
+        StepGraph(Mode.PIECEWISE, 8, 8, uniform_decode=True)
+    with pytest.raises(ValueError, match="one token per request"):
+        StepGraph(Mode.FULL, 8, 4, uniform_decode=True)
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()):
+        r = make_engine("full_and_piecewise").runner
+    with pytest.raises(ValueError, match="serves any batch of its size"):
+        prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=False, uniform_decode=True)

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.core.config import CompilationConfig
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters
 from compile_backend.core.direct_calls import rewrite_direct_calls
 from compile_backend.core.forward_context import has_forward_context

@@ -4,50 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from compile_backend.core.dump_path import check_dump_path
-
-
-class CUDAGraphMode(enum.Enum):
-    """Graph modes (DESIGN.md, "Graph modes")."""
-
-    NONE = "none"
-    PIECEWISE = "piecewise"
-    FULL = "full"
-    FULL_DECODE_ONLY = "full_decode_only"
-    FULL_AND_PIECEWISE = "full_and_piecewise"
-
-    @classmethod
-    def parse(cls, value: "str | CUDAGraphMode") -> "CUDAGraphMode":
-        """Case-insensitive; accepts `-` for `_` ("full-and-piecewise")."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            key = value.strip().lower().replace("-", "_")
-            for mode in cls:
-                if mode.value == key:
-                    return mode
-        raise ValueError(
-            f"unknown cudagraph mode {value!r}; valid modes: "
-            f"{', '.join(m.value for m in cls)} (case-insensitive)"
-        )
-
-    # What each top-level mode needs captured.
-    @property
-    def has_piecewise(self) -> bool:
-        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
-
-    @property
-    def has_full(self) -> bool:
-        return self in (
-            CUDAGraphMode.FULL,
-            CUDAGraphMode.FULL_DECODE_ONLY,
-            CUDAGraphMode.FULL_AND_PIECEWISE,
-        )
+from compile_backend.core.graph_mode import CUDAGraphMode
 
 
 PIECE_COMPILERS = ("inductor", "eager")

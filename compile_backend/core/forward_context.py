@@ -13,8 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from compile_backend.core.batch_descriptor import BatchDescriptor
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import BatchDescriptor, CUDAGraphMode, StepGraph
 
 
 @dataclass
@@ -30,6 +29,13 @@ class ForwardContext:
     # Ops append here what they saw at run time (debug and tests: proves an
     # attention-like op ran during capture with real metadata).
     trace: list[tuple[str, str]] | None = None
+
+    @classmethod
+    def for_step(cls, step: StepGraph, attn_metadata: dict[str, Any],
+                 trace: list[tuple[str, str]] | None = None) -> "ForwardContext":
+        """The context of a step that runs in `step`'s graph (its mode and key)."""
+        return cls(attn_metadata=attn_metadata, batch_descriptor=step.descriptor,
+                   cudagraph_runtime_mode=step.mode, trace=trace)
 
     def metadata(self, layer_name: str) -> Any:
         try:

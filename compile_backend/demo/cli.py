@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Sequence
 
-from compile_backend.core.config import PIECE_COMPILERS, CUDAGraphMode
+from compile_backend.core.config import PIECE_COMPILERS
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.demo.names import DTYPE_NAMES, MODEL_NAMES, PRESET_NAMES
 
 

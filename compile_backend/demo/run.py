@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from compile_backend.compile.backend import clear_compiled_steps, compiled_steps
-from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.core.config import CompilationConfig
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters, reset_counters
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.names import DTYPE_NAMES

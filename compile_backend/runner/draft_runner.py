@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from compile_backend.runner.capture import prepare_inputs_to_capture
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, current_graph_backend
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -89,22 +89,25 @@ class DraftRunner:
             raise ValueError(f"draft sizes {unknown} are not decode sizes of the runner "
                              f"({r.decode_sizes}); a batch is padded to one of those")
         for n in sorted(sizes, reverse=True):
-            desc = DraftDescriptor(n, self.k)
-            meta, _ = prepare_inputs_to_capture(
-                n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
-                r.kv_cache_config, full_cudagraph=self.mode is CUDAGraphMode.FULL,
-                uniform_decode=True)
+            step = StepGraph(CUDAGraphMode.FULL, n, n, uniform_decode=True)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            with set_forward_context(ForwardContext(meta, None, CUDAGraphMode.NONE)):
+            meta, _ = prepare_inputs_to_capture(n, n, r.model_state, full_cudagraph=True,
+                                                uniform_decode=True)
+            with set_forward_context(ForwardContext.for_step(StepGraph.eager(n, n), meta)):
                 self._loop(ids, pos)  # warm-up
             # Re-prepare: the warm-up advanced the (dummy) buffers.
-            meta, _ = prepare_inputs_to_capture(
-                n, n, r.model_state, r.input_buffers, r.block_tables, r.attn_groups,
-                r.kv_cache_config, full_cudagraph=True, uniform_decode=True)
-            with set_forward_context(ForwardContext(meta, desc, CUDAGraphMode.FULL)):
-                self.loop_graph(ids, pos)
-            self.captured.append(desc)
+            meta, _ = prepare_inputs_to_capture(n, n, r.model_state, full_cudagraph=True,
+                                                uniform_decode=True)
+            self._run_loop(step, meta, ids, pos)
+            self.captured.append(DraftDescriptor(n, self.k))
         return self.captured
+
+    def _run_loop(self, step: StepGraph, meta: dict, ids: torch.Tensor,
+                  pos: torch.Tensor) -> torch.Tensor:
+        """The k-step loop's graph for `step` (captured on its first call)."""
+        key = DraftDescriptor(step.num_reqs, self.k)  # loop graphs are keyed by k as well
+        with set_forward_context(ForwardContext(meta, key, step.mode)):
+            return self.loop_graph(ids, pos)
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
         """Draft tokens [B, k] for a uniform decode batch (each request's last
@@ -122,10 +125,10 @@ class DraftRunner:
                     f"of this {batch.num_reqs}-request batch); captured: "
                     f"{[tuple(d) for d in self.captured] or 'none'}. Call DraftRunner.capture() "
                     "before propose(): the draft loop is not captured on demand")
-            meta = r.prepare_step(batch, CUDAGraphMode.FULL, n, n, uniform_decode_graph=True)
+            step = StepGraph(CUDAGraphMode.FULL, n, n, uniform_decode=True)
+            meta = r.prepare_step(batch, step)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            with set_forward_context(ForwardContext(meta, desc, CUDAGraphMode.FULL)):
-                return self.loop_graph(ids, pos)[: batch.num_reqs].clone()
+            return self._run_loop(step, meta, ids, pos)[: batch.num_reqs].clone()
         # PIECEWISE / NONE / too large: step by step through the main runner.
         out = []
         step = batch

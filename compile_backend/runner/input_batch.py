@@ -1,7 +1,7 @@
 """One step's batch: requests, their new tokens and their context lengths.
 
-Host-side lists describe the real requests; `pad_to(num_tokens, num_reqs)`
-records the padded sizes a graph was captured for. Padding requests own zero
+Host-side lists describe the real requests; `pad_to(graph)` records the
+graph the batch runs in and its padded sizes. Padding requests own zero
 tokens; padding tokens belong to no request (slot -1, position 0, token 0).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from compile_backend.core.graph_mode import StepGraph
 from compile_backend.runner.kv_cache_config import KVCacheConfig
 
 
@@ -19,13 +20,10 @@ class InputBatch:
     query_lens: list[int]  # [B] new tokens per request
     seq_lens: list[int]  # [B] context length after this step (incl. new tokens)
     req_slots: list[int]  # [B] the request's state slot (sconv/compressor state, block-table row)
-    num_tokens_padded: int = 0  # T' >= T (0: not padded yet)
-    num_reqs_padded: int = 0  # B' >= B
     is_dummy: bool = False
-    # Set by whoever picks the graph: True when it runs in (or is captured as) a
-    # uniform-decode graph, False for a mixed-batch graph, None without one.
-    # A dummy batch of T tokens over T requests looks like decode either way.
-    uniform_decode_graph: bool | None = None
+    # The graph this batch runs in (or is captured for), with its padded
+    # sizes: set once, by pad_to, from the runner's dispatch or capture plan.
+    graph: StepGraph | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # [B][blocks] KV blocks
     compressed_block_ids: list[list[int]] = field(default_factory=list)  # compressor cache
 
@@ -45,8 +43,6 @@ class InputBatch:
             raise ValueError(
                 f"request {i}: query_len {q} with seq_len {s}; valid: 0 <= query_len <= seq_len "
                 "(seq_len counts the cached tokens and this step's)")
-        self.num_tokens_padded = max(self.num_tokens_padded, self.num_tokens)
-        self.num_reqs_padded = max(self.num_reqs_padded, self.num_reqs)
 
     @property
     def num_reqs(self) -> int:
@@ -55,6 +51,16 @@ class InputBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_padded(self) -> int:
+        """T' >= T: the padded token count (T before pad_to)."""
+        return self.graph.num_tokens if self.graph is not None else self.num_tokens
+
+    @property
+    def num_reqs_padded(self) -> int:
+        """B' >= B: the padded request count (B before pad_to)."""
+        return self.graph.num_reqs if self.graph is not None else self.num_reqs
 
     @property
     def max_query_len(self) -> int:
@@ -127,12 +133,13 @@ class InputBatch:
                 out.extend(range(s - q, s))
         return out
 
-    def pad_to(self, num_tokens: int, num_reqs: int,
-               uniform_decode_graph: bool | None = None) -> "InputBatch":
-        assert num_tokens >= self.num_tokens and num_reqs >= self.num_reqs, (
-            num_tokens, self.num_tokens, num_reqs, self.num_reqs)
-        self.num_tokens_padded, self.num_reqs_padded = num_tokens, num_reqs
-        self.uniform_decode_graph = uniform_decode_graph
+    def pad_to(self, graph: StepGraph) -> "InputBatch":
+        """Run this batch in `graph`, padded to its sizes."""
+        assert graph.num_tokens >= self.num_tokens and graph.num_reqs >= self.num_reqs, (
+            graph, self.num_tokens, self.num_reqs)
+        assert not graph.uniform_decode or self.uniform_decode or self.num_reqs == 0, (
+            graph, self.query_lens)
+        self.graph = graph
         return self
 
     @classmethod

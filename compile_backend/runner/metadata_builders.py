@@ -21,8 +21,8 @@ run inside captured segments in every mode, PIECEWISE included, where
 `for_capture` is False. Their builders ignore the flag: request count and
 max_query_len are always the padded batch's (the same at capture and at any
 replay of that size), and their tensors are persistent views. One exception,
-as safe: in a uniform-decode graph (`batch.uniform_decode_graph` is True, set
-only for FULL graphs that replay one-token-per-request batches alone)
+as safe: in a uniform-decode graph (`batch.graph.uniform_decode`, true only
+for FULL graphs that replay one-token-per-request batches alone)
 max_query_len is 1. The padded T there would size the kernels' grids by T
 tokens per request: at 256 requests, 65 compressor groups per request instead
 of 1 (66560 programs for 1024 with work).
@@ -30,25 +30,18 @@ of 1 (66560 programs for 1024 with work).
 
 from __future__ import annotations
 
-import enum
 import inspect
+import operator
 from typing import Protocol
 
 import torch
 
 from compile_backend.runner.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
 from compile_backend.runner.block_tables import BlockTables
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import CaptureSupport, CUDAGraphMode, lower_graph_mode
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.input_buffers import InputBuffers
 from compile_backend.runner.kv_cache_config import KVCacheConfig
-
-
-class CaptureSupport(enum.IntEnum):
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    UNIFORM_BATCH = 2
-    ALWAYS = 3
 
 
 class MetadataBuilder(Protocol):
@@ -94,10 +87,8 @@ class AttentionMetadataBuilder(BaseMetadataBuilder):
             # graph's dummy batch of T tokens over T requests looks like decode
             # but must serve prefills too (regression: tests/test_runtime.py,
             # random schedules through the Triton kernels).
-            uniform = batch.uniform_decode_graph
-            if uniform is None:
-                uniform = batch.uniform_decode and B == T
-            max_query_len = 1 if uniform else T
+            graph = batch.graph
+            max_query_len = 1 if graph is not None and graph.uniform_decode else T
             max_seq_len = self.cfg.max_model_len
         else:
             max_query_len = batch.max_query_len
@@ -114,62 +105,49 @@ class AttentionMetadataBuilder(BaseMetadataBuilder):
         )
 
 
-class SConvMetadataBuilder(BaseMetadataBuilder):
+class AttentionLikeMetadataBuilder(BaseMetadataBuilder):
+    """An attention-like op family's builder: per-request views of persistent
+    tensors, the padded request count and max_query_len (see Note
+    [attention-like metadata is always capturable]). Subclasses set `kind`,
+    `metadata_cls` and `views`, metadata field -> the persistent tensor it
+    views ("buffers.<name>" or "tables.<name>"; query_start_loc [B+1], the
+    rest [B, ...]); the other fields of `metadata_cls` are num_reqs,
+    max_query_len and for_capture."""
+
+    attention_like = True
+    metadata_cls: type
+    views: dict[str, str]
+
+    def persistent_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: operator.attrgetter(path)(self) for name, path in self.views.items()}
+
+    def build(self, batch: InputBatch, *, for_capture: bool):
+        B = batch.num_reqs_padded
+        views = {name: t[: B + 1] if name == "query_start_loc" else t[:B]
+                 for name, t in self.persistent_tensors().items()}
+        graph = batch.graph
+        if graph is not None and graph.uniform_decode:
+            max_query_len = 1  # one token per request, by the graph's construction
+        else:
+            max_query_len = batch.num_tokens_padded
+        return self.metadata_cls(**views, num_reqs=B, max_query_len=max_query_len,
+                                 for_capture=for_capture)
+
+
+class SConvMetadataBuilder(AttentionLikeMetadataBuilder):
     kind = "sconv"
-    attention_like = True
-
-    def persistent_tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "query_start_loc": self.buffers.query_start_loc,
-            "state_indices": self.buffers.state_indices,
-            "has_initial_state": self.buffers.has_initial_state,
-        }
-
-    def build(self, batch: InputBatch, *, for_capture: bool) -> SConvMetadata:
-        # See Note [attention-like metadata is always capturable].
-        B = batch.num_reqs_padded
-        return SConvMetadata(
-            query_start_loc=self.buffers.query_start_loc[: B + 1],
-            state_indices=self.buffers.state_indices[:B],
-            has_initial_state=self.buffers.has_initial_state[:B],
-            num_reqs=B,
-            max_query_len=_attention_like_max_query_len(batch),
-            for_capture=for_capture,
-        )
+    metadata_cls = SConvMetadata
+    views = {"query_start_loc": "buffers.query_start_loc",
+             "state_indices": "buffers.state_indices",
+             "has_initial_state": "buffers.has_initial_state"}
 
 
-def _attention_like_max_query_len(batch: InputBatch) -> int:
-    """See Note [attention-like metadata is always capturable]."""
-    if batch.uniform_decode_graph is True:
-        assert batch.uniform_decode or batch.num_reqs == 0, batch.query_lens
-        return 1
-    return batch.num_tokens_padded
-
-
-class CompressorMetadataBuilder(BaseMetadataBuilder):
+class CompressorMetadataBuilder(AttentionLikeMetadataBuilder):
     kind = "compressor"
-    attention_like = True
-
-    def persistent_tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "query_start_loc": self.buffers.query_start_loc,
-            "seq_lens": self.buffers.seq_lens,
-            "state_indices": self.buffers.state_indices,
-            "block_table": self.tables.compressed_block_table,
-        }
-
-    def build(self, batch: InputBatch, *, for_capture: bool) -> CompressorMetadata:
-        # See Note [attention-like metadata is always capturable].
-        B = batch.num_reqs_padded
-        return CompressorMetadata(
-            query_start_loc=self.buffers.query_start_loc[: B + 1],
-            seq_lens=self.buffers.seq_lens[:B],
-            state_indices=self.buffers.state_indices[:B],
-            block_table=self.tables.compressed_block_table[:B],
-            num_reqs=B,
-            max_query_len=_attention_like_max_query_len(batch),
-            for_capture=for_capture,
-        )
+    metadata_cls = CompressorMetadata
+    views = {"query_start_loc": "buffers.query_start_loc", "seq_lens": "buffers.seq_lens",
+             "state_indices": "buffers.state_indices",
+             "block_table": "tables.compressed_block_table"}
 
 
 BUILDERS: dict[str, type] = {
@@ -225,8 +203,6 @@ def register_metadata_builder(kind: str, builder_cls: type) -> type:
         ) from None
     # The rule the runner applies to its builders (an attention-like builder
     # must always be capturable), checked now rather than at the first runner.
-    from compile_backend.runner.capture import lower_graph_mode  # capture.py imports this module
-
     lower_graph_mode(CUDAGraphMode.PIECEWISE, [builder_cls])
     known = BUILDERS.get(kind)
     if known is not None and known is not builder_cls:

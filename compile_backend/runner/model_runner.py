@@ -22,17 +22,16 @@ from typing import Any, Callable
 import torch
 
 from compile_backend.compile.backend import graph_mode_on_this_machine, mrv2_backend
-from compile_backend.core.batch_descriptor import BatchDescriptor
-from compile_backend.runner.block_tables import BlockTables
-from compile_backend.runner.capture import lower_graph_mode, prepare_inputs_to_capture
-from compile_backend.core.config import CompilationConfig, CUDAGraphMode
+from compile_backend.runner.capture import prepare_inputs_to_capture
+from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
+from compile_backend.core.graph_mode import (BatchDescriptor, CUDAGraphMode, StepGraph,
+                                             lower_graph_mode)
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, current_graph_backend
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
-from compile_backend.runner.input_buffers import InputBuffers
 from compile_backend.runner.kv_cache_config import KVCacheConfig
-from compile_backend.runner.model_state import ModelState, attention_groups_for
+from compile_backend.runner.model_state import ModelState
 from compile_backend.core.symbolic import mark_token_dim, symbolic_tokens
 
 logger = logging.getLogger(__name__)
@@ -95,11 +94,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.progress = progress
         self.model = model
-        self.input_buffers = InputBuffers.allocate(kv_cache_config, self.device)
-        self.block_tables = BlockTables(kv_cache_config, self.device)
-        self.attn_groups = attention_groups_for(
-            model, kv_cache_config, self.input_buffers, self.block_tables)
-        self.model_state = ModelState(self.attn_groups)
+        self.model_state = ModelState.for_model(model, kv_cache_config, self.device)
+        # The state's parts, for engines and tests that read the buffers.
+        self.input_buffers = self.model_state.input_buffers
+        self.block_tables = self.model_state.block_tables
+        self.attn_groups = self.model_state.attn_groups
         builders = [g.builder for g in self.attn_groups]
         here, self.mode_reason = graph_mode_on_this_machine(self.config.cudagraph_mode)
         self.mode, lowered_reason = lower_graph_mode(here, builders)
@@ -131,15 +130,15 @@ class ModelRunner:
         with symbolic_tokens(), torch.no_grad():  # a runner serves inference only
             return self.compiled(input_ids, positions)
 
-    def _forward(self, T: int, desc: BatchDescriptor | None,
-                 runtime: CUDAGraphMode, metadata: dict[str, Any],
+    def _forward(self, step: StepGraph, metadata: dict[str, Any],
                  trace: list | None = None) -> Any:
-        """Run the first T (padded) tokens of the persistent buffers."""
-        ctx = ForwardContext(attn_metadata=metadata, batch_descriptor=desc,
-                             cudagraph_runtime_mode=runtime, trace=trace)
+        """Run the first step.num_tokens (padded) tokens of the persistent
+        buffers in `step`'s graph."""
+        T = step.num_tokens
         ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
-        with set_forward_context(ctx), self._kernel_checks():
-            if runtime is CUDAGraphMode.FULL:
+        with set_forward_context(ForwardContext.for_step(step, metadata, trace)), \
+                self._kernel_checks():
+            if step.mode is CUDAGraphMode.FULL:
                 return self.full_graph(ids, pos)
             return self._run_compiled(ids, pos)
 
@@ -154,19 +153,17 @@ class ModelRunner:
 
     # ---- capture ---------------------------------------------------------------
 
-    def capture_plan(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
-        """(runtime mode, descriptor) to capture: piecewise before full, each
-        largest first."""
-        plan: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
+    def capture_plan(self) -> list[StepGraph]:
+        """The graphs to capture: piecewise before full, each largest first."""
+        plan: list[StepGraph] = []
         max_reqs = self.kv_cache_config.max_num_reqs
+        sizes = sorted(self.capture_sizes, reverse=True)
         if self.mode.has_piecewise:
-            plan += [(CUDAGraphMode.PIECEWISE, BatchDescriptor(s))
-                     for s in sorted(self.capture_sizes, reverse=True)]
+            plan += [StepGraph(CUDAGraphMode.PIECEWISE, s, min(s, max_reqs)) for s in sizes]
         if self.mode is CUDAGraphMode.FULL:
-            plan += [(CUDAGraphMode.FULL, BatchDescriptor(s, min(s, max_reqs), False))
-                     for s in sorted(self.capture_sizes, reverse=True)]
+            plan += [StepGraph(CUDAGraphMode.FULL, s, min(s, max_reqs)) for s in sizes]
         if self.mode.has_full:
-            plan += [(CUDAGraphMode.FULL, BatchDescriptor(s, s, True))
+            plan += [StepGraph(CUDAGraphMode.FULL, s, s, uniform_decode=True)
                      for s in sorted(self.decode_sizes, reverse=True)]
         return plan
 
@@ -184,94 +181,76 @@ class ModelRunner:
 
         bar = tqdm(plan, desc=f"capturing ({self.mode.value})", disable=not self.progress,
                    unit="graph")
-        for runtime, desc in bar:
-            self._capture_one(runtime, desc, trace)
+        for step in bar:
+            self._capture_one(step, trace)
         self.captured = True
         return self.captures
 
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
         """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
-        meta, _ = self._prepare_capture(num_reqs, num_tokens, full=False)
-        self._forward(num_tokens, None, CUDAGraphMode.NONE, meta, trace)
+        meta, _ = prepare_inputs_to_capture(num_reqs, num_tokens, self.model_state,
+                                            full_cudagraph=False)
+        self._forward(StepGraph.eager(num_tokens, num_reqs), meta, trace)
 
-    def _prepare_capture(self, num_reqs: int, num_tokens: int, full: bool,
-                         uniform_decode: bool | None = None):
-        return prepare_inputs_to_capture(
-            num_reqs, num_tokens, self.model_state, self.input_buffers, self.block_tables,
-            self.attn_groups, self.kv_cache_config, full_cudagraph=full,
-            uniform_decode=uniform_decode)
-
-    def _capture_one(self, runtime: CUDAGraphMode, desc: BatchDescriptor,
-                     trace: list | None) -> None:
-        num_reqs = desc.num_reqs or min(desc.num_tokens, self.kv_cache_config.max_num_reqs)
-        full = runtime is CUDAGraphMode.FULL
+    def _capture_one(self, step: StepGraph, trace: list | None) -> None:
         graphs = current_graph_backend()
         graphs.synchronize()
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
-        meta, _ = self._prepare_capture(num_reqs, desc.num_tokens, full, desc.uniform_decode)
-        self._forward(desc.num_tokens, None, CUDAGraphMode.NONE, meta, trace)  # warm-up
-        self._forward(desc.num_tokens, desc, runtime, meta, trace)  # capture
+        meta, _ = prepare_inputs_to_capture(
+            step.num_reqs, step.num_tokens, self.model_state,
+            full_cudagraph=step.mode is CUDAGraphMode.FULL, uniform_decode=step.uniform_decode)
+        self._forward(StepGraph.eager(step.num_tokens, step.num_reqs), meta, trace)  # warm-up
+        self._forward(step, meta, trace)  # capture
         graphs.synchronize()
         builds = self.model_state.build_log[builds_before:]
         self.captures.append(CaptureRecord(
-            mode=runtime.value, descriptor=desc, seconds=time.perf_counter() - t0,
+            mode=step.mode.value, descriptor=step.descriptor, seconds=time.perf_counter() - t0,
             pool_bytes=graphs.memory_allocated() - before,
             for_capture={b["kind"]: b["for_capture"] for b in builds}))
 
     # ---- serving ---------------------------------------------------------------
 
-    def dispatch(self, batch: InputBatch) -> tuple[CUDAGraphMode, BatchDescriptor | None, int, int]:
-        """(runtime mode, descriptor, padded tokens, padded requests) for a batch."""
+    def dispatch(self, batch: InputBatch) -> StepGraph:
+        """The graph a batch runs in, with its padded sizes."""
         T, B = batch.num_tokens, batch.num_reqs
         max_reqs = self.kv_cache_config.max_num_reqs
-        i = bisect.bisect_left(self.capture_sizes, T)
         if self.mode is CUDAGraphMode.NONE or not self.captured:
-            return CUDAGraphMode.NONE, None, T, B
+            return StepGraph.eager(T, B)
+        i = bisect.bisect_left(self.capture_sizes, T)
         if i == len(self.capture_sizes):
             counters["eager_no_graph"] += 1
             logger.info("batch of %d tokens is larger than every capture size (%d): eager",
                         T, self.capture_sizes[-1])
-            return CUDAGraphMode.NONE, None, T, B
+            return StepGraph.eager(T, B)
         Tp = self.capture_sizes[i]
         if self.mode.has_full and batch.uniform_decode and Tp in self.decode_sizes:
-            return CUDAGraphMode.FULL, BatchDescriptor(Tp, Tp, True), Tp, Tp
+            return StepGraph(CUDAGraphMode.FULL, Tp, Tp, uniform_decode=True)
         if self.mode is CUDAGraphMode.FULL:
-            Bp = min(Tp, max_reqs)
-            return CUDAGraphMode.FULL, BatchDescriptor(Tp, Bp, False), Tp, Bp
+            return StepGraph(CUDAGraphMode.FULL, Tp, min(Tp, max_reqs))
         if self.mode.has_piecewise:
-            return CUDAGraphMode.PIECEWISE, BatchDescriptor(Tp), Tp, min(Tp, max_reqs)
+            return StepGraph(CUDAGraphMode.PIECEWISE, Tp, min(Tp, max_reqs))
         counters["eager_mixed_batch"] += 1  # FULL_DECODE_ONLY and a batch that is not decode
-        return CUDAGraphMode.NONE, None, T, B
+        return StepGraph.eager(T, B)
 
     def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
         """Run one step; returns the rows of the real tokens ([T, ...]). A
         batch the cache layout cannot hold raises ValueError, before anything
         is written (InputBatch.check_against, then BlockTables.write)."""
         batch.check_against(self.kv_cache_config)  # before dispatch counts a fallback
-        runtime, desc, Tp, Bp = self.dispatch(batch)
-        meta = self._write_step(batch, runtime, Tp, Bp,
-                                desc.uniform_decode if desc is not None else None)
-        out = self._forward(Tp, desc, runtime, meta, trace)
+        step = self.dispatch(batch)
+        out = self._forward(step, self._write_step(batch, step), trace)
         return out[: batch.num_tokens]
 
-    def prepare_step(self, batch: InputBatch, runtime: CUDAGraphMode, num_tokens: int,
-                     num_reqs: int, uniform_decode_graph: bool | None) -> dict[str, Any]:
-        """Check the batch against the cache layout, pad it, write it into the
-        persistent buffers and build its metadata (`for_capture` when it
-        replays in a FULL graph)."""
+    def prepare_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:
+        """Check the batch against the cache layout, pad it to `step`, write it
+        into the persistent buffers and build its metadata (`for_capture` when
+        it replays in a FULL graph)."""
         batch.check_against(self.kv_cache_config)
-        return self._write_step(batch, runtime, num_tokens, num_reqs, uniform_decode_graph)
+        return self._write_step(batch, step)
 
-    def _write_step(self, batch: InputBatch, runtime: CUDAGraphMode, num_tokens: int,
-                    num_reqs: int, uniform_decode_graph: bool | None) -> dict[str, Any]:
-        batch.pad_to(num_tokens, num_reqs, uniform_decode_graph)
-        # Block tables first: their write checks every changed row's block ids
-        # before it writes anything, so a bad id leaves every buffer as it was.
-        slots = self.block_tables.write(batch)
-        self.input_buffers.write(batch)
-        return self.model_state.prepare_attn(
-            batch, runtime, self.block_tables, slots, self.attn_groups, self.kv_cache_config,
-            for_capture=runtime is CUDAGraphMode.FULL)
+    def _write_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:
+        self.model_state.write(batch.pad_to(step))
+        return self.model_state.prepare_attn(batch)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from compile_backend.core.config import CUDAGraphMode
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters
 from compile_backend.core.forward_context import (
     ForwardContext, get_forward_context, has_forward_context, set_forward_context,
