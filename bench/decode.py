@@ -62,7 +62,8 @@ from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.demo.models import build_model, preset  # noqa: E402
 
-ATTENTION_OPS = ["mrv2::unified_attention", "mrv2::reshape_and_cache"]
+# Where mrv2 splits (the KV write runs inside mrv2's pieces, so not here either).
+ATTENTION_OPS = ["mrv2::unified_attention"]
 MATCH_TOL = 5e-2
 
 
@@ -158,6 +159,11 @@ def allocated(setup: Setup) -> int:
     return torch.cuda.memory_allocated() if setup.device == "cuda" else 0
 
 
+def reserved(setup: Setup) -> int:
+    """Device memory the allocator holds, graph pools' free blocks included."""
+    return torch.cuda.memory_reserved() if setup.device == "cuda" else 0
+
+
 def copy_bandwidth(setup: Setup) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if setup.device == "cuda" else (1 << 24)
@@ -217,7 +223,8 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     gc.collect()
     if setup.device == "cuda":
         torch.cuda.empty_cache()
-    model = build_model(model_name, preset(setup.preset, dtype=setup.dtype)).to(setup.device)
+    with torch.device(setup.device):  # weights drawn on the device (llama8b: 16 GB)
+        model = build_model(model_name, preset(setup.preset, dtype=setup.dtype))
     kv = KVCacheConfig(num_blocks=num_blocks, block_size=16,
                        max_model_len=max_model_len or setup.context + 64,
                        max_num_reqs=max_reqs, max_num_tokens=max_tokens)
@@ -233,12 +240,15 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     runner.warmup(max(capture_sizes), None)  # first call: compiles
     sync(setup)
     compile_s = time.perf_counter() - t0
-    mem0 = allocated(setup)
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()  # what the warm-up freed is not the pool's
+    mem0, res0 = allocated(setup), reserved(setup)
     t0 = time.perf_counter()
     runner.capture()
     sync(setup)
     startup = {"compile_s": compile_s, "capture_s": time.perf_counter() - t0,
-               "pool_bytes": allocated(setup) - mem0}
+               "pool_bytes": allocated(setup) - mem0, "pool_reserved_bytes": reserved(setup) - res0}
     return runner, model, kv, startup
 
 
@@ -273,6 +283,7 @@ def run_decode(model_name, variant, setup, batches, bw):
         largest, _, _, only = build(model_name, variant, setup, [max(sizes)], max(batches),
                                     max(sizes), blocks)
         startup["pool_largest_alone_bytes"] = only["pool_bytes"]
+        startup["pool_largest_alone_reserved_bytes"] = only["pool_reserved_bytes"]
         del largest
     if setup.device == "cuda":
         torch.cuda.empty_cache()
@@ -340,13 +351,20 @@ def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped)
               "| model | variant | tokens | step ms | rel err | ran as |", "|---|---|---:|---:|---:|---|"]
         L += [f"| {r['model']} | {r['variant']} | {r['tokens']} | {r['ms']:.3f} | "
               f"{r['rel_err']:.1e} | {r['dispatched']} |" for r in mixed]
-    L += ["", "| model | variant | compile s | capture s (all sizes) | graphs | pieces | pool MiB | "
-          "largest alone MiB | input copies |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    L += ["", "Pool: device memory that capture added, all sizes vs the largest size "
+          "captured alone; allocated (tensors the graphs keep alive: held outputs, "
+          "capture-time inputs) and reserved (the pools' whole footprint).", "",
+          "| model | variant | compile s | capture s (all sizes) | graphs | pieces | "
+          "allocated MiB (all / largest alone) | reserved MiB (all / largest alone) | "
+          "input copies |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def mib(s, key):
+        return "-" if s.get(key) is None else f"{s[key] / 2**20:.0f}"
     for s in startup:
-        alone = s.get("pool_largest_alone_bytes")
         L.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
-                 f"{s['graphs']} | {s['pieces']} | {s['pool_bytes'] / 2**20:.0f} | "
-                 f"{'-' if alone is None else f'{alone / 2**20:.0f}'} | {s['replay_input_copies']} |")
+                 f"{s['graphs']} | {s['pieces']} | {mib(s, 'pool_bytes')} / "
+                 f"{mib(s, 'pool_largest_alone_bytes')} | {mib(s, 'pool_reserved_bytes')} / "
+                 f"{mib(s, 'pool_largest_alone_reserved_bytes')} | {s['replay_input_copies']} |")
     if compile_times:
         L += ["", "| model | variant | cold compile s | warm compile s |", "|---|---|---:|---:|"]
         L += [f"| {c['model']} | {c['variant']} | {c['cold_s']:.1f} | {c['warm_s']:.1f} |"
@@ -412,6 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=["llama", "hybrid", "both"], default="both")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--context", type=int, default=500)
+    ap.add_argument("--preset", default=None, help="model size (default: bench on a GPU, tiny "
+                    "on a dry run; llama8b: Llama-3-8B's shape)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--mixed", default="512,2048", help="token counts of the mixed step ('' to skip)")
     ap.add_argument("--startup", action="store_true", help="also cold/warm compile in fresh processes")
@@ -432,7 +452,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.dry_run
     setup = Setup(device="cuda" if cuda else "cpu",
                   dtype=torch.bfloat16 if cuda else torch.float32,
-                  preset="bench" if cuda else "tiny", piece_compiler="inductor" if cuda else "eager",
+                  preset=args.preset or ("bench" if cuda else "tiny"),
+                  piece_compiler="inductor" if cuda else "eager",
                   context=args.context if cuda else min(args.context, 40),
                   graphs=None if cuda else StandInGraphs())
     batches = [int(b) for b in args.batches.split(",")]
@@ -458,22 +479,25 @@ def main(argv=None) -> int:
     with setup.scope():
         for m in (models if not args.only_startup else []):
             ref: dict[int, torch.Tensor] = {}
+            name = m if setup.preset in ("bench", "tiny") else f"{m} ({setup.preset})"
             for v in variants:
                 rows, s = run_decode(m, v, setup, batches, bw)
                 for r in rows:
+                    r["model"] = name
                     ref.setdefault(r["batch"], r["first"])
                     r["rel_err"] = rel_err(r["first"], ref[r["batch"]])
                     r["match"] = r["rel_err"] < MATCH_TOL
                     r["floor_ms"] = r["floor_bytes"] / bw * 1e3
                     r["x_floor"] = r["ms"] / r["floor_ms"]
                 decode += rows
-                startup.append({"model": m, "variant": v, **s})
+                startup.append({"model": name, "variant": v, **s})
                 print(f"done {m} {v}: {s}", flush=True)
                 write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
             if mixed_sizes:
                 mref: dict[int, torch.Tensor] = {}
                 for v in [v for v in ("eager", "inductor", "mrv2-piecewise") if v in variants]:
                     for r in run_mixed(m, v, setup, mixed_sizes):
+                        r["model"] = name
                         mref.setdefault(r["tokens"], r["first"])
                         r["rel_err"] = rel_err(r["first"], mref[r["tokens"]])
                         mixed.append(r)

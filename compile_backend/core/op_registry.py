@@ -35,7 +35,9 @@ _DEFAULT_ROLES: dict[str, OpRole] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": OpRole.BREAKPOINT,
     "higher_order::flex_attention": OpRole.BREAKPOINT,
     "mrv2::unified_attention": OpRole.BREAKPOINT,
-    "mrv2::reshape_and_cache": OpRole.BREAKPOINT,
+    # The KV write needs only the slot mapping, a persistent buffer: it runs
+    # inside the piece before attention, off the eager region's host path.
+    "mrv2::reshape_and_cache": OpRole.ATTENTION_LIKE,
     "mrv2::sconv": OpRole.ATTENTION_LIKE,
     "mrv2::kv_compress": OpRole.ATTENTION_LIKE,
 }

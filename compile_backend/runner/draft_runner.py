@@ -40,8 +40,7 @@ class DraftRunner:
             CUDAGraphMode.PIECEWISE if runner.mode.has_piecewise else CUDAGraphMode.NONE)
         self.loop_graph = CUDAGraphWrapper(
             self._loop, CUDAGraphMode.FULL, name="draft_loop",
-            debug_checks=runner.config.debug_checks, graphs=current_graph_backend(),
-            weak_outputs=False)
+            debug_checks=runner.config.debug_checks, graphs=current_graph_backend())
         self.captured: list[DraftDescriptor] = []
 
     # ---- the k-step loop (device only) ----------------------------------------

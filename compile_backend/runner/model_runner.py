@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -115,10 +116,12 @@ class ModelRunner:
             self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
         else:
             self.compiled = compile_fn(model)
+        # Outputs held weakly, as every piece's are: a step's logits live in the
+        # shared pool until the next step replays over them (execute's contract),
+        # so N sizes do not keep N logits tensors alive.
         self.full_graph = CUDAGraphWrapper(
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
-            debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
-            weak_outputs=False)
+            debug_checks=self.config.debug_checks, graphs=current_graph_backend())
         self.captures: list[CaptureRecord] = []
         self.captured = False
 
@@ -179,6 +182,10 @@ class ModelRunner:
             return []
         from tqdm import tqdm
 
+        # Once, before the first graph: a dead reference cycle holding device
+        # memory would otherwise keep it out of the pool for good
+        # (torch.cuda.graph empties the cache per graph but collects nothing).
+        gc.collect()
         bar = tqdm(plan, desc=f"capturing ({self.mode.value})", disable=not self.progress,
                    unit="graph")
         for step in bar:
@@ -236,9 +243,11 @@ class ModelRunner:
         return StepGraph.eager(T, B)
 
     def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
-        """Run one step; returns the rows of the real tokens ([T, ...]). A
-        batch the cache layout cannot hold raises ValueError, before anything
-        is written (InputBatch.check_against, then BlockTables.write)."""
+        """Run one step; returns the rows of the real tokens ([T, ...]), valid
+        until the next step: a graph's output lives in the graphs' shared pool,
+        which the next replay writes (clone what must outlive it). A batch the
+        cache layout cannot hold raises ValueError, before anything is written
+        (InputBatch.check_against, then BlockTables.write)."""
         batch.check_against(self.kv_cache_config)  # before dispatch counts a fallback
         step = self.dispatch(batch)
         out = self._forward(step, self._write_step(batch, step), trace)

@@ -148,7 +148,6 @@ class CUDAGraphWrapper:
         stable_inputs: Sequence[int] = (),
         input_names: Sequence[str] | None = None,
         graphs: Any = None,
-        weak_outputs: bool = True,
     ) -> None:
         assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
         self.fn = fn
@@ -158,7 +157,6 @@ class CUDAGraphWrapper:
         self.stable_inputs = set(stable_inputs)
         self.input_names = list(input_names) if input_names else None
         self.graphs = graphs or current_graph_backend()
-        self.weak_outputs = weak_outputs
         self.entries: dict[Hashable, CapturedGraph] = {}
         self._warmed_shapes: set[Hashable] = set()
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
@@ -225,7 +223,7 @@ class CUDAGraphWrapper:
             graph=graph,
             inputs=list(args),
             input_ptrs=[a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args],
-            outputs=pytree.tree_map(weak_ref, outputs) if self.weak_outputs else outputs,
+            outputs=pytree.tree_map(weak_ref, outputs),
             metadata_ptrs=_metadata_ptrs(ctx),
             seconds=time.perf_counter() - t0,
             pool_bytes=self.graphs.memory_allocated() - before,

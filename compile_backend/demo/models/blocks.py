@@ -94,15 +94,19 @@ class Decoder(nn.Module):
         self.to(cfg.dtype)
 
     def init_weights(self) -> "Decoder":
-        """Seeded random weights; small std keeps activations in range."""
-        gen = torch.Generator().manual_seed(self.cfg.seed)
+        """Seeded random weights; small std keeps activations in range. Drawn
+        on the parameters' device (a model built under `torch.device("cuda")`
+        never holds its weights on the host), from one generator in module
+        order: the same seed on the same device type gives the same weights."""
+        device = self.embed.weight.device
+        gen = torch.Generator(device=device).manual_seed(self.cfg.seed)
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     continue  # norms start at one
                 for p in module.parameters(recurse=False):
                     std = 0.1 if p.dim() == 1 else (1.0 if isinstance(module, nn.Embedding) else 0.05)
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.normal_(0.0, std, generator=gen)
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Model sizes. `tiny` runs on 2 CPU cores in seconds; `bench` is the
-benchmark size (8 layers, hidden 2048, 32 heads, 4 KV heads)."""
+benchmark size (8 layers, hidden 2048, 32 heads, 4 KV heads); `llama8b` has
+Llama-3-8B's shape (32 layers, hidden 4096, 32 heads / 8 KV heads,
+intermediate 14336, vocab 128256: about 16 GB of bf16 weights; build it under
+`with torch.device("cuda"):` so its random weights are drawn there)."""
 
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ PRESETS = {
                          num_kv_heads=2, intermediate_size=1408),
     "bench": ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=32,
                          num_kv_heads=4, intermediate_size=5632),
+    "llama8b": ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                           num_kv_heads=8, intermediate_size=14336, rope_theta=500000.0),
 }
 
 
