@@ -105,8 +105,8 @@ def test_returning_what_capture_recorded_is_caught(monkeypatch):
             outputs = self.fn(*args)
         from compile_backend.runtime.cuda_graph import CapturedGraph
 
-        entry = CapturedGraph(graph, list(args), [a.data_ptr() if isinstance(a, torch.Tensor)
-                                                  else None for a in args], outputs)
+        entry = CapturedGraph(graph, list(args), tuple(
+            (i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), outputs)
         self.entries[key] = entry
         self.graphs.after_capture(graph, self.fn, entry, ctx)
         return outputs

@@ -120,7 +120,8 @@ def weak_ref(t: Any) -> Any:
 class CapturedGraph:
     graph: Any
     inputs: list[Any]  # capture-time args (tensors held: replay copies into them)
-    input_ptrs: list[int | None]
+    # (index, address) of the tensor inputs: what a replay compares, no more
+    tensor_ptrs: tuple[tuple[int, int], ...]
     outputs: Any  # pytree of (weakly held) tensors
     metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
     seconds: float = 0.0
@@ -158,6 +159,7 @@ class CUDAGraphWrapper:
         self.input_names = list(input_names) if input_names else None
         self.graphs = graphs or current_graph_backend()
         self.entries: dict[Hashable, CapturedGraph] = {}
+        self._keys: dict[Hashable, Hashable] = {}  # descriptor -> key_of(descriptor), memoized
         self._warmed_shapes: set[Hashable] = set()
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
         # inside it see a FULL context without a descriptor and run their callables.
@@ -166,13 +168,16 @@ class CUDAGraphWrapper:
     # ---- dispatch ---------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        # The hot path of every piece of every step: few calls, no allocation.
         if not has_forward_context():
             return self._lazy(args)
         ctx = get_forward_context()
         desc = ctx.batch_descriptor
         if ctx.cudagraph_runtime_mode is not self.mode or desc is None:
             return self.fn(*args)
-        key = self.key_of(desc)
+        key = self._keys.get(desc)
+        if key is None:
+            key = self._keys[desc] = self.key_of(desc)
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
@@ -222,7 +227,8 @@ class CUDAGraphWrapper:
         entry = CapturedGraph(
             graph=graph,
             inputs=list(args),
-            input_ptrs=[a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args],
+            tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
+                              if isinstance(a, torch.Tensor)),
             outputs=pytree.tree_map(weak_ref, outputs),
             metadata_ptrs=_metadata_ptrs(ctx),
             seconds=time.perf_counter() - t0,
@@ -246,8 +252,9 @@ class CUDAGraphWrapper:
 
     def _replay(self, entry: CapturedGraph, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
         assert len(args) == len(entry.inputs), (len(args), len(entry.inputs))
-        for i, (a, ptr) in enumerate(zip(args, entry.input_ptrs)):
-            if ptr is None or a.data_ptr() == ptr:
+        for i, ptr in entry.tensor_ptrs:
+            a = args[i]
+            if a.data_ptr() == ptr:
                 continue
             if self.debug_checks and i in self.stable_inputs:
                 raise RuntimeError(
