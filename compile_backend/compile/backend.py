@@ -22,7 +22,7 @@ from compile_backend.core.counters import counters
 from compile_backend.core.direct_calls import rewrite_direct_calls
 from compile_backend.core.forward_context import has_forward_context
 from compile_backend.core.op_registry import OpRegistry, OpRole
-from compile_backend.compile.piece_compiler import compile_pieces
+from compile_backend.compile.piece_compiler import call_pieces_directly, compile_pieces
 from compile_backend.compile.split import Piece, split_graph
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class CompiledStep:
                 self._blocker_logged = True
                 counters["full_graph_fallbacks"] += 1
                 logger.warning("mrv2: %s", self.full_blocker)
-        return self.split_gm(*args)
+        return self.split_gm.forward(*args)  # no module hooks on it: skip Module.__call__
 
     def _fits_one_graph(self, args: Sequence[Any]) -> bool:
         """A graph bakes in the Python values it is called with (Dynamo passes
@@ -239,6 +239,7 @@ def mrv2_backend(
         for p in pieces:
             if not p.captured:
                 counters["direct_calls"] += rewrite_direct_calls(getattr(split_gm, p.name))
+    call_pieces_directly(split_gm, [p.name for p in pieces])
     step = CompiledStep(
         config=config,
         roles=roles,

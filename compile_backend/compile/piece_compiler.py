@@ -126,6 +126,19 @@ def compile_pieces(
     return split_gm
 
 
+def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -> None:
+    """split_gm's code calls `self.<piece>(...)`. An instance attribute of that
+    name shadows the submodule, so the step calls the piece's callable itself,
+    without nn.Module.__call__ (microseconds per piece, twice per layer; pieces
+    carry no hooks). The submodules stay for tools that walk modules (the
+    dump, depyf). Call it last: a GraphModule's forward changes when it is
+    recompiled, and this binds the current one."""
+    for name in names:
+        module = split_gm._modules[name]
+        fn = module.fn if isinstance(module, _CallableModule) else module.forward
+        object.__setattr__(split_gm, name, fn)
+
+
 class _CallableModule(torch.nn.Module):
     """Holds a plain callable where split_gm expects a submodule."""
 
