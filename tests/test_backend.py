@@ -178,6 +178,20 @@ def test_in_place_buffer_mutation_keeps_order():
     assert "method::add_" in step.pieces[0].ops
 
 
+def test_a_step_calls_its_pieces_without_module_calls():
+    """The split graph's piece attributes are the callables themselves: an
+    eager piece's generated forward (not the lazy one that recompiles and
+    goes through Module.__call__ every time), a captured piece's wrapper."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    step = check_against_eager(ToyHybrid(), TOY_OPTIONS, SIZES)
+    for p in step.pieces:
+        fn = getattr(step.split_gm, p.name)
+        assert not isinstance(fn, torch.nn.Module), p.name
+        assert getattr(fn, "__func__", None) is not _LazyGraphModule._lazy_forward, p.name
+        assert isinstance(step.split_gm._modules[p.name], torch.nn.Module)  # tools walk modules
+
+
 # ---- one trace, one compile per distinct piece --------------------------------
 
 

@@ -135,7 +135,14 @@ def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -
     recompiled, and this binds the current one."""
     for name in names:
         module = split_gm._modules[name]
-        fn = module.fn if isinstance(module, _CallableModule) else module.forward
+        if isinstance(module, _CallableModule):
+            fn = module.fn
+        else:
+            # A lazily recompiled GraphModule's forward recompiles, then goes
+            # through __call__: generate its code now and bind the real one.
+            if hasattr(module, "real_recompile"):
+                module.real_recompile()
+            fn = module.forward
         object.__setattr__(split_gm, name, fn)
 
 
