@@ -1,12 +1,16 @@
 """Host cost of what a PIECEWISE decode step does between graph replays.
 
     python bench/host_overhead.py [--batch 1] [--context 500] [--calls 2000]
+        [--batches 1,64,256] [--prefill 4] [--out bench/results/host_overhead.md]
     python bench/host_overhead.py --prepare [--batches 1,64,256]   (any device)
 
 Each line: microseconds of host time per call (perf_counter over `--calls`
 calls, device work left queued; the device work of each call is a few
 microseconds, so the host is what is timed), median of 5 rounds. Shapes are the
-bench preset's attention (32 heads, 4 KV heads, head dim 64, bf16).
+bench preset's attention (32 heads, 4 KV heads, head dim 64, bf16). The first
+table times single calls at decode batch `--batch`; the second, one layer's
+eager region (the attention call alone: the KV write runs inside the graph
+piece before it) at decode batches `--batches` and one prefill step.
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
 the persistent buffers and block tables, build metadata): the host work in
@@ -74,7 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--prepare", action="store_true", help="time prepare_step (any device)")
-    ap.add_argument("--batches", default="1,64,256", help="decode batches for --prepare")
+    ap.add_argument("--batches", default="1,64,256", help="decode batches (eager region, --prepare)")
+    ap.add_argument("--prefill", type=int, default=4, help="requests of 128 tokens in the prefill row")
+    ap.add_argument("--out", help="also write the tables (markdown) here")
     args = ap.parse_args(argv)
     if args.prepare:
         rows = prepare_rows([int(b) for b in args.batches.split(",")], args.context,
@@ -85,60 +91,151 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (or --prepare)")
+    import triton
+
+    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"context {args.context}, `python bench/host_overhead.py {' '.join(argv or sys.argv[1:])}`")
+    tables = [("Calls at decode batch %d (host us per call)" % args.batch, ["call", "host us"],
+               [(n, f"{us:.1f}") for n, us in call_rows(args.batch, args.context, args.calls)])]
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        rows += eager_region_rows(f"decode, batch {B}", [1] * B, args.context, args.calls)
+    rows += eager_region_rows(f"prefill, {args.prefill} requests x 128 tokens", [128] * args.prefill,
+                              args.context, args.calls)
+    tables.append(("One layer's eager region in PIECEWISE: the attention call (host and device us "
+                   "per layer)", ["batch", "call", "host us", "device us"], rows))
+    text = f"{head}\n\n" + "\n\n".join(_markdown(*t) for t in tables)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _markdown(title: str, columns: list[str], rows: list[tuple]) -> str:
+    lines = [f"{title}:", "", "| " + " | ".join(columns) + " |",
+             "|" + "".join("---:|" if c.endswith(" us") else "---|" for c in columns)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _decode_inputs(q_lens: list[int], context: int, num_layers: int = 1):
+    """Query, per-layer caches and metadata of one step: requests with
+    `q_lens` new tokens each after `context` cached ones (bench preset's
+    attention: 32 heads, 4 KV heads, head dim 64, bf16, block size 16)."""
     from compile_backend.runner.attention_metadata import AttentionMetadata
-    from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
-    from kernels.unified_attention import unified_attention, unified_attention_impl
 
     dev, dt = "cuda", torch.bfloat16
-    B, H, KVH, D, bs = args.batch, 32, 4, 64, 16
-    blocks = math.ceil((args.context + 1) / bs)
+    B, H, KVH, D, bs = len(q_lens), 32, 4, 64, 16
+    T = sum(q_lens)
+    blocks = math.ceil((context + max(q_lens)) / bs)
     g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(B, H, D, device=dev, dtype=dt, generator=g)
-    k = torch.randn(B, KVH, D, device=dev, dtype=dt, generator=g)
-    v = torch.randn(B, KVH, D, device=dev, dtype=dt, generator=g)
-    kc = torch.randn(B * blocks + 1, bs, KVH, D, device=dev, dtype=dt, generator=g)
-    vc = torch.randn_like(kc)
+    q = torch.randn(T, H, D, device=dev, dtype=dt, generator=g)
+    caches = [(torch.randn(B * blocks + 1, bs, KVH, D, device=dev, dtype=dt, generator=g),
+               torch.randn(B * blocks + 1, bs, KVH, D, device=dev, dtype=dt, generator=g))
+              for _ in range(num_layers)]
+    qsl = torch.tensor([0] + [sum(q_lens[: i + 1]) for i in range(B)], device=dev, dtype=torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=torch.arange(B + 1, device=dev, dtype=torch.int32),
-        seq_lens=torch.full((B,), args.context + 1, device=dev, dtype=torch.int32),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([context + n for n in q_lens], device=dev, dtype=torch.int32),
         block_table=(1 + torch.arange(B * blocks, device=dev, dtype=torch.int32)).view(B, blocks),
-        slot_mapping=torch.arange(B, device=dev, dtype=torch.int64) * bs + bs,
-        num_reqs=B, max_query_len=1, max_seq_len=args.context + 1, for_capture=False)
-    ctx = ForwardContext(attn_metadata={"layer": meta})
-    scale = D ** -0.5
-    graph, x = torch.cuda.CUDAGraph(), torch.randn(B, 2048, device=dev, dtype=dt)
+        slot_mapping=torch.arange(T, device=dev, dtype=torch.int64) + bs,
+        num_reqs=B, max_query_len=max(q_lens), max_seq_len=context + max(q_lens), for_capture=False)
+    return q, caches, meta, D ** -0.5
+
+
+def call_rows(B: int, context: int, calls: int) -> list[tuple[str, float]]:
+    """Host us of the attention op's entry points and of a few torch calls at
+    one decode batch."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
+    from kernels.unified_attention import (unified_attention, unified_attention_direct,
+                                           unified_attention_impl)
+
+    q, [(kc, vc)], meta, scale = _decode_inputs([1] * B, context)
+    k = v = kc[0, :B].clone()
+    out = torch.empty_like(q)
+    H, D = q.shape[1:]
+    graph, x = torch.cuda.CUDAGraph(), torch.randn(B, 2048, device="cuda", dtype=q.dtype)
     with torch.cuda.graph(graph):
         x.mul_(1.0)
     rows = []
-    with set_forward_context(ctx):
+    with set_forward_context(ForwardContext(attn_metadata={"layer": meta})):
         cases = {
             "graph.replay (one kernel)": graph.replay,
-            "torch.ops.mrv2.unified_attention (dispatcher)":
-                lambda: torch.ops.mrv2.unified_attention(q, kc, vc, "layer", scale),
-            "unified_attention_impl (direct)": lambda: unified_attention_impl(q, kc, vc, "layer", scale),
+            "torch.ops.mrv2.unified_attention (dispatcher, checked)":
+                lambda: torch.ops.mrv2.unified_attention(q, kc, vc, out, "layer", scale),
+            "unified_attention_impl (checked, no dispatcher)":
+                lambda: unified_attention_impl(q, kc, vc, out, "layer", scale),
+            "unified_attention_direct (step plan, bound launches)":
+                lambda: unified_attention_direct(q, kc, vc, out, "layer", scale),
             "unified_attention launcher (checks + 2 launches)": lambda: unified_attention(
                 q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, 1,
-                args.context + 1),
+                meta.max_seq_len, out=out),
             "torch.ops.mrv2.reshape_and_cache (dispatcher)":
                 lambda: torch.ops.mrv2.reshape_and_cache(k, v, kc, vc, "layer"),
             "reshape_and_cache_impl (direct)": lambda: reshape_and_cache_impl(k, v, kc, vc, "layer"),
             "reshape_and_cache launcher (checks + 1 launch)":
                 lambda: reshape_and_cache(k, v, kc, vc, meta.slot_mapping),
-            "torch.zeros_like(q)": lambda: torch.zeros_like(q),
-            "torch.empty(scratch)": lambda: torch.empty(B * H * 8 * (D + 2), device=dev),
+            "torch.empty_like(q)": lambda: torch.empty_like(q),
+            "torch.empty(scratch)": lambda: torch.empty(B * H * 8 * (D + 2), device="cuda"),
             "dst.copy_(src) (device to device)": lambda: x.copy_(x),
         }
         for name, fn in cases.items():
             for _ in range(50):
                 fn()
-            rows.append((name, per_call_us(fn, args.calls)))
-    print(f"host us per call (batch {B}, context {args.context}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__})")
-    print("| call | host us |\n|---|---:|")
-    for name, us in rows:
-        print(f"| {name} | {us:.1f} |")
-    return 0
+            rows.append((name, per_call_us(fn, calls)))
+    return rows
+
+
+def eager_region_rows(name: str, q_lens: list[int], context: int, calls: int) -> list[tuple]:
+    """Per layer: the direct call with the step's plan (two layers of the same
+    shapes alternate, as in a model), the first call of a step (a new
+    metadata object: checks and plan), and the op through the dispatcher.
+    Host us: perf_counter around `calls` calls, device work queued (few
+    enough calls that the launch queue never fills); device us: CUDA events
+    around the same loop (what the GPU took, idle gaps included)."""
+    import dataclasses
+
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from kernels.unified_attention import unified_attention_direct as direct
+
+    q, caches, meta, scale = _decode_inputs(q_lens, context, num_layers=2)
+    (k0, v0), (k1, v1) = caches
+    out = torch.empty_like(q)
+    ctx = ForwardContext(attn_metadata={"l0": meta, "l1": meta})
+    calls = min(calls, 100)  # 4 launches each: stays within the launch queue
+
+    def two_layers():
+        direct(q, k0, v0, out, "l0", scale)
+        direct(q, k1, v1, out, "l1", scale)
+
+    def new_step():  # a step's first layer: new metadata, checks, plan
+        ctx.attn_metadata["l0"] = dataclasses.replace(meta)
+        direct(q, k0, v0, out, "l0", scale)
+
+    def dispatcher():
+        torch.ops.mrv2.unified_attention(q, k0, v0, out, "l0", scale)
+        torch.ops.mrv2.unified_attention(q, k1, v1, out, "l1", scale)
+
+    rows = []
+    with set_forward_context(ctx):
+        for label, fn, per in [("direct, step plan (per layer)", two_layers, 2),
+                               ("direct, first call of a step (checks + plan)", new_step, 1),
+                               ("op through the dispatcher (checked)", dispatcher, 2)]:
+            for _ in range(20):
+                fn()
+            host = per_call_us(fn, calls) / per
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            rows.append((name, label, f"{host:.1f}", f"{start.elapsed_time(end) * 1e3 / calls / per:.1f}"))
+        ctx.attn_metadata["l0"] = meta
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ achieved GB/s and its share of the copy bandwidth measured in the same run.
 Decode attention is compared with torch SDPA on a padded dense cache and with
 flex attention (where it compiles). Writes kernels.md and kernels.json.
 
-    python bench/kernels.py [--out-dir bench/results] [--quick]
+    python bench/kernels.py [--out-dir bench/results] [--quick] [--only sconv,kv_compress]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -179,26 +180,43 @@ def kv_write_rows(T, copy_bw, g):
     return [row(f"kv_write_t{T}", timed([f]), nbytes, copy_bw)]
 
 
-def sconv_rows(B, q_len, C, K, copy_bw, g, sweep=()):
-    T = B * q_len
+def _qsl(q_lens):
+    return torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=DEV)
+
+
+def _bound_name(fmt, q_lens, bound):
+    """fmt with {shape}: b{B}_q{len} for uniform batches, else b{B}_t{T}. A
+    bound other than the longest request (PIECEWISE passes the padded token
+    count) is named."""
+    B, T = len(q_lens), sum(q_lens)
+    shape = f"b{B}_q{q_lens[0]}" if len(set(q_lens)) == 1 else f"b{B}_t{T}"
+    return fmt.format(shape=shape) + ("" if bound == max(q_lens) else f" [max_query_len={bound}]")
+
+
+def sconv_rows(B, q_len, C, K, copy_bw, g, sweep=(), q_lens=None, bound=None):
+    q_lens = q_lens or [q_len] * B
+    B, T = len(q_lens), sum(q_lens)
+    bound = bound or max(q_lens)
     x = torch.randn(T, C, dtype=BF16, device=DEV)
     w = torch.randn(C, K, dtype=BF16, device=DEV)
     bias = torch.randn(C, dtype=BF16, device=DEV)
     state = torch.randn(B, C, K - 1, dtype=BF16, device=DEV)
-    qsl = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=DEV)
+    qsl = _qsl(q_lens)
     idx = torch.arange(B, dtype=torch.int32, device=DEV)
     init = torch.ones(B, dtype=torch.bool, device=DEV)
     nbytes = 2 * x.numel() * 2 + 2 * state.numel() * 2
-    name = f"sconv_b{B}_q{q_len}_c{C}"
-    rows = [row(name, timed([lambda: sconv(x, w, bias, state, qsl, idx, init, q_len)]), nbytes, copy_bw)]
+    name = _bound_name(f"sconv_{{shape}}_c{C}", q_lens, bound)
+    rows = [row(name, timed([lambda: sconv(x, w, bias, state, qsl, idx, init, bound)]), nbytes, copy_bw)]
     for cfg in sweep:
-        rows.append(row(f"{name} {cfg}", timed([lambda cfg=cfg: sconv(x, w, bias, state, qsl, idx, init, q_len,
+        rows.append(row(f"{name} {cfg}", timed([lambda cfg=cfg: sconv(x, w, bias, state, qsl, idx, init, bound,
                                                                       config=cfg)]), nbytes, copy_bw))
     return rows
 
 
-def compress_rows(B, q_len, ctx, ratio, copy_bw, g):
-    T = B * q_len
+def compress_rows(B, q_len, ctx, ratio, copy_bw, g, q_lens=None, bound=None):
+    q_lens = q_lens or [q_len] * B
+    B, T = len(q_lens), sum(q_lens)
+    bound = bound or max(q_lens)
     key = torch.randn(T, KVH, D, dtype=BF16, device=DEV)
     score = torch.randn(T, KVH, dtype=BF16, device=DEV)
     groups = math.ceil(ctx / ratio)
@@ -208,12 +226,12 @@ def compress_rows(B, q_len, ctx, ratio, copy_bw, g):
     sm = torch.zeros(B, KVH, device=DEV)
     ss = torch.ones(B, KVH, device=DEV)
     sa = torch.zeros(B, KVH, D, device=DEV)
-    qsl = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=DEV)
-    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    qsl = _qsl(q_lens)
+    seq_lens = torch.tensor([max(ctx, n) for n in q_lens], dtype=torch.int32, device=DEV)
     idx = torch.arange(B, dtype=torch.int32, device=DEV)
     nbytes = 2 * key.numel() * 2 + score.numel() * 2 + key.numel() * 2 // ratio
-    f = lambda: kv_compress(key, score, cache, sm, ss, sa, qsl, seq_lens, idx, table, ratio, q_len)  # noqa: E731
-    return [row(f"kv_compress_b{B}_q{q_len}_r{ratio}", timed([f]), nbytes, copy_bw)]
+    f = lambda: kv_compress(key, score, cache, sm, ss, sa, qsl, seq_lens, idx, table, ratio, bound)  # noqa: E731
+    return [row(_bound_name(f"kv_compress_{{shape}}_r{ratio}", q_lens, bound), timed([f]), nbytes, copy_bw)]
 
 
 def fmt_table(rows, copy_bw):
@@ -240,27 +258,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--only", help="comma-separated ops: decode,kv_write,prefill,sconv,kv_compress")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
     rows = []
+    # PIECEWISE passes attention-like ops max_query_len = the padded token count:
+    # a decode batch of 256 and a mixed batch (one long prefill and decodes).
+    mixed = [1985] + [1] * 63
     steps = [
-        lambda: decode_rows(64, 4096, copy_bw, g, sweep=[dict(num_splits=1), dict(num_splits=4)]),
-        lambda: decode_rows(1, 32768, copy_bw, g, sweep=[
+        ("decode", lambda: decode_rows(64, 4096, copy_bw, g, sweep=[dict(num_splits=1), dict(num_splits=4)])),
+        ("decode", lambda: decode_rows(1, 32768, copy_bw, g, sweep=[
             dict(num_splits=32), dict(num_splits=128),
-            dict(config=dict(TILE_N=32, num_stages=4)), dict(config=dict(TILE_N=128, num_stages=2, num_warps=8))]),
-        lambda: kv_write_rows(16384, copy_bw, g),
-        lambda: kv_write_rows(64, copy_bw, g),
-        lambda: prefill_rows(4, 2048, copy_bw, g),
-        lambda: sconv_rows(8, 2048, 4096, 4, copy_bw, g, sweep=[
-            dict(block_t=32, block_c=256), dict(block_t=16, block_c=512), dict(block_t=64, block_c=64, num_warps=2)]),
-        lambda: sconv_rows(64, 1, 4096, 4, copy_bw, g),
-        lambda: compress_rows(8, 2048, 2048, 4, copy_bw, g),
-        lambda: compress_rows(64, 1, 4096, 4, copy_bw, g),
+            dict(config=dict(TILE_N=32, num_stages=4)), dict(config=dict(TILE_N=128, num_stages=2, num_warps=8))])),
+        ("kv_write", lambda: kv_write_rows(16384, copy_bw, g)),
+        ("kv_write", lambda: kv_write_rows(64, copy_bw, g)),
+        ("prefill", lambda: prefill_rows(4, 2048, copy_bw, g)),
+        ("sconv", lambda: sconv_rows(8, 2048, 4096, 4, copy_bw, g, sweep=[
+            dict(block_t=32, block_c=256), dict(block_t=16, block_c=512), dict(block_t=64, block_c=64, num_warps=2)])),
+        ("sconv", lambda: sconv_rows(64, 1, 4096, 4, copy_bw, g)),
+        ("sconv", lambda: sconv_rows(256, 1, 4096, 4, copy_bw, g, bound=256)),
+        ("sconv", lambda: sconv_rows(0, 0, 4096, 4, copy_bw, g, q_lens=mixed, bound=2048)),
+        ("kv_compress", lambda: compress_rows(8, 2048, 2048, 4, copy_bw, g)),
+        ("kv_compress", lambda: compress_rows(64, 1, 4096, 4, copy_bw, g)),
+        ("kv_compress", lambda: compress_rows(256, 1, 4096, 4, copy_bw, g, bound=256)),
+        ("kv_compress", lambda: compress_rows(0, 0, 4096, 4, copy_bw, g, q_lens=mixed, bound=2048)),
     ]
     if not args.quick:
-        steps.insert(2, lambda: decode_rows(16, 8192, copy_bw, g))
-    for step in steps:
+        steps.insert(2, ("decode", lambda: decode_rows(16, 8192, copy_bw, g)))
+    if args.only:
+        steps = [s for s in steps if s[0] in args.only.split(",")]
+    for _, step in steps:
         try:
             rows += step()
         except Exception:  # noqa: BLE001

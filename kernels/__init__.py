@@ -2,12 +2,15 @@
 `mrv2` with a fake (meta) implementation and a plain-torch reference.
 
 Importing this package registers the ops:
-    mrv2::reshape_and_cache  (breakpoint)     kernels/reshape_and_cache.py
+    mrv2::reshape_and_cache  (attention-like) kernels/reshape_and_cache.py
     mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
     mrv2::sconv              (attention-like) kernels/sconv.py
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
 Their roles live in compile_backend/core/op_registry.py. Models use the layers in
 kernels/layers.py, which read metadata from the forward context by layer name.
+unified_attention writes an out-parameter; eager pieces call it through
+`unified_attention_direct` (one checked call and one plan per step, then
+bound Triton launches: Note [attention plans], kernels/_launch.py).
 
 Dispatch (kernels/_common.py): CUDA tensors, or any tensors with
 TRITON_INTERPRET=1, run the Triton kernels; plain CPU tensors run the torch

@@ -15,6 +15,7 @@ import os
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
+import triton
 import triton.language as tl
 
 from compile_backend.core.forward_context import get_forward_context
@@ -49,6 +50,55 @@ def dot_precision(dtype: torch.dtype) -> str:
 # into an int32 tensor, which loads and stores then reject as a mask. Kernels
 # therefore fold a scalar condition into a bound instead:
 #     mask = offs < tl.where(cond, N, 0)      # not: (offs < N) & cond
+
+
+# Note [request tiles]: kernels over a batch's tokens launch a grid sized by
+# the tokens present, never by requests x a padded max_query_len (in PIECEWISE
+# that bound is the padded token count T, and most such programs would find
+# nothing to do). Axis 0 has cdiv(T, TILE) + B programs; request b owns the
+# programs from first(b) = qsl[b] // TILE + b to first(b + 1) - 1, at least
+# cdiv(q_len_b, TILE) of them, and its local tile j holds its tokens
+# [j * TILE, (j + 1) * TILE). The programs from first(B) on make a padding
+# pseudo-request b = B over the tokens [qsl[B], T): no keys, no state, output
+# 0. A program finds its request by counting the requests that start at or
+# before it (one vector load of query_start_loc per SEARCH requests).
+# With ONE_TOKEN (max_query_len == 1: every request has at most one token) the
+# grid is max(B, T): program p is request p (when p < B) and also writes the
+# zero row p when p lies in [qsl[B], T) (`pad_row`, -1 otherwise). The grid
+# depends only on shapes and Python ints, so the kernels stay capturable.
+SEARCH = 256
+
+
+def request_grid(num_tokens: int, num_reqs: int, tile: int, one_token: bool) -> int:
+    """Programs on axis 0 for Note [request tiles]."""
+    return max(num_reqs, num_tokens) if one_token else cdiv(num_tokens, tile) + num_reqs
+
+
+@triton.jit
+def request_tile(qsl_ptr, num_reqs, num_tokens, TILE: tl.constexpr, SEARCH: tl.constexpr,
+                 ONE_TOKEN: tl.constexpr):
+    """Note [request tiles]: this program's (b, q_start, q_len, tile, pad_row);
+    b == num_reqs is the padding pseudo-request."""
+    pid = tl.program_id(0)
+    if ONE_TOKEN:
+        b = tl.minimum(pid, num_reqs)
+        end = tl.load(qsl_ptr + num_reqs)
+        pad_row = tl.where((pid >= end) & (pid < num_tokens), pid, -1)
+    else:
+        b = pid * 0
+        for i in range(0, num_reqs, SEARCH):
+            r = i + 1 + tl.arange(0, SEARCH)  # requests 1..B
+            ok = r <= num_reqs
+            first = tl.load(qsl_ptr + r, mask=ok, other=0) // TILE + r
+            b += tl.sum(((first <= pid) & ok).to(tl.int32), 0)
+        pad_row = pid * 0 - 1
+    q_start = tl.load(qsl_ptr + b)
+    q_end = tl.load(qsl_ptr + b + 1, mask=b < num_reqs, other=num_tokens)  # pseudo-request: to T
+    tile = pid - (q_start // TILE + b)
+    if ONE_TOKEN:  # the pseudo-request is empty; its rows go through pad_row
+        q_end = tl.where(b < num_reqs, q_end, q_start)
+        tile = pid * 0
+    return b, q_start, q_end - q_start, tile, pad_row
 
 
 def tl_dtype(dtype: torch.dtype):
@@ -146,6 +196,19 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, dtype
             f"value_cache: expected the shape of key_cache {tuple(key_cache.shape)}, "
             f"got {tuple(value_cache.shape)}"
         )
+
+
+def check_paged_metadata(device: torch.device, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, block_table: torch.Tensor) -> int:
+    """query_start_loc [B+1], seq_lens [B] and block_table [B, *] (last dim
+    contiguous), int32 on `device`, else ValueError; returns B."""
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+    B = query_start_loc.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
+                 last_dim_contiguous=True)
+    check_tensor("block_table", block_table, shape=(B, None))
+    return B
 
 
 def layer_metadata(layer_name: str, event: str):

@@ -13,7 +13,10 @@ this step is not a group boundary (it continues a group).
 
 out[t] is the running compressed value of t's group up to and including t
 (acc / sum), so a state bug shows in the per-token output. Padding rows
-(state index -1) touch no state or cache; their tokens' output is 0.
+(state index -1) touch no state or cache; their tokens' output, like that of
+any token outside a request, is 0, written by the kernel (no zeroing
+launch). The grid scales with the tokens present (Note [request tiles] in
+kernels/_common.py).
 
 Within a group, tokens are folded in one at a time, always by the same code,
 and the state is stored in fp32 exactly as held in registers: a sequence run
@@ -28,33 +31,35 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_tensor, layer_metadata,
-    next_pow2, use_triton,
+    FLOAT_DTYPES, SEARCH, check_device, check_ids, check_int, check_paged_metadata, check_tensor,
+    layer_metadata,
+    next_pow2, request_grid, request_tile, use_triton,
 )
 
 
 @triton.jit
 def _kv_compress_kernel(
     key_ptr, score_ptr, cache_ptr, state_max_ptr, state_sum_ptr, state_acc_ptr, out_ptr,
-    qsl_ptr, seq_lens_ptr, state_idx_ptr, block_table_ptr,
+    qsl_ptr, seq_lens_ptr, state_idx_ptr, block_table_ptr, num_reqs, num_tokens,
     stride_k_t, stride_k_h, stride_sc_t, stride_sc_h, stride_o_t, stride_o_h,
     stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
     stride_sm_slot, stride_sa_slot, stride_sa_h,
     RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ONE_TOKEN: tl.constexpr, SEARCH: tl.constexpr,
 ):
-    # Program (b, j, h) folds local group j of request b for kv head h. Program
-    # j == 0 owns the state: it folds the first group (which may continue the
-    # carried state) and, when the step spans several groups, also the last
-    # one (whose end state is carried on), so reads and writes of a slot's
-    # state happen in one program.
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
-    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+    # Programs (tile j of request b, kv head h) over tiles of RATIO tokens
+    # (Note [request tiles] in _common.py): program j folds local group j of
+    # request b. Program j == 0 owns the state: it folds the first group
+    # (which may continue the carried state) and, when the step spans several
+    # groups, also the last one (whose end state is carried on), so reads and
+    # writes of a slot's state happen in one program. A request has at least
+    # n_groups - 1 programs. Tokens of requests without a state (and of the
+    # padding pseudo-request) get output 0: tile j writes its RATIO rows.
+    h = tl.program_id(1)
+    b, q_start, q_len, j, pad_row = request_tile(qsl_ptr, num_reqs, num_tokens, RATIO, SEARCH,
+                                                 ONE_TOKEN)
+    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0)
+    slot = tl.load(state_idx_ptr + b, mask=b < num_reqs, other=-1).to(tl.int64)
     real = (slot >= 0) & (q_len > 0)
     start_pos = seq_len - q_len
     g0 = start_pos // RATIO
@@ -116,44 +121,15 @@ def _kv_compress_kernel(
     tl.store(state_sum_ptr + sm_off, ssum, mask=owns_state)
     tl.store(state_acc_ptr + sa_off, acc, mask=d < tl.where(owns_state, HEAD_DIM, 0))
 
-
-def _check(key, score, compressed_cache, state_max, state_sum, state_acc,
-           query_start_loc, seq_lens, state_indices, block_table, ratio, max_query_len):
-    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    device = check_device("key", key)
-    T, KVH, D = key.shape
-    check_tensor("score", score, shape=(T, KVH), dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("compressed_cache", compressed_cache, ndim=4, dtypes=(key.dtype,), dtype_of="key", device=device,
-                 contiguous=True)
-    check_tensor("compressed_cache", compressed_cache, shape=(None, None, KVH, D))
-    check_tensor("state_max", state_max, ndim=2, dtypes=(torch.float32,), device=device,
-                 contiguous=True)
-    S = state_max.shape[0]
-    check_tensor("state_max", state_max, shape=(S, KVH))
-    check_tensor("state_sum", state_sum, shape=(S, KVH), dtypes=(torch.float32,), device=device,
-                 contiguous=True)
-    check_tensor("state_acc", state_acc, shape=(S, KVH, D), dtypes=(torch.float32,), device=device,
-                 contiguous=True)
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
-    B = query_start_loc.shape[0] - 1
-    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=device)
-    check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
-                 last_dim_contiguous=True)
-    check_tensor("block_table", block_table, shape=(B, None))
-    check_int("ratio", ratio, 1)
-    check_int("max_query_len", max_query_len, 0)
-    _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
-               block_table, ratio)
-    return device, B
-
-
-def _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
-               block_table, ratio):
-    check_ids("kv_compress", num_tokens=key.shape[0], query_start_loc=query_start_loc,
-              seq_lens=seq_lens, block_table=block_table,
-              cache=("compressed_cache", compressed_cache), positions_per_entry=ratio,
-              state_indices=state_indices, states=("state_max", state_max.shape[0]))
+    # Zero rows: this tile's tokens when the request folds none, and pad_row.
+    zero = tl.zeros([BLOCK_D], out_ptr.dtype.element_ty)
+    n_zero = tl.where(real, 0, tl.minimum(tl.maximum(q_len - j * RATIO, 0), RATIO))
+    for i in range(0, n_zero):
+        t = (q_start + j * RATIO + i).to(tl.int64)
+        tl.store(out_ptr + t * stride_o_t + h * stride_o_h + d, zero, mask=d_ok)
+    if ONE_TOKEN:
+        tl.store(out_ptr + pad_row.to(tl.int64) * stride_o_t + h * stride_o_h + d, zero,
+                 mask=d < tl.where(pad_row >= 0, HEAD_DIM, 0))
 
 
 def kv_compress(
@@ -169,12 +145,15 @@ def kv_compress(
     block_table: torch.Tensor,
     ratio: int,
     max_query_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher. key [T, KVH, D] (last dim contiguous); score [T, KVH];
     compressed_cache [num_blocks, block_size, KVH, D] of key's dtype; state
     tensors fp32 contiguous; metadata int32 as in CompressorMetadata.
-    `max_query_len` (Python int) bounds every request's token count. Any
+    `max_query_len` (Python int) bounds every request's token count; the grid
+    scales with T (Note [request tiles]), 1 takes the decode shortcut. Any
     head size D >= 1 works (no tl.dot; one [BLOCK_D] vector per program).
+    Writes every row of `out` ([T, KVH, D] like key; new when None), returns it.
 
     Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
@@ -184,41 +163,61 @@ def kv_compress(
     block ids of its complete groups (its first ceil((seq_len // ratio) /
     block_size) entries) to lie in [0, num_blocks). Anything else reads and
     writes other memory."""
-    device, B = _check(key, score, compressed_cache, state_max, state_sum, state_acc,
-                       query_start_loc, seq_lens, state_indices, block_table, ratio, max_query_len)
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = check_device("key", key)
     T, KVH, D = key.shape
-    out = torch.zeros_like(key)  # padding rows' tokens stay 0
-    if B <= 0 or max_query_len == 0 or T == 0:
+    check_tensor("score", score, shape=(T, KVH), dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("compressed_cache", compressed_cache, ndim=4, dtypes=(key.dtype,), dtype_of="key", device=device,
+                 contiguous=True)
+    check_tensor("compressed_cache", compressed_cache, shape=(None, None, KVH, D))
+    check_tensor("state_max", state_max, ndim=2, dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    S = state_max.shape[0]
+    check_tensor("state_max", state_max, shape=(S, KVH))
+    check_tensor("state_sum", state_sum, shape=(S, KVH), dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    check_tensor("state_acc", state_acc, shape=(S, KVH, D), dtypes=(torch.float32,), device=device,
+                 contiguous=True)
+    B = check_paged_metadata(device, query_start_loc, seq_lens, block_table)
+    check_tensor("state_indices", state_indices, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_int("ratio", ratio, 1)
+    check_int("max_query_len", max_query_len, 0)
+    if out is not None:
+        check_tensor("out", out, shape=(T, KVH, D), dtypes=(key.dtype,), dtype_of="key",
+                     device=device, last_dim_contiguous=True)
+    _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
+               block_table, ratio)
+
+    if out is None:
+        out = torch.empty((T, KVH, D), dtype=key.dtype, device=device)
+    if T == 0:
         return out
-    # Groups one request can touch: its first may start mid-group.
-    max_groups = cdiv(max_query_len + ratio - 1, ratio)
-    _kv_compress_kernel[(B, max_groups, KVH)](
+    one_token = max_query_len == 1
+    _kv_compress_kernel[(request_grid(T, B, ratio, one_token), KVH)](
         key, score, compressed_cache, state_max, state_sum, state_acc, out,
-        query_start_loc, seq_lens, state_indices, block_table,
+        query_start_loc, seq_lens, state_indices, block_table, B, T,
         key.stride(0), key.stride(1), score.stride(0), score.stride(1), out.stride(0), out.stride(1),
         compressed_cache.stride(0), compressed_cache.stride(1), compressed_cache.stride(2),
         block_table.stride(0), state_max.stride(0), state_acc.stride(0), state_acc.stride(1),
         RATIO=ratio, HEAD_DIM=D, BLOCK_D=next_pow2(D), BLOCK_SIZE=compressed_cache.shape[1],
-        num_warps=1 if D <= 128 else 2,
+        ONE_TOKEN=one_token, SEARCH=SEARCH, num_warps=1 if D <= 128 else 2,
     )
     return out
 
 
-def kv_compress_ref(
-    key: torch.Tensor,
-    score: torch.Tensor,
-    compressed_cache: torch.Tensor,
-    state_max: torch.Tensor,
-    state_sum: torch.Tensor,
-    state_acc: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    state_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    ratio: int,
-) -> torch.Tensor:
-    """Plain torch, token by token (all heads at once); updates the cache and
-    the state in place. Index checks as in `kv_compress`."""
+def _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
+               block_table, ratio):
+    check_ids("kv_compress", num_tokens=key.shape[0], query_start_loc=query_start_loc,
+              seq_lens=seq_lens, block_table=block_table,
+              cache=("compressed_cache", compressed_cache), positions_per_entry=ratio,
+              state_indices=state_indices, states=("state_max", state_max.shape[0]))
+
+
+def kv_compress_ref(key, score, compressed_cache, state_max, state_sum, state_acc,
+                    query_start_loc, seq_lens, state_indices, block_table, ratio) -> torch.Tensor:
+    """Plain torch, token by token (all heads at once), with `kv_compress`'s
+    tensor arguments and ratio; updates the cache and the state in place.
+    Index checks as in `kv_compress`."""
     _check_ids(key, compressed_cache, state_max, query_start_loc, seq_lens, state_indices,
                block_table, ratio)
     out = torch.zeros_like(key)
@@ -258,16 +257,8 @@ def kv_compress_ref(
     schema="(Tensor key, Tensor score, Tensor(a!) compressed_cache, Tensor(b!) state_max, "
     "Tensor(c!) state_sum, Tensor(d!) state_acc, str layer_name, int ratio) -> Tensor",
 )
-def kv_compress_op(
-    key: torch.Tensor,
-    score: torch.Tensor,
-    compressed_cache: torch.Tensor,
-    state_max: torch.Tensor,
-    state_sum: torch.Tensor,
-    state_acc: torch.Tensor,
-    layer_name: str,
-    ratio: int,
-) -> torch.Tensor:
+def kv_compress_op(key, score, compressed_cache, state_max, state_sum, state_acc, layer_name,
+                   ratio) -> torch.Tensor:  # types: the schema
     meta = layer_metadata(layer_name, "kv_compress")  # CompressorMetadata
     args = (key, score, compressed_cache, state_max, state_sum, state_acc,
             meta.query_start_loc, meta.seq_lens, meta.state_indices, meta.block_table, ratio)

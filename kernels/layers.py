@@ -71,8 +71,12 @@ class PagedAttention(nn.Module):
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         torch.ops.mrv2.reshape_and_cache(k, v, self.k_cache, self.v_cache, self.layer_name)
-        out = torch.ops.mrv2.unified_attention(q, self.k_cache, self.v_cache, self.layer_name, self.scale)
-        return out.reshape(T, self.num_heads * self.head_dim)
+        # Allocated here, before the breakpoint op: under torch.compile the
+        # allocation belongs to the preceding graph piece, and the next piece
+        # reads the output where the op wrote it (a replay copies nothing).
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        torch.ops.mrv2.unified_attention(q, self.k_cache, self.v_cache, out, self.layer_name, self.scale)
+        return out.view(T, self.num_heads * self.head_dim)
 
 
 class ShortConv(nn.Module):

@@ -82,15 +82,9 @@ def reshape_and_cache(
     )
 
 
-def reshape_and_cache_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Plain torch, in place (the tests' reference and the CPU fallback).
-    Index checks as in `reshape_and_cache`."""
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Plain torch, in place, with `reshape_and_cache`'s arguments (the tests'
+    reference and the CPU fallback). Index checks as in `reshape_and_cache`."""
     check_ids("reshape_and_cache", slot_mapping=slot_mapping, cache=("key_cache", key_cache))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]

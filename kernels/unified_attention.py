@@ -8,16 +8,23 @@ sees keys at positions <= that. Grouped-query attention: query head h reads kv
 head h // (H // KVH).
 
 Two paths, picked by the Python int `max_query_len`:
-  * prefill / mixed (max_query_len > 1): one program per (request, query tile,
-    kv head); the tile's rows are BLOCK_Q tokens x the kv head's query heads.
+  * prefill / mixed (max_query_len != 1): one program per (query tile, kv
+    head), the tiles laid over the flattened batch (Note [request tiles] in
+    kernels/_common.py); a tile's rows are BLOCK_Q tokens of one request x the
+    kv head's query heads.
   * decode (max_query_len == 1): split-KV ("flash decoding"): one program per
     (request, kv head, split) writes a partial result, a reduce kernel merges
     the splits. The number of splits comes from num_reqs, KVH, max_seq_len and
     the SM count, never from tensor values (the op runs inside CUDA graphs).
 
-Output rows of tokens that belong to no request (padding beyond qsl[B]) are 0.
-Configs are chosen by functions, not autotuned: autotuning would benchmark
-during the first call, which may be a CUDA-graph capture.
+The op writes its output (an out-parameter, so that a caller can allocate it
+where a CUDA graph keeps it). Rows of tokens that belong to no request (past
+qsl[B]) come out 0, written by the kernels themselves (prefill: the padding
+pseudo-request's tiles; decode: the reduce kernel), so no zeroing launch is
+needed. Configs are chosen by functions, not autotuned: autotuning would
+benchmark during the first call, which may be a CUDA-graph capture.
+
+Eager pieces call `unified_attention_direct` (Note [attention plans]).
 
 Note [dot tiles]: on the GPU, `tl.dot` needs every dimension >= 16 (the
 interpreter does not check). The head dimension of every tile (BLOCK_D) is
@@ -35,12 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
-from compile_backend.core.direct_calls import direct_custom_op
+from compile_backend.core.direct_calls import register_direct_impl
+from compile_backend.core.forward_context import get_forward_context
 
+from . import _common
 from ._common import (
-    FLOAT_DTYPES, cdiv, check_device, check_ids, check_int, check_kv_caches, check_tensor,
-    dot_precision, interpreting, layer_metadata, next_pow2, upcast_dots, use_triton,
+    FLOAT_DTYPES, SEARCH, cdiv, check_device, check_ids, check_int, check_kv_caches,
+    check_paged_metadata, check_tensor, dot_precision, interpreting, layer_metadata, next_pow2, request_grid, request_tile, upcast_dots,
+    use_triton,
 )
+from ._launch import Launch, current_device, current_stream, hooks_unset, stream_capturing
 
 LOG2E = 1.4426950408889634
 # Smallest number of keys a split should own; below this the reduce costs more
@@ -92,19 +103,18 @@ def _kv_tile_step(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2,
+    scale_log2, num_reqs, num_tokens,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kvh = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
+    kvh = tl.program_id(1)
+    b, q_start, q_len, q_tile, _ = request_tile(qsl_ptr, num_reqs, num_tokens, BLOCK_Q, SEARCH, False)
+    # The padding pseudo-request (b == num_reqs) has no keys: its rows come out 0.
+    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0)
     context_len = seq_len - q_len
 
     # Rows: BLOCK_Q tokens x QUERIES_PER_KV heads (rows past BLOCK_Q*QPK unused).
@@ -137,8 +147,7 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    o_rows = (q_start + tok).to(tl.int64)
-    tl.store(out_ptr + o_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+    tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -154,12 +163,14 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # Program (b, kvh, split) writes every partial entry of its heads and split,
+    # empty ones too (m = -1e30, l = 0), so scratch needs no initialisation.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + b), 0)
+    has_query = tl.load(qsl_ptr + b + 1) > q_start
+    seq_len = tl.where(has_query, tl.load(seq_lens_ptr + b), 0)
     # Each split owns a TILE_N-aligned range of this request's own keys.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     lo = split * per_split
@@ -171,7 +182,7 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h + d[None, :],
-                mask=(hr < tl.where(q_len > 0, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :],
+                mask=(hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :],
                 other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -197,31 +208,36 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, qsl_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, qsl_ptr, num_reqs, num_tokens,
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
     stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SEARCH: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # Program (p, head), p < max(B, T): request p's output row (when p < B and
+    # it has its query) and the zero row p when p lies past qsl[B] (Note
+    # [request tiles], ONE_TOKEN).
     head = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    b, q_start, q_len, _, pad_row = request_tile(qsl_ptr, num_reqs, num_tokens, 1, SEARCH, True)
+    b = tl.minimum(b, num_reqs - 1).to(tl.int64)  # partials exist for b < B only
     sp = tl.arange(0, BLOCK_S)
     s_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + sp
+    pm = b * stride_pm_b + head * stride_pm_h + sp
     m = tl.load(part_m_ptr + pm, mask=s_ok, other=-1.0e30)
     l = tl.load(part_l_ptr + pm, mask=s_ok, other=0.0)
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)  # empty splits: m = -1e30 => weight 0
     denom = tl.sum(l * w, 0)
-    pa = b.to(tl.int64) * stride_pa_b + head * stride_pa_h + sp[:, None] * stride_pa_s + d[None, :]
+    pa = b * stride_pa_b + head * stride_pa_h + sp[:, None] * stride_pa_s + d[None, :]
     acc = tl.load(part_acc_ptr + pa, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_o_t + head * stride_o_h + d,
-             out.to(out_ptr.dtype.element_ty), mask=d < tl.where(q_len > 0, HEAD_DIM, 0))
+    o_head = out_ptr + head * stride_o_h + d
+    tl.store(o_head + q_start.to(tl.int64) * stride_o_t, out.to(out_ptr.dtype.element_ty),
+             mask=d < tl.where(q_len > 0, HEAD_DIM, 0))
+    tl.store(o_head + pad_row.to(tl.int64) * stride_o_t, tl.zeros([BLOCK_D], out_ptr.dtype.element_ty),
+             mask=d < tl.where(pad_row >= 0, HEAD_DIM, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,33 +270,10 @@ def _tiles(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, TILE_N=32 if big else 64, num_warps=4, num_stages=stages)
 
 
-def unified_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    num_splits: int | None = None,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """Launcher. query [T, H, D] (last dim contiguous); caches
-    [num_blocks, block_size, KVH, D] contiguous, query's dtype; query_start_loc
-    [B+1] int32; seq_lens [B] int32; block_table [B, max_blocks] int32.
-    `max_query_len` / `max_seq_len` bound the batch (Python ints, shape the
-    grid); `num_splits` overrides the decode split count and `config` the
-    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks;
-    tile sizes are rounded up to powers of two >= 16 (Note [dot tiles]).
-
-    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
-    and for CUDA ones under `set_debug_checks(True)`. Without them the kernels
-    trust that query_start_loc stays within the T tokens, that each request
-    with queries has seq_len >= its query count and within its block_table
-    row, and that the block ids it reads (its first ceil(seq_len /
-    block_size)) lie in [0, num_blocks); anything else reads other memory."""
+def _check(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
+           max_query_len, max_seq_len, num_splits=None) -> None:
+    """Every check of the launcher (ValueError naming the argument); `output`
+    may be None (the launcher allocates it)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = check_device("query", query)
     T, H, D = query.shape
@@ -294,66 +287,155 @@ def unified_attention(
         raise ValueError(f"query: expected a number of heads divisible by the cache's {KVH} kv heads, got {H}")
     if block_size & (block_size - 1):
         raise ValueError(f"key_cache: expected a power-of-two block size, got {block_size}")
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
-    B = query_start_loc.shape[0] - 1
-    check_tensor("seq_lens", seq_lens, shape=(B,), dtypes=(torch.int32,), device=device)
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device,
-                 last_dim_contiguous=True)
-    check_tensor("block_table", block_table, shape=(B, None))
+    if output is not None:
+        _check_output(query, output, device)
+    check_paged_metadata(device, query_start_loc, seq_lens, block_table)
     check_int("max_query_len", max_query_len, 0)
     check_int("max_seq_len", max_seq_len, 0)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, 1)
     check_ids("unified_attention", num_tokens=T, query_start_loc=query_start_loc,
               seq_lens=seq_lens, block_table=block_table, cache=("key_cache", key_cache))
 
-    out = torch.zeros_like(query)  # padding tokens stay 0
-    if B <= 0 or max_query_len == 0 or T == 0:
-        return out
-    qpk = H // KVH
-    scale_log2 = float(scale) * LOG2E
-    cfg = {**_tiles(D, query.dtype), **(config or {})}
-    tile_n = _dot_dim(cfg["TILE_N"])
-    common = dict(HEAD_DIM=D, BLOCK_D=_dot_dim(D), BLOCK_SIZE=block_size,
-                  UPCAST=upcast_dots(query.dtype), DOT_PRECISION=dot_precision(query.dtype))
-    if max_query_len == 1:
-        S = num_splits or num_kv_splits(B, KVH, max_seq_len, device)
-        # One scratch allocation: [B, H, S, D] partial sums, then [B, H, S] max and sum.
-        scratch = torch.empty(B * H * S * (D + 2), dtype=torch.float32, device=device)
-        part_acc = scratch[: B * H * S * D].view(B, H, S, D)
-        part_m = scratch[B * H * S * D: B * H * S * (D + 1)].view(B, H, S)
-        part_l = scratch[B * H * S * (D + 1):].view(B, H, S)
-        _decode_split_kernel[(B, KVH, S)](
-            query, key_cache, value_cache, part_acc, part_m, part_l,
-            query_start_loc, seq_lens, block_table, scale_log2,
-            query.stride(0), query.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_m.stride(0), part_m.stride(1),
-            QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), TILE_N=tile_n,
-            NUM_SPLITS=S, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
-        )
-        _decode_reduce_kernel[(B, H)](
-            part_acc, part_m, part_l, out, query_start_loc,
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_m.stride(0), part_m.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=S, BLOCK_S=next_pow2(S),
-            num_warps=4,
-        )
-        return out
 
-    block_m = max(_dot_dim(cfg["BLOCK_M"]), next_pow2(qpk))
-    block_q = block_m // qpk
-    grid = (B, cdiv(max_query_len, block_q), KVH)
-    _prefill_kernel[grid](
-        query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, scale_log2,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
-    )
-    return out
+def _check_output(query: torch.Tensor, output: object, device: torch.device) -> None:
+    check_tensor("output", output, shape=tuple(query.shape), dtypes=(query.dtype,),
+                 dtype_of="query", device=device, last_dim_contiguous=True)
 
 
-def unified_attention_ref(
+# Note [attention plans]: an eager piece calls `unified_attention_direct` once
+# per layer. All but the tensors' contents is the same for every layer of a
+# step with the same shapes: the checks, the path, the grid, the number of KV
+# splits, the strides, the split-KV scratch. The first such call of a step runs
+# the launcher's full checks and builds a `_Plan`, kept on the step's metadata
+# object (attribute `_mrv2_attention_plans`, keyed by `_plan_key`: shapes,
+# strides, dtypes and devices of query, caches and output); later calls find
+# it and launch its kernels through bound launchers (kernels/_launch.py).
+# A plan is used only where it does what the checked call would: the same
+# key, the same metadata tensors (identity) and Python ints, 16-byte aligned
+# tensors (what the bound kernels were specialised for), debug_checks off,
+# and on CUDA no graph capture, no Triton launch hooks, and the device and
+# stream the plan was built on. Anything else runs the checked path. Layers
+# share the plan's scratch: a later layer's split kernel overwrites it only
+# after the earlier layer's reduce (one stream, launch order). On CPU (the
+# interpreter) a plan launches normally and still checks the index values
+# every call (Note [index checks]).
+_PLANS = "_mrv2_attention_plans"
+
+
+def _plan_key(query, key_cache, value_cache, output) -> tuple:
+    return (query.shape, query.stride(), key_cache.shape, key_cache.stride(), value_cache.shape,
+            value_cache.stride(), output.shape, output.stride(), query.dtype, key_cache.dtype,
+            value_cache.dtype, output.dtype, query.device, key_cache.device, value_cache.device,
+            output.device)
+
+
+def _aligned(query, key_cache, value_cache, output) -> bool:
+    return not (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()
+                | output.data_ptr()) & 15
+
+
+class _Plan:
+    """The launches of one attention call, all but query, caches, output and
+    scale fixed: `run(query, key_cache, value_cache, output, scale_log2,
+    stream)`. Built from checked arguments (`_check`)."""
+
+    __slots__ = ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len",
+                 "device_index", "stream", "run")
+
+    def __init__(self, query, key_cache, output, query_start_loc, seq_lens, block_table,
+                 max_query_len, max_seq_len, num_splits=None, config=None, *, bind=False):
+        self.query_start_loc, self.seq_lens, self.block_table = query_start_loc, seq_lens, block_table
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+        if query.is_cuda:
+            self.device_index = current_device()
+            self.stream = current_stream(self.device_index)
+        else:
+            self.device_index, self.stream = -1, 0
+        T, H, D = query.shape
+        KVH, block_size = key_cache.shape[2], key_cache.shape[1]
+        B = query_start_loc.shape[0] - 1
+        qpk = H // KVH
+        cfg = {**_tiles(D, query.dtype), **(config or {})}
+        common = dict(HEAD_DIM=D, BLOCK_D=_dot_dim(D), BLOCK_SIZE=block_size,
+                      TILE_N=_dot_dim(cfg["TILE_N"]), UPCAST=upcast_dots(query.dtype),
+                      DOT_PRECISION=dot_precision(query.dtype), num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
+        strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+                   key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0))
+        if T == 0:
+            self.run = _no_launch
+        elif max_query_len == 1 and B > 0:
+            self.run = _decode_run(B, T, H, KVH, D, qpk, query.device, query_start_loc, seq_lens,
+                                   block_table, strides, common,
+                                   num_splits or num_kv_splits(B, KVH, max_seq_len, query.device), bind)
+        else:
+            block_m = max(_dot_dim(cfg["BLOCK_M"]), next_pow2(qpk))
+            block_q = block_m // qpk
+            prefill = Launch(_prefill_kernel, (request_grid(T, B, block_q, False), KVH),
+                             dict(QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_q,
+                                  SEARCH=SEARCH, **common), bind=bind)
+            fixed = (query_start_loc, seq_lens, block_table)
+            tail = (B, T, *strides)
+
+            def run(q, kc, vc, out, scale_log2, stream):
+                prefill.launch(stream, (q, kc, vc, out, *fixed, scale_log2, *tail))
+
+            self.run = run
+
+    def ready(self, meta, query, key_cache, value_cache, output) -> int | None:
+        """The stream to launch on if this plan may serve this call (Note
+        [attention plans]), else None."""
+        if (meta.query_start_loc is not self.query_start_loc or meta.seq_lens is not self.seq_lens
+                or meta.block_table is not self.block_table or meta.max_query_len != self.max_query_len
+                or meta.max_seq_len != self.max_seq_len or _common._debug_checks
+                or not _aligned(query, key_cache, value_cache, output)):
+            return None
+        if self.device_index < 0:
+            check_ids("unified_attention", num_tokens=query.shape[0],
+                      query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                      block_table=self.block_table, cache=("key_cache", key_cache))
+            return 0
+        if stream_capturing() or not hooks_unset() or current_device() != self.device_index:
+            return None
+        stream = current_stream(self.device_index)
+        return stream if stream == self.stream else None
+
+
+def _no_launch(q, kc, vc, out, scale_log2, stream) -> None:
+    pass
+
+
+def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
+                common, S, bind):
+    """The split-KV decode launches, with their scratch: [B, H, S, D] partial
+    sums, then [B, H, S] maxima and sums, each at a 16-byte aligned offset."""
+    n_acc, n_ml = B * H * S * D, B * H * S
+    a, m = cdiv(n_acc, 4) * 4, cdiv(n_ml, 4) * 4
+    scratch = torch.empty(a + 2 * m, dtype=torch.float32, device=device)
+    part_acc = scratch[:n_acc].view(B, H, S, D)
+    part_m = scratch[a: a + n_ml].view(B, H, S)
+    part_l = scratch[a + m: a + m + n_ml].view(B, H, S)
+    split = Launch(_decode_split_kernel, (B, KVH, S),
+                   dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), NUM_SPLITS=S, **common), bind=bind)
+    reduce = Launch(_decode_reduce_kernel, (request_grid(T, B, 1, True), H),
+                    dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=S, BLOCK_S=next_pow2(S),
+                         SEARCH=SEARCH, num_warps=4), bind=bind)
+    parts = (part_acc, part_m, part_l)
+    part_strides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+                    part_m.stride(0), part_m.stride(1))
+    split_mid = (*parts, query_start_loc, seq_lens, block_table)
+    split_tail = (*strides[:2], *strides[4:], *part_strides)
+    reduce_tail = (query_start_loc, B, T, *part_strides, *strides[2:4])
+
+    def run(q, kc, vc, out, scale_log2, stream):
+        split.launch(stream, (q, kc, vc, *split_mid, scale_log2, *split_tail))
+        reduce.launch(stream, (*parts, out, *reduce_tail))
+
+    return run
+
+
+def unified_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -361,9 +443,44 @@ def unified_attention_ref(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain torch, one request at a time, math in fp32 (fp64 for fp64 input).
-    Index checks as in `unified_attention`."""
+    """Launcher. query [T, H, D] (last dim contiguous); caches
+    [num_blocks, block_size, KVH, D] contiguous, query's dtype; query_start_loc
+    [B+1] int32; seq_lens [B] int32; block_table [B, max_blocks] int32.
+    `max_query_len` / `max_seq_len` bound the batch (Python ints, shape the
+    grid); `num_splits` overrides the decode split count and `config` the
+    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks;
+    tile sizes are rounded up to powers of two >= 16 (Note [dot tiles]).
+    Writes into `out` ([T, H, D], query's dtype, last dim contiguous) when
+    given, else into a new tensor; returns it. Every row is written (rows of
+    no request: 0).
+
+    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    and for CUDA ones under `set_debug_checks(True)`. Without them the kernels
+    trust that query_start_loc stays within the T tokens, that each request
+    with queries has seq_len >= its query count and within its block_table
+    row, and that the block ids it reads (its first ceil(seq_len /
+    block_size)) lie in [0, num_blocks); anything else reads other memory."""
+    _check(query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
+           max_query_len, max_seq_len, num_splits)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    plan = _Plan(query, key_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
+                 max_seq_len, num_splits, config)
+    plan.run(query, key_cache, value_cache, out, float(scale) * LOG2E, plan.stream)
+    return out
+
+
+def unified_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                          scale) -> torch.Tensor:
+    """Plain torch, one request at a time, math in fp32 (fp64 for fp64 input),
+    with `unified_attention`'s tensor arguments and scale. Index checks as in
+    `unified_attention`."""
     T, H, D = query.shape
     check_ids("unified_attention", num_tokens=T, query_start_loc=query_start_loc,
               seq_lens=seq_lens, block_table=block_table, cache=("key_cache", key_cache))
@@ -392,34 +509,81 @@ def unified_attention_ref(
     return out
 
 
-def unified_attention_impl(
+def unified_attention_impl(query, key_cache, value_cache, output, layer_name, scale) -> None:
+    """The op (types: its schema below): every argument checked on every
+    call (ValueError)."""
+    _attend_checked(layer_metadata(layer_name, "unified_attention"), query, key_cache,
+                    value_cache, output, scale)
+
+
+def _attend_checked(meta, query, key_cache, value_cache, output, scale) -> None:
+    if use_triton(query):
+        unified_attention(query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                          meta.block_table, scale, meta.max_query_len, meta.max_seq_len, out=output)
+        return
+    _check_output(query, output, query.device)
+    output.copy_(unified_attention_ref(query, key_cache, value_cache, meta.query_start_loc,
+                                       meta.seq_lens, meta.block_table, scale))
+
+
+def unified_attention_direct(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    output: torch.Tensor,
     layer_name: str,
     scale: float,
-) -> torch.Tensor:
+) -> None:
+    """What eager pieces call instead of the op (compile_backend/core/
+    direct_calls.py): the op's effect, through the step's plan where one
+    serves (Note [attention plans]), else through the checked path."""
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata.get(layer_name)
+    plans = getattr(meta, _PLANS, None)
+    if plans is not None:
+        plan = plans.get(_plan_key(query, key_cache, value_cache, output))
+        if plan is not None:
+            stream = plan.ready(meta, query, key_cache, value_cache, output)
+            if stream is not None:
+                if ctx.trace is not None:
+                    ctx.record(layer_name, "unified_attention")
+                plan.run(query, key_cache, value_cache, output, scale * LOG2E, stream)
+                return
     meta = layer_metadata(layer_name, "unified_attention")  # AttentionMetadata
-    if use_triton(query):
-        return unified_attention(
-            query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-            meta.block_table, scale, meta.max_query_len, meta.max_seq_len,
-        )
-    return unified_attention_ref(
-        query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-        meta.block_table, scale,
-    )
+    if not (use_triton(query) and _plannable(query, key_cache, value_cache, output)):
+        _attend_checked(meta, query, key_cache, value_cache, output, scale)
+        return
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_query_len,
+            meta.max_seq_len)
+    _check(query, key_cache, value_cache, output, *args)
+    plan = _Plan(query, key_cache, output, *args, bind=query.is_cuda)
+    try:
+        vars(meta).setdefault(_PLANS, {})[_plan_key(query, key_cache, value_cache, output)] = plan
+    except TypeError:  # a metadata class without __dict__: no plans, checked calls
+        pass
+    plan.run(query, key_cache, value_cache, output, float(scale) * LOG2E, plan.stream)
 
 
-# Eager pieces call it without the dispatcher (compile_backend/core/direct_calls.py).
-unified_attention_op = direct_custom_op(
+def _plannable(query, key_cache, value_cache, output) -> bool:
+    """May a plan be built for this call (Note [attention plans])?"""
+    if _common._debug_checks:
+        return False
+    if not all(isinstance(t, torch.Tensor) for t in (query, key_cache, value_cache, output)):
+        return False  # the checks name the argument
+    if not _aligned(query, key_cache, value_cache, output):
+        return False
+    return not query.is_cuda or (not stream_capturing() and hooks_unset())
+
+
+unified_attention_op = torch.library.custom_op(
     "mrv2::unified_attention",
-    mutates_args=(),
-    schema="(Tensor query, Tensor key_cache, Tensor value_cache, str layer_name, float scale) "
-    "-> Tensor",
+    mutates_args=("output",),
+    schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor(a!) output, str layer_name, "
+    "float scale) -> ()",
 )(unified_attention_impl)
+register_direct_impl("mrv2::unified_attention", unified_attention_direct)
 
 
 @unified_attention_op.register_fake
-def _(query, key_cache, value_cache, layer_name, scale):
-    return torch.empty_like(query)
+def _(query, key_cache, value_cache, output, layer_name, scale):
+    return None

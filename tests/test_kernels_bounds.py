@@ -213,7 +213,8 @@ def test_op_by_layer_name(interpret, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     with set_forward_context(ForwardContext(attn_metadata={"l": meta})):
         with pytest.raises(ValueError, match=r"unified_attention: block_table\[0, 1\]"):
-            torch.ops.mrv2.unified_attention(a["q"], a["kc"], a["vc"], "l", 0.25)
+            torch.ops.mrv2.unified_attention(a["q"], a["kc"], a["vc"], torch.empty_like(a["q"]),
+                                             "l", 0.25)
 
 
 def test_debug_switch(monkeypatch):

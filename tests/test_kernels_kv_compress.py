@@ -30,6 +30,8 @@ CASES = {
     "mixed_continuing": ([1, 11, 3], [22, 17, 3], [4, 0, 2], 0),
     "padding_rows": ([6, 1, 0, 0], [10, 7, 0, 0], [2, 1, -1, -1], 3),
     "long_crossing_blocks": ([150], [157], [3], 0),
+    # one token per request (the decode shortcut), a stateless request, padding
+    "decode_padding": ([1, 1, 1, 0], [6, 3, 9, 0], [0, -1, 4, -1], 2),
 }
 
 
@@ -38,7 +40,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("ratio", [4, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(case, ratio, dtype, head_dim, device):
+def test_matches_reference(case, ratio, dtype, head_dim, device, max_query_len=None):
     q_lens, seq_lens, idx, pad = CASES[case]
     g = gen(stable_seed(case, ratio, head_dim))
     bs = 4  # compressed-cache block size: long requests cross several blocks
@@ -50,8 +52,11 @@ def test_matches_reference(case, ratio, dtype, head_dim, device):
     state = _state(NUM_SLOTS, head_dim, device, g)
     cache_r, state_r = cache.clone().cpu(), [s.clone().cpu() for s in state]
     state_indices = torch.tensor(idx, dtype=torch.int32, device=device)
+    poisoned = torch.full_like(key, float("nan"))  # every row must be written
     out = kv_compress(key, score, cache, *state, batch.query_start_loc, batch.seq_lens,
-                      state_indices, batch.block_table, ratio, batch.max_query_len)
+                      state_indices, batch.block_table, ratio,
+                      batch.max_query_len if max_query_len is None else max_query_len, out=poisoned)
+    assert out is poisoned
     ref = kv_compress_ref(key.cpu(), score.cpu(), cache_r, *state_r, batch.query_start_loc.cpu(),
                           batch.seq_lens.cpu(), state_indices.cpu(), batch.block_table.cpu(), ratio)
     assert_close_rel(out, ref, dtype, "per-token output")
@@ -67,6 +72,19 @@ def test_matches_reference(case, ratio, dtype, head_dim, device):
 def test_small_head_sizes(dtype, head_dim, device):
     """Head sizes below 16 and not powers of two (masked [BLOCK_D] vectors)."""
     test_matches_reference("mixed_continuing", 3, dtype, head_dim, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["mixed_continuing", "padding_rows", "decode_padding"])
+def test_padded_bound_and_search(case, device, monkeypatch):
+    """max_query_len = the padded token count (what PIECEWISE passes): the
+    grid scales with T (Note [request tiles]); a search chunk of 2 requests
+    makes each program scan query_start_loc in several steps."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("kernels.kv_compress"), "SEARCH", 2)
+    q_lens, _, _, pad = CASES[case]
+    test_matches_reference(case, 3, torch.float32, 64, device, max_query_len=sum(q_lens) + pad)
 
 
 @pytest.mark.gpu
@@ -154,11 +172,14 @@ def test_one_step_equals_many_steps_and_definition(ratio, dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_large_gpu():
+@pytest.mark.parametrize("bound", ["exact", "padded"])
+def test_large_gpu(bound):
+    """Many groups per request and > SEARCH requests; `padded` passes
+    max_query_len = T, as PIECEWISE does."""
     g = gen(9)
     D, ratio = 128, 4
-    q_lens = [4096, 1, 1, 333] + [1] * 60
-    seq_lens = [4096, 5001, 77, 1000] + [2000 + i for i in range(60)]
+    q_lens = [4096, 1, 1, 333] + [1] * 300
+    seq_lens = [4096, 5001, 77, 1000] + [2000 + i for i in range(300)]
     batch = paged_batch(q_lens, seq_lens, 16, "cuda", g, pad_tokens=3, entries_per_pos=ratio)
     T = batch.num_tokens
     key = randn((T, KVH, D), torch.bfloat16, "cuda", g)
@@ -168,7 +189,8 @@ def test_large_gpu():
     cache_r, state_r = cache.clone(), [s.clone() for s in state]
     idx = torch.arange(len(q_lens), dtype=torch.int32, device="cuda")
     out = kv_compress(key, score, cache, *state, batch.query_start_loc, batch.seq_lens, idx,
-                      batch.block_table, ratio, batch.max_query_len)
+                      batch.block_table, ratio, batch.max_query_len if bound == "exact" else T,
+                      out=torch.full_like(key, float("nan")))
     ref = kv_compress_ref(key, score, cache_r, *state_r, batch.query_start_loc, batch.seq_lens,
                           idx, batch.block_table, ratio)
     assert_close_rel(out, ref, torch.bfloat16)

@@ -34,7 +34,8 @@ def _call_cache(a):
 def _call_attn(a):
     b = a["batch"]
     return unified_attention(a["query"], a["key_cache"], a["value_cache"], b.query_start_loc,
-                             b.seq_lens, b.block_table, 0.1, b.max_query_len, b.max_seq_len)
+                             b.seq_lens, b.block_table, 0.1, b.max_query_len, b.max_seq_len,
+                             out=a.get("output"))
 
 
 def _meta(t):
@@ -81,12 +82,16 @@ ATTN_MISUSE = {
     "query": [("dtype", lambda t: t.double()), ("rank", lambda t: t.flatten(1)), ("device", _meta),
               ("heads", lambda t: t[:, :3])],
     "value_cache": [("dtype", lambda t: t.half().float()), ("layout", lambda t: t.transpose(1, 2))],
+    "output": [("dtype", lambda t: t.float()), ("shape", lambda t: t[:, :3]), ("device", _meta),
+               ("layout", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+               ("type", lambda t: t.tolist())],
 }
 
 
 @pytest.mark.parametrize("arg,how,mutate", [(a, h, m) for a, ms in ATTN_MISUSE.items() for h, m in ms])
 def test_unified_attention_misuse(arg, how, mutate):
     a = _attn()
+    a["output"] = torch.empty_like(a["query"])
     a[arg] = mutate(a[arg])
     with pytest.raises(ValueError, match=arg if how != "heads" else "query"):
         _call_attn(a)

@@ -14,6 +14,9 @@ CASES = {
     "prefill": ([9, 40], [1, 3], [False, False], 0),
     "mixed": ([1, 17, 2, 1], [4, 0, 2, 1], [True, False, True, True], 0),
     "padding_rows": ([5, 1, 0, 0], [3, 1, -1, -1], [True, True, False, False], 3),
+    # one token per request (the decode shortcut) with a stateless request and
+    # padding tokens: their rows are written as zeros
+    "decode_padding": ([1, 1, 1, 0], [2, -1, 0, -1], [True, False, False, False], 2),
 }
 NUM_SLOTS = 6
 
@@ -29,7 +32,7 @@ def _inputs(C, K, dtype, device, g, bias=True):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("C,K", [(80, 4), (64, 3)])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(case, C, K, dtype, device):
+def test_matches_reference(case, C, K, dtype, device, max_query_len=None):
     q_lens, idx, init, pad = CASES[case]
     g = gen(stable_seed(case, C, K))
     qsl, state_indices, T = state_batch(q_lens, idx, device, pad)
@@ -37,7 +40,10 @@ def test_matches_reference(case, C, K, dtype, device):
     x = randn((T, C), dtype, device, g)
     weight, bias, state = _inputs(C, K, dtype, device, g, bias=(K == 4))
     state_ref = state.clone().cpu()
-    out = sconv(x, weight, bias, state, qsl, state_indices, has_init, max(q_lens))
+    poisoned = torch.full_like(x, float("nan"))  # every row must be written
+    out = sconv(x, weight, bias, state, qsl, state_indices, has_init,
+                max(q_lens) if max_query_len is None else max_query_len, out=poisoned)
+    assert out is poisoned
     ref = sconv_ref(x.cpu(), weight.cpu(), None if bias is None else bias.cpu(), state_ref,
                     qsl.cpu(), state_indices.cpu(), has_init.cpu())
     assert_close_rel(out, ref, dtype, "out")
@@ -55,6 +61,19 @@ def test_few_channels(C, K, dtype, device):
     """Any channel count works (channels are tiled and masked): one channel,
     and fewer channels than the kernel is wide."""
     test_matches_reference("mixed", C, K, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["mixed", "padding_rows", "decode_padding"])
+def test_padded_bound_and_search(case, device, monkeypatch):
+    """max_query_len = the padded token count (what PIECEWISE passes): the
+    grid scales with T (Note [request tiles]); a search chunk of 2 requests
+    makes each program scan query_start_loc in several steps."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("kernels.sconv"), "SEARCH", 2)
+    q_lens, _, _, pad = CASES[case]
+    test_matches_reference(case, 80, 4, torch.float32, device, max_query_len=sum(q_lens) + pad)
 
 
 def _run_steps(x_seqs, steps, weight, bias, num_slots, dtype, device):
@@ -100,17 +119,39 @@ def test_one_step_equals_many_steps(dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_large_gpu():
+@pytest.mark.parametrize("bound", ["exact", "padded"])
+def test_large_gpu(bound):
+    """Several token tiles per request and > SEARCH requests; `padded` passes
+    max_query_len = T, as PIECEWISE does."""
     g = gen(8)
     C, K = 4096, 4
-    q_lens = [2048, 1, 1, 700] + [1] * 60
+    q_lens = [2048, 1, 1, 700] + [1] * 300
     qsl, idx, T = state_batch(q_lens, list(range(len(q_lens))), "cuda", pad_tokens=5)
     has_init = torch.rand(len(q_lens), generator=g) > 0.3
     x = randn((T, C), torch.bfloat16, "cuda", g)
     weight, bias, _ = _inputs(C, K, torch.bfloat16, "cuda", g)
     state = randn((len(q_lens), C, K - 1), torch.bfloat16, "cuda", g)
     sr = state.clone()
-    out = sconv(x, weight, bias, state, qsl, idx, has_init.cuda(), max(q_lens))
+    out = sconv(x, weight, bias, state, qsl, idx, has_init.cuda(), max(q_lens) if bound == "exact" else T,
+                out=torch.full_like(x, float("nan")))
     ref = sconv_ref(x, weight, bias, sr, qsl, idx, has_init.cuda())
     assert_close_rel(out, ref, torch.bfloat16)
     assert torch.equal(state, sr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_decode_gpu():
+    """The one-token shortcut at a decode batch of 256 with 8 padding tokens."""
+    g = gen(18)
+    C, K = 4096, 4
+    qsl, idx, T = state_batch([1] * 250 + [0] * 6, list(range(250)) + [-1] * 6, "cuda", pad_tokens=8)
+    x = randn((T, C), torch.bfloat16, "cuda", g)
+    weight, bias, _ = _inputs(C, K, torch.bfloat16, "cuda", g)
+    state = randn((256, C, K - 1), torch.bfloat16, "cuda", g)
+    has_init = torch.rand(256, generator=g).cuda() > 0.3
+    sr = state.clone()
+    out = sconv(x, weight, bias, state, qsl, idx, has_init, 1, out=torch.full_like(x, float("nan")))
+    ref = sconv_ref(x, weight, bias, sr, qsl, idx, has_init)
+    assert_close_rel(out, ref, torch.bfloat16)
+    assert torch.equal(state, sr) and (out[250:] == 0).all()

@@ -2,6 +2,7 @@
 dtype: kernel_cases.REL_TOL), over decode, prefill, mixed, padded and long
 batches and head sizes from 1 to MAX_HEAD_DIM."""
 
+import importlib
 import os
 
 import pytest
@@ -44,14 +45,16 @@ def _run(case, dtype, head_dim, device, seed, num_heads=4, num_kv_heads=2, block
     v_cache = randn(shape, dtype, device, g)
     query = randn((batch.num_tokens, num_heads, head_dim), dtype, device, g)
     scale = head_dim ** -0.5
+    poisoned = torch.full_like(query, float("nan"))  # every row must be written
     out = unified_attention(query, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                             batch.block_table, scale, batch.max_query_len, batch.max_seq_len,
-                            num_splits=num_splits)
+                            num_splits=num_splits, out=poisoned)
+    assert out is poisoned
     ref = unified_attention_ref(query.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
                                 batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
                                 batch.block_table.cpu(), scale)
     n = int(batch.query_start_loc[-1])
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all(), "every row is written"
     assert (out[n:] == 0).all(), "padding tokens must get zeros"
     return out, ref
 
@@ -179,6 +182,208 @@ def test_decode_in_cuda_graph():
         out = args()
     batch.seq_lens.copy_(torch.tensor([1000 - 97 * i for i in range(8)], dtype=torch.int32))
     q.copy_(randn((8, H, D), dtype, "cuda", g))
+    graph.replay()
+    ref = unified_attention_ref(q.float().cpu(), kc.float().cpu(), vc.float().cpu(),
+                                batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                                batch.block_table.cpu(), 0.1)
+    assert_close_rel(out, ref, dtype)
+
+
+# The direct path (Note [attention plans]): what eager pieces call once per
+# layer. Steps of successive metadata; each step runs several layers (own
+# caches, same shapes: one plan per step, shared scratch).
+# name: (q_lens, seq_lens, padding tokens)
+STEPS_SMALL = [
+    ([1, 1, 1, 1], [40, 17, 90, 64], 0),  # decode
+    ([1, 1, 0], [33, 2, 0], 2),  # decode with a padding request and padding tokens
+    ([3, 1, 9, 0], [20, 9, 30, 0], 3),  # mixed, padded
+    ([1, 1, 1, 1], [41, 18, 91, 65], 0),  # decode again: a new step, a new plan
+]
+# On the GPU: several KV splits (long contexts at small batch) and several
+# query tiles per request (long prefills), with padding.
+STEPS_GPU = [
+    ([1] * 6, [3000, 1, 2500, 17, 4000, 999], 0),
+    ([1, 1, 1, 0], [5000, 3333, 64, 0], 5),
+    ([300, 1, 77, 0], [1200, 4000, 77, 0], 9),
+    ([1] * 6, [3001, 2, 2501, 18, 4001, 1000], 0),
+]
+
+
+def _meta(batch):
+    from compile_backend.runner.attention_metadata import AttentionMetadata
+
+    return AttentionMetadata(
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+        block_table=batch.block_table, slot_mapping=batch.slot_mapping,
+        num_reqs=len(batch.q_lens), max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len)
+
+
+def _run_direct_steps(steps, device, dtype, num_layers=3, H=8, KVH=2, D=64, bs=16, seed=0):
+    """Each step: fresh metadata and inputs; each layer: the direct call into
+    a poisoned output, against the checked launcher (bit-identical: the same
+    kernels on the same inputs) and the reference (REL_TOL). Returns the
+    steps' metadata objects."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from kernels.unified_attention import unified_attention_direct
+
+    g = gen(seed)
+    metas = []
+    for q_lens, seq_lens, pad in steps:
+        batch = paged_batch(q_lens, seq_lens, bs, device, g, pad_tokens=pad)
+        meta = _meta(batch)
+        metas.append(meta)
+        ctx = ForwardContext(attn_metadata={f"l{i}": meta for i in range(num_layers)}, trace=[])
+        shape = (batch.num_blocks, bs, KVH, D)
+        for i in range(num_layers):
+            kc, vc = randn(shape, dtype, device, g), randn(shape, dtype, device, g)
+            q = randn((batch.num_tokens, H, D), dtype, device, g)
+            out = torch.full_like(q, float("nan"))
+            with set_forward_context(ctx):
+                unified_attention_direct(q, kc, vc, out, f"l{i}", D ** -0.5)
+            checked = unified_attention(q, kc, vc, batch.query_start_loc, batch.seq_lens,
+                                        batch.block_table, D ** -0.5, batch.max_query_len,
+                                        batch.max_seq_len)
+            assert torch.equal(out, checked), f"step {len(metas)} layer {i}: direct != checked"
+            ref = unified_attention_ref(q.cpu().float(), kc.cpu().float(), vc.cpu().float(),
+                                        batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                                        batch.block_table.cpu(), D ** -0.5)
+            assert_close_rel(out, ref, dtype, f"step {len(metas)} layer {i}")
+        assert [e for _, e in ctx.trace] == ["unified_attention"] * num_layers
+    return metas
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_calls_over_steps(device, monkeypatch):
+    """One full check and one plan per step (shared by the step's layers);
+    every call equals the checked launcher and the reference; padding rows 0."""
+    ua = importlib.import_module("kernels.unified_attention")  # the package exports a function so named
+    checks = []
+    real_check = ua._check
+    monkeypatch.setattr(ua, "_check", lambda *a, **k: (checks.append(1), real_check(*a, **k)))
+    steps = STEPS_SMALL if device == "cpu" else STEPS_GPU
+    metas = _run_direct_steps(steps, device, torch.float32 if device == "cpu" else torch.bfloat16)
+    # the checked launcher's own calls (one per layer) plus one per step's plan
+    assert len(checks) == len(steps) * 3 + len(steps)
+    assert all(len(getattr(m, ua._PLANS)) == 1 for m in metas)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_call_checks_misuse(device):
+    """The first call of a step runs the launcher's checks: a bad output
+    raises naming it, and so does one whose shape differs from a plan's."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from kernels.unified_attention import unified_attention_direct
+
+    g = gen(3)
+    batch = paged_batch([1, 1], [20, 9], 16, device, g)
+    kc = randn((batch.num_blocks, 16, 2, 16), torch.float32, device, g)
+    q = randn((batch.num_tokens, 4, 16), torch.float32, device, g)
+    ctx = ForwardContext(attn_metadata={"l": _meta(batch)})
+    with set_forward_context(ctx):
+        with pytest.raises(ValueError, match=r"output: expected shape \(2, 4, 16\)"):
+            unified_attention_direct(q, kc, kc, q.new_empty(2, 4, 8), "l", 0.25)
+        unified_attention_direct(q, kc, kc, torch.empty_like(q), "l", 0.25)  # builds the plan
+        with pytest.raises(ValueError, match=r"output: expected dtype float32"):
+            unified_attention_direct(q, kc, kc, q.half(), "l", 0.25)
+        with pytest.raises(ValueError, match="key_cache"):
+            unified_attention_direct(q, kc.half(), kc, torch.empty_like(q), "l", 0.25)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_calls_under_debug_checks(device, monkeypatch):
+    """With debug_checks on, every direct call runs the full checks."""
+    from kernels import debug_checks
+
+    ua = importlib.import_module("kernels.unified_attention")
+    checks = []
+    real_check = ua._check
+    monkeypatch.setattr(ua, "_check", lambda *a, **k: (checks.append(1), real_check(*a, **k)))
+    with debug_checks():
+        _run_direct_steps(STEPS_SMALL[:2], device, torch.float32, num_layers=2)
+    assert len(checks) == 2 * 2 * 2  # direct + checked launcher, every layer of every step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_writes_output(device):
+    """Through the dispatcher: the op writes its out-parameter, checked."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+
+    g = gen(4)
+    batch = paged_batch([2, 1, 0], [12, 30, 0], 16, device, g, pad_tokens=2)
+    kc = randn((batch.num_blocks, 16, 2, 16), torch.float32, device, g)
+    vc = randn((batch.num_blocks, 16, 2, 16), torch.float32, device, g)
+    q = randn((batch.num_tokens, 4, 16), torch.float32, device, g)
+    out = torch.full_like(q, float("nan"))
+    with set_forward_context(ForwardContext(attn_metadata={"l": _meta(batch)})):
+        assert torch.ops.mrv2.unified_attention(q, kc, vc, out, "l", 0.25) is None
+        with pytest.raises(ValueError, match="output: expected a 3-d tensor|output: expected shape"):
+            torch.ops.mrv2.unified_attention(q, kc, vc, out[0], "l", 0.25)
+    ref = unified_attention_ref(q.cpu(), kc.cpu(), vc.cpu(), batch.query_start_loc.cpu(),
+                                batch.seq_lens.cpu(), batch.block_table.cpu(), 0.25)
+    assert_close_rel(out, ref, torch.float32)
+    assert (out[3:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_direct_calls_bind_gpu():
+    """On the GPU the direct path launches through bound launchers (Note
+    [bound launch] in kernels/_launch.py): after a decode and a prefill step,
+    each of the three kernels has one bound, none that failed to bind."""
+    from kernels import _launch
+    from kernels.unified_attention import (_decode_reduce_kernel, _decode_split_kernel,
+                                           _prefill_kernel)
+
+    _run_direct_steps(STEPS_GPU[:3], "cuda", torch.bfloat16)
+    for kernel in (_decode_split_kernel, _decode_reduce_kernel, _prefill_kernel):
+        bound = [v for k, v in _launch._BOUND.items() if k[0] is kernel]
+        assert bound and all(v is not None for v in bound), (kernel, _launch._logged)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_direct_calls_with_launch_hook_gpu(monkeypatch):
+    """A Triton launch hook (a profiler) turns the plans off: every launch
+    goes through Triton and the hook sees it; results unchanged."""
+    import triton
+
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: seen.append(1))
+    _run_direct_steps(STEPS_GPU[:2], "cuda", torch.bfloat16, num_layers=2)
+    assert len(seen) >= 2 * 2 * 2 * 2  # 2 steps x 2 layers x (direct + checked) x 2 launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_direct_call_in_cuda_graph():
+    """A step's plan (built by an eager call) is not used while a CUDA graph
+    is captured: the captured call allocates its own scratch in the graph's
+    pool, and the replay on new values equals the reference."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from kernels.unified_attention import unified_attention_direct
+
+    g = gen(12)
+    dtype, H, KVH, D, bs = torch.bfloat16, 8, 2, 128, 16
+    batch = paged_batch([1] * 8, [2000] * 8, bs, "cuda", g)
+    kc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
+    vc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
+    q = randn((8, H, D), dtype, "cuda", g)
+    out = torch.full_like(q, float("nan"))
+    ctx = ForwardContext(attn_metadata={"l": _meta(batch)})
+    with set_forward_context(ctx):
+        unified_attention_direct(q, kc, vc, out, "l", 0.1)  # eager: builds the plan
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            unified_attention_direct(q, kc, vc, out, "l", 0.1)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            unified_attention_direct(q, kc, vc, out, "l", 0.1)
+    batch.seq_lens.copy_(torch.tensor([2000 - 211 * i for i in range(8)], dtype=torch.int32))
+    q.copy_(randn((8, H, D), dtype, "cuda", g))
+    out.fill_(float("nan"))
     graph.replay()
     ref = unified_attention_ref(q.float().cpu(), kc.float().cpu(), vc.float().cpu(),
                                 batch.query_start_loc.cpu(), batch.seq_lens.cpu(),

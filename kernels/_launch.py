@@ -1,0 +1,204 @@
+"""Launching a compiled Triton kernel again without `JITFunction.run`.
+
+`kernel[grid](*args, **meta)` costs tens of microseconds of host time per
+launch: Triton binds the arguments, computes the specialization key, looks the
+compiled kernel up, reads its launch hooks, and only then calls the compiled
+kernel's launcher. An eager attention call repeats that for every layer of a
+step with the same grid, the same meta-parameters and the same non-tensor
+arguments.
+
+`Launch` is one such launch with everything but the tensors fixed. Made with
+`bind=False` it always goes through `kernel[grid]` (the checked launchers use
+it so). With `bind=True`, its first call still launches through
+`kernel[grid]`, but watches what Triton hands to the compiled kernel's
+launcher (Note [bound launch]); when that is exactly what a direct call would
+pass, later calls with arguments of the same specialization call the launcher
+directly. A bound launcher is kept per specialization (kernel, device, grid,
+meta-parameters, each argument's dtype and 16-byte alignment or exact value),
+so a new step's plan reuses it without watching again.
+
+Note [bound launch]: Triton 3.x launches a compiled kernel as
+    compiled.run(grid0, grid1, grid2, stream, compiled.function,
+                 compiled.packed_metadata, launch_metadata, enter_hook,
+                 exit_hook, *every argument in signature order, meta-parameters included)
+where the hooks are the knobs `triton.knobs.runtime.launch_{enter,exit}_hook`
+(None, or from Triton 3.6 a chain of hooks, empty unless a profiler added
+one) and launch_metadata is what the hooks would be shown. The first launch
+records the call that really happens and binds only if it matches that
+layout with these hooks; any other layout, an active hook, the interpreter or
+anything unexpected keeps the normal launch (logged once). A bound call
+passes the same hooks and no launch metadata, which only active hooks would
+read, so it is used only while no hook is active (checked per call by
+`hooks_unset`). Not re-checked after binding: Triton's debug knobs and the
+values of globals the kernel reads (these kernels read none).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:  # a Triton without knobs: never bind
+    _knobs = _JITFunction = None
+
+# (kernel, device, grid, meta, argument specialization) -> direct launcher, or
+# None where binding failed (normal launches from then on).
+_BOUND: dict[tuple, Callable[[int, tuple], None] | None] = {}
+_logged: set[str] = set()
+_MISSING = object()
+
+
+def _log_once(reason: str, kernel: Any) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("Triton kernels launch through kernel[grid] (%s; first seen for %s)",
+                    reason, getattr(kernel, "__name__", kernel))
+
+
+def _inactive(hook: object) -> bool:
+    """No hook, or an empty chain of them (Triton 3.6+ keeps a HookChain)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", True))
+
+
+def hooks_unset() -> bool:
+    """No Triton launch hook is active (Note [bound launch])."""
+    if _knobs is None:
+        return False
+    rt = _knobs.runtime
+    return _inactive(rt.launch_enter_hook) and _inactive(rt.launch_exit_hook)
+
+
+def _spec(a: object) -> object:
+    """What of an argument shapes Triton's specialization: a tensor's dtype
+    and 16-byte alignment, an int's or bool's exact value, a float's type."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, float):
+        return float
+    return type(a), a
+
+
+def _same(seen: tuple, want: tuple) -> bool:
+    if len(seen) != len(want):
+        return False
+    for s, w in zip(seen, want):
+        if s is w:
+            continue
+        if isinstance(s, torch.Tensor) or isinstance(w, torch.Tensor) or type(s) is not type(w) or s != w:
+            return False
+    return True
+
+
+class Launch:
+    """kernel[grid](*args, **meta) with grid and meta fixed; `launch(stream,
+    args)` launches it on `stream` (the current stream of the current device,
+    which `kernel[grid]` would use too)."""
+
+    __slots__ = ("kernel", "grid", "meta", "bind", "_fast")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], meta: dict[str, Any], *, bind: bool) -> None:
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+        self.bind = bind and _JITFunction is not None and isinstance(kernel, _JITFunction)
+        self._fast: Callable[[int, tuple], None] | None = None
+
+    def normal(self, args: tuple) -> None:
+        self.kernel[self.grid](*args, **self.meta)
+
+    def launch(self, stream: int, args: tuple) -> None:
+        fast = self._fast
+        if fast is not None:
+            fast(stream, args)
+        elif self.bind:
+            self._first(stream, args)
+        else:
+            self.normal(args)
+
+    def _first(self, stream: int, args: tuple) -> None:
+        if not hooks_unset():  # a profiler's hooks see Triton's own launch; bind later
+            self.normal(args)
+            return
+        key = (self.kernel, current_device(), self.grid, tuple(sorted(self.meta.items())),
+               tuple(map(_spec, args)))
+        fast = _BOUND.get(key, _MISSING)
+        if fast is _MISSING:
+            fast = _BOUND[key] = self._bind_launch(stream, args)  # launches
+        elif fast is not None:
+            fast(stream, args)
+        else:
+            self.normal(args)
+        # Later calls of this plan pass arguments of the same specialization.
+        self._fast = fast if fast is not None else (lambda _stream, a: self.normal(a))
+
+    def _bind_launch(self, stream: int, args: tuple) -> Callable[[int, tuple], None] | None:
+        """Launch normally, watching the compiled kernel's launcher; return a
+        direct launcher if the call matches Note [bound launch], else None."""
+        kernel, grid, meta = self.kernel, self.grid, self.meta
+        try:
+            compiled = kernel.run(*args, grid=grid, warmup=True, **meta)  # compiles, no launch
+            launcher = compiled.run  # loads the module
+            cls = type(launcher)
+            original, own = cls.__call__, "__call__" in cls.__dict__
+            tail = tuple(meta[name] for name in kernel.arg_names[len(args):])
+        except Exception as e:  # noqa: BLE001 (any surprise: the normal launch decides)
+            self.normal(args)
+            _log_once(f"cannot bind: {type(e).__name__}: {e}", kernel)
+            return None
+        seen: list[tuple] = []
+
+        def watch(this, *a):
+            if this is launcher:
+                seen.append(a)
+            return original(this, *a)
+
+        try:
+            cls.__call__ = watch
+        except (TypeError, AttributeError):
+            self.normal(args)
+            _log_once(f"launcher type {cls.__name__} cannot be watched", kernel)
+            return None
+        try:
+            ret = kernel[grid](*args, **meta)
+        finally:
+            if own:
+                cls.__call__ = original
+            else:
+                del cls.__call__
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        function, packed = compiled.function, compiled.packed_metadata
+        enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        want = (g0, g1, g2, stream, function, packed, enter, exit_, *args, *tail)
+        if ret is not compiled or len(seen) != 1 or not _same(seen[0][:6] + seen[0][7:], want):
+            got = seen[0][:6] + seen[0][7:] if len(seen) == 1 else ()
+            diff = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same((a,), (b,))), None)
+            _log_once(f"the launch does not match Note [bound launch] ({len(seen)} calls, "
+                      f"{len(got)} vs {len(want)} arguments, first difference at {diff})", kernel)
+            return None
+
+        def fast(stream: int, args: tuple) -> None:
+            launcher(g0, g1, g2, stream, function, packed, None, enter, exit_, *args, *tail)
+
+        return fast
+
+
+def current_device() -> int:
+    """The current CUDA device's index (what Triton launches on)."""
+    return torch._C._cuda_getDevice()
+
+
+def current_stream(device_index: int) -> int:
+    """The raw current CUDA stream of a device, as Triton's launch reads it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def stream_capturing() -> bool:
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+__all__ = ["Launch", "current_device", "current_stream", "hooks_unset", "stream_capturing"]
