@@ -4,6 +4,7 @@
                            [--context 500] [--variants a,b,...] [--out bench/results]
                            [--mixed 512,2048] [--startup | --only-startup] [--dry-run]
     python bench/decode.py --merge a/decode.json b/decode.json ... --out bench/results
+    torchrun --nproc-per-node 2 bench/decode.py --tp 2 --model llama --batches 64   (bench/tp.py)
 
 Per decode cell: median step time over CUDA events (warm-up excluded; a step is
 the runner's whole `execute` of a prepared batch: host-side buffer writes,
@@ -426,6 +427,10 @@ def plot(decode, out_dir) -> str | None:
 
 
 def main(argv=None) -> int:
+    if "--tp" in (sys.argv[1:] if argv is None else argv):  # tensor parallel, under torchrun
+        import tp
+
+        return tp.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama", "hybrid", "both"], default="both")
     ap.add_argument("--batches", default="1,8,32,64,128,256")

@@ -15,6 +15,11 @@ checked, first finding wins:
   opaque op          see "Which ops are trusted" below
   CPU tensor         a CPU tensor in a graph whose other tensors are on CUDA
                      (never fires on a CPU-only graph)
+  host collective    a collective (`_c10d_functional::*`, and its wait) on a
+                     process group whose backend cannot be captured (gloo:
+                     it works on the host), in a graph whose tensors are on
+                     CUDA; NCCL collectives are captured. Also counted in
+                     `counters["collective_fallbacks"]`
   data-dependent     a value (shape or scalar) that came from the device (an
                      unbacked symbol such as `u0`); a replay would reuse the
                      value seen at capture
@@ -58,6 +63,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
 from compile_backend.core.counters import counters
+from compile_backend.core.parallel import group_backend, is_collective
 from compile_backend.core.op_registry import (
     EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name, resolve_op_name,
 )
@@ -145,8 +151,40 @@ def _input_values(node: torch.fx.Node) -> list[Any]:
     return [example_value(n) for n in node.all_input_nodes]
 
 
+_HOST_COLLECTIVE = "collective on process group"
+
+
+def _collective_group(node: torch.fx.Node) -> str | None:
+    """The process-group name a functional collective runs on: its last
+    string argument (`all_reduce(x, "sum", "0")`: "0"); a `wait_tensor`
+    waits on its producer's group."""
+    if node_op_name(node) == "_c10d_functional::wait_tensor":
+        producer = node.args[0] if node.args else None
+        if isinstance(producer, torch.fx.Node) and is_collective(node_op_name(producer)):
+            return _collective_group(producer)
+        return None
+    names = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, str)]
+    return node.kwargs.get("group_name", names[-1] if names else None)
+
+
+def _host_collective(node: torch.fx.Node, graph_has_cuda: bool) -> str | None:
+    """Why a collective in a CUDA graph cannot be captured, or None (NCCL; a
+    CPU-only graph, which is never captured; a group this process cannot see)."""
+    if not graph_has_cuda or not is_collective(node_op_name(node)):
+        return None
+    name = _collective_group(node)
+    backend = group_backend(name) if name is not None else None
+    if backend is None or "nccl" in backend:
+        return None
+    return (f"{_HOST_COLLECTIVE} {name!r} with backend {backend!r}, which runs it on the host "
+            "(a CUDA graph captures NCCL collectives only)")
+
+
 def _fix_for(node: torch.fx.Node) -> str:
     name = node_op_name(node) or ""
+    if is_collective(name):
+        return ("make the process group with the NCCL backend for CUDA tensors "
+                "(torch.distributed.init_process_group('nccl'))")
     custom = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
                                       torch._ops.HigherOrderOperator))
     if custom and name.split("::")[0] not in ("aten", "prims"):
@@ -216,6 +254,9 @@ class CaptureSafetyPass(Mrv2Pass):
                 "strict_capture=False to let those pieces fall back to eager."
             )
         counters["pass_capture_unsafe_ops"] += len(findings)
+        host_collectives = sum(_HOST_COLLECTIVE in f["reason"] for f in findings)
+        if host_collectives:
+            counters["collective_fallbacks"] += host_collectives
         for f in {f["reason"]: f for f in findings}.values():  # each reason once, in order
             # Consumers of a device value follow from the finding that made it:
             # that one is the warning, they are detail.
@@ -233,6 +274,9 @@ class CaptureSafetyPass(Mrv2Pass):
         tags = op_tags(node)
         if "cudagraph_unsafe" in tags:
             return "the op is tagged torch.Tag.cudagraph_unsafe"
+        host_collective = _host_collective(node, graph_has_cuda)
+        if host_collective:
+            return host_collective
         if name in _HOST_SYNC_NAMES or "data_dependent_output" in tags:
             return "host sync (the CPU waits for a device value; a CUDA graph cannot capture it)"
         if self._dynamic_shape(node, name, tags):

@@ -36,6 +36,7 @@ class Piece:
     ops: list[str] = field(default_factory=list)  # op names in order
     breakpoints: list[str] = field(default_factory=list)
     attention_like: list[str] = field(default_factory=list)
+    collectives: list[str] = field(default_factory=list)  # all-reduces etc. (role collective)
     eager_reasons: list[str] = field(default_factory=list)  # fallbacks, with source line
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
 
@@ -47,6 +48,7 @@ class Piece:
             "ops": self.ops,
             "breakpoints": self.breakpoints,
             "attention_like": self.attention_like,
+            "collectives": self.collectives,
             "eager_reasons": self.eager_reasons,
         }
 
@@ -102,6 +104,7 @@ def split_graph(
             attention_like=[
                 node_op_name(n) for n in nodes if roles.role(n) is OpRole.ATTENTION_LIKE
             ],
+            collectives=[node_op_name(n) for n in nodes if roles.role(n) is OpRole.COLLECTIVE],
             eager_reasons=[n.meta[EAGER_REASON] for n in nodes if EAGER_REASON in n.meta],
             graph_module=getattr(split_gm, f"submod_{p}"),
         )

@@ -7,6 +7,8 @@ Keys (all ints):
   piece_compile_reuses   pieces that reused an identical piece's artifact
   inductor_compiles      calls into Inductor's compile_fx
   capture_fallbacks      pieces kept eager because they cannot be captured
+  collective_fallbacks   collective ops kept out of graphs: their process group's
+                         backend (gloo) cannot be captured (passes/capture_safety.py)
   cudagraph_captures     CUDA graphs captured
   cudagraph_replays      CUDA-graph replays (each capture is followed by one)
   grad_fallbacks         graphs run uncompiled because grad was on (inference only)

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 class OpRole(enum.Enum):
     BREAKPOINT = "breakpoint"  # split there; runs eagerly between piecewise graphs
     ATTENTION_LIKE = "attention_like"  # never split; always inside a captured segment
+    # A collective across ranks (tensor parallelism's all-reduce): never split,
+    # captured like an ordinary op when its group's backend is NCCL
+    # (passes/capture_safety.py keeps a gloo one out of graphs).
+    COLLECTIVE = "collective"
     ORDINARY = "ordinary"
 
 
@@ -40,6 +44,7 @@ _DEFAULT_ROLES: dict[str, OpRole] = {
     "mrv2::reshape_and_cache": OpRole.ATTENTION_LIKE,
     "mrv2::sconv": OpRole.ATTENTION_LIKE,
     "mrv2::kv_compress": OpRole.ATTENTION_LIKE,
+    "_c10d_functional::*": OpRole.COLLECTIVE,  # functional collectives and their wait_tensor
 }
 
 # Python-level callables that Dynamo leaves in its graphs, by the op they are.
@@ -217,7 +222,8 @@ class OpRegistry:
         return out
 
     def summary(self) -> dict[str, list[str]]:
-        return {r.value: self.names(r) for r in (OpRole.BREAKPOINT, OpRole.ATTENTION_LIKE)}
+        return {r.value: self.names(r)
+                for r in (OpRole.BREAKPOINT, OpRole.ATTENTION_LIKE, OpRole.COLLECTIVE)}
 
 
 # node.meta key a pass sets (to a reason string) to keep a node out of graphs.

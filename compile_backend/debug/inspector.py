@@ -93,6 +93,8 @@ def summary(manifest: dict[str, Any]) -> str:
         for p in pieces:
             out.append(f"  piece {p['index']:<3} {_label(p, g['graph_mode']):<8} {len(p['ops']):>4} ops  "
                        f"{_op_counts(p['ops'])}")
+            if p.get("collectives"):  # across ranks: inside the graph unless a fallback says why
+                out.append(f"        collectives: {_op_counts(p['collectives'])}")
             for r in p["eager_reasons"]:
                 out.append(f"        fallback: {r}")
     out.append("")

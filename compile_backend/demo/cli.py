@@ -1,6 +1,7 @@
 """`mrv2` (or `python -m compile_backend`): the demo and the dump inspector.
 
     mrv2 demo [--model hybrid] [--preset tiny] [--mode all] [--dump DIR] ...
+    torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   (tensor parallel; rank 0 prints)
     mrv2 inspect DIR [--piece N] [--svg OUT.svg]
 
 Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--piece-compiler", choices=PIECE_COMPILERS, default="inductor")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
+    d.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks; start N processes: "
+                        "torchrun --nproc-per-node N -m compile_backend demo --tp N")
 
     i = sub.add_parser("inspect", help="summarize a debug dump and draw its pieces")
     i.add_argument("dir", metavar="DIR")
@@ -62,18 +66,29 @@ def _fail(message: str) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from compile_backend.debug.dump import DumpPathError, check_dump_path
-    from compile_backend.demo.run import DemoOptions, format_table, run_demo
+    from compile_backend.demo.run import DemoOptions, format_table, run_demo, start_tensor_parallel
 
     try:
         opts = DemoOptions(model=args.model, preset=args.preset, modes=args.modes or ["all"],
                            batch=args.batch, steps=args.steps, prompt_len=args.prompt_len,
                            dump=args.dump, dtype=args.dtype, piece_compiler=args.piece_compiler,
-                           seed=args.seed, progress=not args.no_progress)
+                           seed=args.seed, progress=not args.no_progress, tp=args.tp)
         if opts.dump:
             opts.dump = str(check_dump_path(opts.dump))
+        tp = start_tensor_parallel(opts)
     except (ValueError, DumpPathError) as e:
         return _fail(str(e))
-    results = run_demo(opts)
+    if tp.rank != 0:  # every rank runs the same steps; rank 0 speaks for them
+        opts.progress = False
+    try:
+        results = run_demo(opts, say=print if tp.rank == 0 else (lambda _: None))
+    finally:
+        if tp.size > 1:  # graphs first, then the process group (runner/parallel.py)
+            from compile_backend.runner.parallel import end_tensor_parallel
+
+            end_tensor_parallel()
+    if tp.rank != 0:
+        return 0 if all(r.equal for r in results) else 1
     print(format_table(results))
     if opts.dump:
         print(f"debug dump: {opts.dump} (inspect with `mrv2 inspect DIR`)")

@@ -1,5 +1,13 @@
 """A small engine loop: continuous batching over paged KV blocks, chunked
-prefill mixed with decode, greedy sampling, every step through ModelRunner."""
+prefill mixed with decode, greedy sampling, every step through ModelRunner.
+
+Tensor parallel: one Engine per rank, each over its model shard (its KV
+cache holds its KV heads; block ids are the same on every rank). Every rank
+schedules the same requests from the same prompts and samples the same
+tokens from the same (replicated lm_head) logits, so every rank executes the
+same batch each step, which the graphs' collectives need
+(compile_backend/runner/parallel.py). A `sample` function must therefore
+give the same tokens on every rank (seed it the same)."""
 
 from __future__ import annotations
 

@@ -2,14 +2,19 @@
 machine supports and check each mode's tokens against an eager reference.
 
     python -m compile_backend demo --model hybrid --preset tiny --batch 4 --steps 8
+    torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   # tensor parallel
 
 The reference runs mode NONE with eager pieces and no passes; every measured
 mode gets a fresh model with the same seeded weights and a fresh Dynamo.
+With `--tp N` (N processes started by torchrun) every rank runs every mode
+on its shard of the model, and the reference is the whole model (TP=1) on
+each rank, so "equal to eager" means equal to TP=1's tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,6 +27,7 @@ from compile_backend.compile.backend import clear_compiled_steps, compiled_steps
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters, reset_counters
+from compile_backend.core.parallel import TensorParallel, init_from_env
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.names import DTYPE_NAMES
 from compile_backend.runner.kv_cache_config import KVCacheConfig
@@ -47,8 +53,11 @@ class DemoOptions:
     piece_compiler: str = "inductor"
     seed: int = 0
     progress: bool = True
+    tp: int = 1  # tensor-parallel ranks: processes started by torchrun
 
     def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be a positive int, got {self.tp!r}")
         for name in ("batch", "steps", "prompt_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -99,16 +108,34 @@ def _prompts(opts: DemoOptions, vocab: int) -> list[list[int]]:
             for _ in range(opts.batch)]
 
 
+def start_tensor_parallel(opts: DemoOptions) -> TensorParallel:
+    """This process's rank among `opts.tp` (the process group made from
+    torchrun's environment: NCCL on CUDA, gloo on the CPU). Raises ValueError
+    with the command to run when the processes started are not `opts.tp`."""
+    if opts.tp == 1:
+        return TensorParallel()
+    started = int(os.environ.get("WORLD_SIZE", "1"))
+    if started != opts.tp:
+        raise ValueError(
+            f"--tp {opts.tp} needs {opts.tp} processes, one per GPU, and {started} "
+            f"{'was' if started == 1 else 'were'} started: torchrun --nproc-per-node {opts.tp} "
+            f"-m compile_backend demo --tp {opts.tp} ...")
+    init_from_env()
+    return TensorParallel.current(opts.tp)
+
+
 def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dtype,
-             reference: bool = False, dump: str | None = None) -> ModeResult:
-    """Generate once in `mode` with a fresh model and a fresh Dynamo."""
+             reference: bool = False, dump: str | None = None,
+             tp: int | None = None) -> ModeResult:
+    """Generate once in `mode` with a fresh model and a fresh Dynamo, split
+    over `tp` ranks (default `opts.tp`)."""
     from compile_backend.debug import dump as debug_dump
 
     torch._dynamo.reset()
     reset_counters()
     clear_compiled_steps()
     cfg = preset(opts.preset, dtype=dtype, seed=opts.seed)
-    model = build_model(opts.model, cfg).to(device)
+    model = build_model(opts.model, cfg, opts.tp if tp is None else tp).to(device)
     kv = _kv_config(opts)
     compilation = CompilationConfig(
         cudagraph_mode=mode,
@@ -145,8 +172,9 @@ def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dt
 
 
 def run_demo(opts: DemoOptions, say: Callable[[str], Any] = print) -> list[ModeResult]:
+    tp = start_tensor_parallel(opts)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda" if cuda else "cpu")  # with TP: this rank's GPU (LOCAL_RANK)
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.bfloat16 if cuda else torch.float32)
     modes, why = modes_to_run(opts.modes, cuda)
     if why:
@@ -154,12 +182,16 @@ def run_demo(opts: DemoOptions, say: Callable[[str], Any] = print) -> list[ModeR
     say(f"model {opts.model} ({opts.preset}), {opts.batch} prompts of {opts.prompt_len} tokens, "
         f"{opts.steps} new tokens, {str(dtype).replace('torch.', '')} on {device.type}, "
         f"pieces compiled with {opts.piece_compiler}")
-    reference = run_mode(opts, "none", device, dtype, reference=True)
+    if tp.size > 1:
+        say(f"tensor parallel: {tp.size} ranks; the reference is the whole model (TP=1) on each rank")
+    reference = run_mode(opts, "none", device, dtype, reference=True, tp=1)
     results = []
     for mode in modes:
         dump = None
         if opts.dump:
             dump = opts.dump if len(modes) == 1 else str(Path(opts.dump) / mode)
+            if tp.size > 1:  # one dump per rank: each compiles and captures its own
+                dump = str(Path(dump) / f"rank{tp.rank}")
         r = run_mode(opts, mode, device, dtype, dump=dump)
         r.equal = r.tokens == reference.tokens
         results.append(r)

@@ -33,6 +33,7 @@ from compile_backend.core.forward_context import ForwardContext, set_forward_con
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.runner.model_state import ModelState
+from compile_backend.runner.parallel import RankAgreement
 from compile_backend.core.symbolic import mark_token_dim, symbolic_tokens
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class ModelRunner:
             debug_checks=self.config.debug_checks, graphs=current_graph_backend())
         self.captures: list[CaptureRecord] = []
         self.captured = False
+        # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
+        self.parallel = RankAgreement.for_runner(self)
 
     # ---- one forward ---------------------------------------------------------
 
@@ -250,6 +253,8 @@ class ModelRunner:
         (InputBatch.check_against, then BlockTables.write)."""
         batch.check_against(self.kv_cache_config)  # before dispatch counts a fallback
         step = self.dispatch(batch)
+        if self.parallel is not None:
+            self.parallel.check_step(step)
         out = self._forward(step, self._write_step(batch, step), trace)
         return out[: batch.num_tokens]
 

@@ -12,10 +12,12 @@ MODELS = {"llama": LlamaDecoder, "hybrid": HybridDecoder}
 assert sorted(MODELS) == list(MODEL_NAMES) and sorted(PRESETS) == list(PRESET_NAMES)
 
 
-def build_model(name: str, config: ModelConfig):
+def build_model(name: str, config: ModelConfig, tp_size: int | None = None):
+    """`tp_size`: tensor-parallel ranks (None: the process group's size, 1
+    without one; 1: the whole model in this process)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
-    return MODELS[name](config)
+    return MODELS[name](config, tp_size)
 
 
 __all__ = ["PRESETS", "ModelConfig", "preset", "HybridDecoder", "LlamaDecoder", "MODELS", "build_model"]

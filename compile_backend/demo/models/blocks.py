@@ -5,9 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from compile_backend.core.parallel import TensorParallel, check_divides
 from kernels.layers import PagedAttention
 
 from .config import ModelConfig
+from .sharding import column_linear, row_linear
+
+
+def tensor_parallel(cfg: ModelConfig, tp_size: int | None, **more_dims: int) -> TensorParallel:
+    """This process's rank and the TP size (None: the process group's, 1
+    without one), after checking that the size divides every split
+    dimension: heads, KV heads, the MLP's width, and `more_dims`."""
+    if tp_size is not None:  # the sizes first: that error names the sizes that work
+        check_divides(tp_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                      intermediate_size=cfg.intermediate_size, **more_dims)
+    tp = TensorParallel.current(tp_size)
+    check_divides(tp.size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                  intermediate_size=cfg.intermediate_size, **more_dims)
+    return tp
 
 
 class RMSNorm(nn.Module):
@@ -39,10 +54,14 @@ class Rotary(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """With TP: gate_up column-parallel (each rank: its gate and up columns),
+    down row-parallel; the output is this rank's partial sum."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        I = cfg.intermediate_size  # noqa: E741
+        self.gate_up = column_linear(cfg.hidden_size, 2 * I, tp, chunks=2)  # [T, 2*I/N]
+        self.down = row_linear(I, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -50,20 +69,24 @@ class SwiGLU(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """q/k/v projections, rotary positions, paged GQA attention, output projection."""
+    """q/k/v projections, rotary positions, paged GQA attention, output projection.
 
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    With TP: q/k/v column-parallel and o row-parallel, so each rank holds
+    H/N heads and KVH/N KV heads (its KV cache too) and returns its partial
+    sum of the output; rank r's q heads use rank r's KV heads, as at TP=1."""
+
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.H, self.KVH, self.D = H, KVH, D
+        H, KVH, D = tp.shard(cfg.num_heads), tp.shard(cfg.num_kv_heads), cfg.head_dim
+        self.H, self.KVH, self.D = H, KVH, D  # this rank's heads
         # Separate projections: slices of one fused output are not contiguous,
         # and a contiguity check on them would specialise the token count to != 1.
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, KVH * D, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, KVH * D, bias=False)
+        self.q_proj = column_linear(cfg.hidden_size, cfg.num_heads * D, tp)
+        self.k_proj = column_linear(cfg.hidden_size, cfg.num_kv_heads * D, tp)
+        self.v_proj = column_linear(cfg.hidden_size, cfg.num_kv_heads * D, tp)
         self.rotary = Rotary(D, cfg.rope_theta)
         self.attn = PagedAttention(H, KVH, D, layer_name=f"layers.{index}.attn")
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.o_proj = row_linear(cfg.num_heads * D, cfg.hidden_size, tp)
 
     def project(self, r: torch.Tensor):
         """r [T, hidden] -> q [T, H*D], k [T, KVH, D], v [T, KVH*D]."""
@@ -81,11 +104,19 @@ class SelfAttention(nn.Module):
 
 class Decoder(nn.Module):
     """Embedding -> layers -> norm -> logits, seeded random weights in
-    cfg.dtype. Subclasses make the layers."""
+    cfg.dtype. Subclasses make the layers.
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    Tensor parallelism (`tp`): the layers hold their shards (sharding.py);
+    the embedding and lm_head are replicated, so every rank computes the
+    whole [T, vocab] logits and samples the same tokens with no gather (a
+    vocab-parallel lm_head would read 1/N of its weight per rank for an
+    all-gather of the logits per step)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module],
+                 tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size)
@@ -97,16 +128,26 @@ class Decoder(nn.Module):
         """Seeded random weights; small std keeps activations in range. Drawn
         on the parameters' device (a model built under `torch.device("cuda")`
         never holds its weights on the host), from one generator in module
-        order: the same seed on the same device type gives the same weights."""
+        order: the same seed on the same device type gives the same weights.
+        A tensor-parallel shard (`module.tp_shards`) is drawn at its full TP=1
+        shape and this rank keeps its part, so every TP size draws the same
+        numbers in the same order and computes TP=1's function."""
         device = self.embed.weight.device
         gen = torch.Generator(device=device).manual_seed(self.cfg.seed)
+        tp = self.tp
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     continue  # norms start at one
-                for p in module.parameters(recurse=False):
+                shards = getattr(module, "tp_shards", {})
+                for name, p in module.named_parameters(recurse=False):
                     std = 0.1 if p.dim() == 1 else (1.0 if isinstance(module, nn.Embedding) else 0.05)
-                    p.normal_(0.0, std, generator=gen)
+                    shard = shards.get(name)
+                    if shard is None:
+                        p.normal_(0.0, std, generator=gen)
+                        continue
+                    full = p.new_empty(shard.full_shape(p.shape, tp.size)).normal_(0.0, std, generator=gen)
+                    p.copy_(shard.take(full, tp.rank, tp.size))
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

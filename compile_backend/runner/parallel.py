@@ -1,0 +1,165 @@
+"""Tensor parallelism in the runner: N processes (torchrun, one per GPU), each
+with its own ModelRunner, model shard, KV cache (its KV heads only: the
+layers hold H/N heads, and `bind_caches` sizes by them) and graph pool (one
+per process: runtime/cuda_graph.py).
+
+A graph that holds a collective must be replayed by every rank, or the ranks
+that did replay wait forever. So every rank must run the same graph each
+step (same mode, same padded tokens and requests). That holds by construction:
+
+  capture   every rank builds the same plan from the same CompilationConfig
+            and KVCacheConfig; checked once, when the runner is built (one
+            all_gather of the plans), since a difference there deadlocks at
+            the first capture;
+  serving   `ModelRunner.dispatch` depends only on the batch and that plan,
+            and every rank gets the same batch (each rank's engine schedules
+            the same requests; the replicated lm_head gives every rank the
+            same logits, so the same sampled tokens).
+
+With `CompilationConfig.debug_checks` every step's choice is compared before
+it runs (an all_gather of 4 ints on the group, a sync per step), and a
+mismatch raises naming each rank's choice instead of hanging.
+
+Which runners take part: those whose model has a `tp` attribute, a
+`compile_backend.core.parallel.TensorParallel` of more than one rank (the
+reference models do). A model without one runs no collectives the runner
+needs to line up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
+from compile_backend.core.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+_MODES = list(CUDAGraphMode)
+
+
+class RanksDisagree(RuntimeError):
+    """Ranks of one tensor-parallel group would run different graphs."""
+
+
+def _group(tp: TensorParallel) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(tp.group_name)
+
+
+class RankAgreement:
+    """Checks that the ranks of a tensor-parallel runner capture and replay
+    the same graphs (module docstring)."""
+
+    def __init__(self, tp: TensorParallel, debug_checks: bool) -> None:
+        import torch.distributed as dist
+
+        assert tp.size > 1, tp
+        self.tp = tp
+        self.group = _group(tp)
+        self.debug_checks = debug_checks
+        # The all_gather of a step's choice runs where the group's backend does.
+        nccl = str(dist.get_backend(self.group)).lower() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @classmethod
+    def for_runner(cls, runner: Any) -> "RankAgreement | None":
+        """Check the plan now (every rank builds its runner); returns the
+        per-step checker under debug_checks, else None (no per-step cost)."""
+        tp = getattr(runner.model, "tp", None)
+        if not isinstance(tp, TensorParallel) or tp.size == 1:
+            return None
+        agreement = cls(tp, runner.config.debug_checks)
+        agreement.check_plan(runner)
+        return agreement if agreement.debug_checks else None
+
+    def check_plan(self, runner: Any) -> None:
+        import torch.distributed as dist
+
+        mine = {
+            "mode": runner.mode.value,
+            "capture_sizes": list(runner.capture_sizes),
+            "decode_sizes": list(runner.decode_sizes),
+            "plan": [(s.mode.value, s.num_tokens, s.num_reqs, s.uniform_decode)
+                     for s in runner.capture_plan()],
+        }
+        everyone: list[Any] = [None] * self.tp.size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(other != mine for other in everyone):
+            lines = "\n".join(f"  rank {r}: mode {o['mode']}, capture sizes {o['capture_sizes']}, "
+                              f"decode sizes {o['decode_sizes']}" for r, o in enumerate(everyone))
+            raise RanksDisagree(
+                f"the {self.tp.size} tensor-parallel ranks would capture different graphs, and "
+                f"the first collective in a graph would wait forever:\n{lines}\nGive every rank "
+                "the same CompilationConfig and KVCacheConfig (and the same machine type)")
+        logger.info("tensor parallel: %d ranks agree on %d graphs to capture (mode %s)",
+                    self.tp.size, len(mine["plan"]), mine["mode"])
+
+    def check_step(self, step: StepGraph) -> None:
+        """Raise if another rank chose another graph for this step."""
+        import torch.distributed as dist
+
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # an outer capture (a draft loop) records no host check
+        mine = torch.tensor([_MODES.index(step.mode), step.num_tokens, step.num_reqs,
+                             int(step.uniform_decode)], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.tp.size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        rows = torch.stack(gathered).tolist()  # [rank, (mode, tokens, reqs, uniform)]
+        if all(row == rows[self.tp.rank] for row in rows):
+            return
+        lines = "\n".join(f"  rank {r}: mode {_MODES[m].value}, {t} tokens, {b} requests, "
+                          f"uniform decode {bool(u)}" for r, (m, t, b, u) in enumerate(rows))
+        raise RanksDisagree(
+            f"tensor-parallel ranks chose different graphs for one step, which would "
+            f"deadlock at its first collective:\n{lines}\nEvery rank must execute the same "
+            "batch each step (same requests, token counts and order): schedule on every rank "
+            "from the same inputs, or schedule on rank 0 and broadcast the batch")
+
+
+def end_tensor_parallel(timeout_s: float = 120.0) -> int:
+    """End a tensor-parallel run: release every captured graph, then destroy
+    the default process group. Returns how many graphs were released. No
+    graph of this process can be replayed afterwards: call it last.
+
+    Note [graphs before the communicator]: a CUDA graph that captured NCCL
+    work keeps its communicator in use, and destroying the process group while
+    such a graph is alive waits forever (pytorch/pytorch#115388; seen here on
+    2 H200s: every rank hung in destroy_process_group after its last step).
+    Dropping the runners is not enough: Dynamo keeps each compiled step in the
+    traced module's globals (`__compiled_fn_*`), so the graphs outlive
+    `torch._dynamo.reset()`. So every graph captured into the pool is reset
+    (its executable freed) first. Should the destroy still not return within
+    `timeout_s`, every thread's stack is printed and the process exits (1)
+    rather than hang."""
+    import faulthandler
+    import gc
+
+    import torch.distributed as dist
+
+    from compile_backend.runtime import cuda_graph
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    gc.collect()
+    graphs = list(cuda_graph._pool_graphs)  # weak set: every live graph captured into the pool
+    for graph in graphs:
+        reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; the CPU stand-in has none
+        if reset is not None:
+            reset()
+    if cuda:
+        torch.cuda.synchronize()
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    logger.info("tensor parallel: %d graphs released, process group destroyed", len(graphs))
+    return len(graphs)
