@@ -22,7 +22,9 @@ new address are copied into the capture-time tensor (held by the wrapper, so
 it stays valid); with `debug_checks`, inputs named stable (parameters, caches)
 and every persistent metadata tensor must not move, and a replay raises naming
 the tensor if one did. Outputs are held weakly (a non-owning tensor on the
-pool's memory), so a block no later graph reads returns to the shared pool.
+pool's memory), so a block no later graph reads returns to the shared pool;
+so are capture-time inputs that are another graph's outputs (the pool's
+memory), while a caller's tensors are held (a replay may copy into them).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def use_graph_backend(graphs: Any):
     global _graph_backend, _shared_pool
     previous, previous_pool = _graph_backend, _shared_pool
     _graph_backend, _shared_pool = graphs, None
+    _pool_outputs.clear()
     try:
         yield graphs
     finally:
@@ -93,6 +96,10 @@ def use_graph_backend(graphs: Any):
 
 
 _pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs captured into it
+# Storage addresses of the shared pool's graph outputs: a later graph that
+# takes one as input holds it weakly (the pool owns that memory), so the
+# capture-time inputs of every piece of every size do not keep it allocated.
+_pool_outputs: set[int] = set()
 
 
 def shared_graph_pool(graphs: Any) -> Any:
@@ -102,7 +109,19 @@ def shared_graph_pool(graphs: Any) -> Any:
     global _shared_pool
     if _shared_pool is None or not _pool_graphs:
         _shared_pool = graphs.pool()
+        _pool_outputs.clear()  # the old pool's addresses may now be anyone's
     return _shared_pool
+
+
+def _held_input(a: Any) -> Any:
+    """How a graph keeps a capture-time argument: weakly when it is an output
+    of a graph of the pool (the pool owns it; holding it would keep it out of
+    later captures), strongly otherwise (a caller's tensor may be freed, and
+    a replay copies a moved input into it)."""
+    if (isinstance(a, torch.Tensor) and a.device.type == "cuda" and _pool_outputs
+            and type(a) is torch.Tensor and a.untyped_storage().data_ptr() in _pool_outputs):
+        return weak_ref(a)
+    return a
 
 
 def weak_ref(t: Any) -> Any:
@@ -224,9 +243,12 @@ class CUDAGraphWrapper:
             if ctx is not None:
                 ctx.capturing = False
         self.graphs.synchronize()
+        for t in pytree.tree_leaves(outputs):
+            if type(t) is torch.Tensor and t.device.type == "cuda":
+                _pool_outputs.add(t.untyped_storage().data_ptr())
         entry = CapturedGraph(
             graph=graph,
-            inputs=list(args),
+            inputs=[_held_input(a) for a in args],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor)),
             outputs=pytree.tree_map(weak_ref, outputs),
