@@ -19,7 +19,14 @@ def pytest_addoption(parser):
                      help="also run the slow tier (tests marked slow); CI runs both tiers")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by markers
 def pytest_collection_modifyitems(config, items):
+    # A case marked slow_on_cpu is in the slow tier where the interpreter runs it.
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if ("slow_on_cpu" in item.keywords and callspec is not None
+                and callspec.params.get("device") == "cpu"):
+            item.add_marker(pytest.mark.slow)
     # The quick tier by default; `-m slow` or `--full` selects the slow tier too.
     if not config.getoption("--full") and "slow" not in (config.getoption("-m") or ""):
         slow = pytest.mark.skip(reason="slow tier: run with --full")

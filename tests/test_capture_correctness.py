@@ -139,7 +139,9 @@ def _bound_state(runner):
     return {n: b.clone() for n, b in runner.model.named_buffers()}
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", [  # full_and_piecewise captures both kinds of graph
+    pytest.param("piecewise", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow),
+    "full_and_piecewise"])
 def test_capture_leaves_every_cache_and_state_unchanged(mode, torch_reference_kernels):
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()), torch.no_grad():

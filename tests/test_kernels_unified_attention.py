@@ -60,7 +60,7 @@ def _run(case, dtype, head_dim, device, seed, num_heads=4, num_kv_heads=2, block
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=pytest.mark.slow_on_cpu)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, dtype, head_dim, device):

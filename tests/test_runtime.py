@@ -331,7 +331,7 @@ def _random_schedule(seed, steps=10, slots=4, max_len=60):
 
 @pytest.mark.parametrize("seed", [
     pytest.param(0, marks=[pytest.mark.interpreted_kernels, pytest.mark.slow]),  # the Triton kernels, interpreted
-    1, 2])
+    1, pytest.param(2, marks=pytest.mark.slow)])
 def test_random_schedules_replay_equal_eager_in_every_mode(seed):
     """Fresh random batches (sizes, prefill/decode mix, request churn): every
     mode's logits equal eager's at every step (fp32, same kernels). Through
