@@ -7,6 +7,7 @@ TRITON_INTERPRET=1, which conftest sets when there is no GPU) and "cuda"
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import zlib
@@ -130,3 +131,10 @@ def state_batch(q_lens, state_indices, device, pad_tokens=0):
     qsl = torch.tensor([0] + list(torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()),
                        dtype=torch.int32)
     return qsl.to(device), torch.tensor(state_indices, dtype=torch.int32).to(device), sum(q_lens) + pad_tokens
+
+
+def search_in_steps(monkeypatch, kernel_module: str, requests: int = 2) -> None:
+    """Make a request-tile kernel's programs scan query_start_loc `requests`
+    entries at a time (Note [request tiles]), so that a few requests already
+    take several steps of the search."""
+    monkeypatch.setattr(importlib.import_module(kernel_module), "SEARCH", requests)

@@ -5,7 +5,8 @@ the state carried (bit-exact in fp32, REL_TOL otherwise)."""
 import pytest
 import torch
 
-from kernel_cases import stable_seed, DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, randn, state_batch
+from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, randn,
+                          search_in_steps, state_batch)
 from kernels.sconv import sconv, sconv_ref
 
 # name: (q_lens, state_indices, has_initial_state, padding tokens)
@@ -69,9 +70,7 @@ def test_padded_bound_and_search(case, device, monkeypatch):
     """max_query_len = the padded token count (what PIECEWISE passes): the
     grid scales with T (Note [request tiles]); a search chunk of 2 requests
     makes each program scan query_start_loc in several steps."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("kernels.sconv"), "SEARCH", 2)
+    search_in_steps(monkeypatch, "kernels.sconv")
     q_lens, _, _, pad = CASES[case]
     test_matches_reference(case, 80, 4, torch.float32, device, max_query_len=sum(q_lens) + pad)
 

@@ -159,17 +159,31 @@ def test_large_gpu(case, dtype):
     assert_close_rel(out, ref, dtype, case)
 
 
+def _gpu_decode(seed: int, seq_len: int):
+    """8 decode requests of `seq_len` cached tokens on the GPU (bf16, 8 heads
+    over 2 KV heads, head dim 128, block size 16): (generator, batch, k cache,
+    v cache, query), the generator left for the replay's new values."""
+    g = gen(seed)
+    dtype, H, KVH, D, bs = torch.bfloat16, 8, 2, 128, 16
+    batch = paged_batch([1] * 8, [seq_len] * 8, bs, "cuda", g)
+    kc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
+    vc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
+    return g, batch, kc, vc, randn((8, H, D), dtype, "cuda", g)
+
+
+def _assert_matches_ref(out, q, kc, vc, batch):
+    ref = unified_attention_ref(q.float().cpu(), kc.float().cpu(), vc.float().cpu(),
+                                batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                                batch.block_table.cpu(), 0.1)
+    assert_close_rel(out, ref, q.dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_decode_in_cuda_graph():
     """Captured once, replayed on new seq_lens/queries: no host syncs, and the
     grid does not depend on tensor values."""
-    g = gen(5)
-    dtype, D, H, KVH, bs = torch.bfloat16, 128, 8, 2, 16
-    batch = paged_batch([1] * 8, [1000] * 8, bs, "cuda", g)
-    kc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
-    vc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
-    q = randn((8, H, D), dtype, "cuda", g)
+    g, batch, kc, vc, q = _gpu_decode(seed=5, seq_len=1000)
     args = lambda: unified_attention(q, kc, vc, batch.query_start_loc, batch.seq_lens,  # noqa: E731
                                      batch.block_table, 0.1, 1, 1000)
     torch.cuda.synchronize()
@@ -181,12 +195,9 @@ def test_decode_in_cuda_graph():
     with torch.cuda.graph(graph):
         out = args()
     batch.seq_lens.copy_(torch.tensor([1000 - 97 * i for i in range(8)], dtype=torch.int32))
-    q.copy_(randn((8, H, D), dtype, "cuda", g))
+    q.copy_(randn(q.shape, q.dtype, "cuda", g))
     graph.replay()
-    ref = unified_attention_ref(q.float().cpu(), kc.float().cpu(), vc.float().cpu(),
-                                batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
-                                batch.block_table.cpu(), 0.1)
-    assert_close_rel(out, ref, dtype)
+    _assert_matches_ref(out, q, kc, vc, batch)
 
 
 # The direct path (Note [attention plans]): what eager pieces call once per
@@ -363,12 +374,7 @@ def test_direct_call_in_cuda_graph():
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
     from kernels.unified_attention import unified_attention_direct
 
-    g = gen(12)
-    dtype, H, KVH, D, bs = torch.bfloat16, 8, 2, 128, 16
-    batch = paged_batch([1] * 8, [2000] * 8, bs, "cuda", g)
-    kc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
-    vc = randn((batch.num_blocks, bs, KVH, D), dtype, "cuda", g)
-    q = randn((8, H, D), dtype, "cuda", g)
+    g, batch, kc, vc, q = _gpu_decode(seed=12, seq_len=2000)
     out = torch.full_like(q, float("nan"))
     ctx = ForwardContext(attn_metadata={"l": _meta(batch)})
     with set_forward_context(ctx):
@@ -382,10 +388,7 @@ def test_direct_call_in_cuda_graph():
         with torch.cuda.graph(graph):
             unified_attention_direct(q, kc, vc, out, "l", 0.1)
     batch.seq_lens.copy_(torch.tensor([2000 - 211 * i for i in range(8)], dtype=torch.int32))
-    q.copy_(randn((8, H, D), dtype, "cuda", g))
+    q.copy_(randn(q.shape, q.dtype, "cuda", g))
     out.fill_(float("nan"))
     graph.replay()
-    ref = unified_attention_ref(q.float().cpu(), kc.float().cpu(), vc.float().cpu(),
-                                batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
-                                batch.block_table.cpu(), 0.1)
-    assert_close_rel(out, ref, dtype)
+    _assert_matches_ref(out, q, kc, vc, batch)
