@@ -218,9 +218,14 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     spec = VARIANTS[variant]
     torch._dynamo.reset()
     cb.reset_counters()
-    # The previous variant's runner may sit in a reference cycle: collect it
-    # now, or its memory is freed during this capture and the pool reads
-    # negative (seen: hybrid mrv2-piecewise, -2164 MiB, 2026-11-30).
+    # The previous variant's graphs outlive its runner (Dynamo holds compiled
+    # steps): free them, or this variant captures into their pool and its
+    # growth reads about 0 (seen: 2026-11-30, FULL after PIECEWISE). Its
+    # runner may sit in a reference cycle: collect it now, or its memory is
+    # freed during this capture and the pool reads negative (seen: hybrid
+    # mrv2-piecewise, -2164 MiB, 2026-11-30).
+    if setup.device == "cuda":
+        cb.release_graphs()
     gc.collect()
     if setup.device == "cuda":
         torch.cuda.empty_cache()

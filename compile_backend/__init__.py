@@ -24,6 +24,7 @@ _EXPORTS = {
     "CompiledStep": "compile.backend",
     "clear_compiled_steps": "compile.backend",
     "compiled_steps": "compile.backend",
+    "release_graphs": "runtime.cuda_graph",
     "mrv2_backend": "compile.backend",
     "BatchDescriptor": "core.graph_mode",
     "CompilationConfig": "core.config",

@@ -287,6 +287,38 @@ def test_plain_torch_compile_captures_lazily_on_the_second_call():
     assert cb.counters["cudagraph_replays"] == 2 + 4
 
 
+def test_released_graphs_are_captured_again_on_the_next_call():
+    """release_graphs frees every graph (they outlive runners and
+    torch._dynamo.reset()); a compiled model keeps working: each piece
+    captures again on its next call, into a new pool."""
+    import copy
+
+    from backend_models import TOY_OPTIONS, ToyHybrid
+
+    from compile_backend.runtime import cuda_graph
+
+    cb.release_graphs()  # earlier tests' graphs
+    model = ToyHybrid()
+    eager = copy.deepcopy(model)
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        f = torch.compile(model, backend="mrv2",
+                          options={"piece_compiler": "eager", "cudagraph_mode": "piecewise",
+                                   **TOY_OPTIONS})
+        for _ in range(3):  # warm up, capture, replay
+            x = torch.randn(6, 16)
+            torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
+        pool = cuda_graph._shared_pool
+        assert cb.counters["cudagraph_captures"] == 2
+        assert cb.release_graphs() == 2
+        assert not cuda_graph._pool_graphs and cuda_graph._shared_pool is None
+        for _ in range(2):  # the shape is warm: capture, then replay
+            x = torch.randn(6, 16)
+            torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.state, eager.state)
+        assert cb.counters["cudagraph_captures"] == 4
+        assert cuda_graph._shared_pool is not pool
+
+
 def test_debug_checks_through_the_backend_name_a_moved_parameter():
     """The backend marks parameters and buffers as stable inputs of each piece."""
     from backend_models import TOY_OPTIONS, ToyHybrid

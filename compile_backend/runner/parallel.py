@@ -124,42 +124,29 @@ class RankAgreement:
 def end_tensor_parallel(timeout_s: float = 120.0) -> int:
     """End a tensor-parallel run: release every captured graph, then destroy
     the default process group. Returns how many graphs were released. No
-    graph of this process can be replayed afterwards: call it last.
+    collective can run afterwards: call it last.
 
     Note [graphs before the communicator]: a CUDA graph that captured NCCL
     work keeps its communicator in use, and destroying the process group while
     such a graph is alive waits forever (pytorch/pytorch#115388; seen here on
     2 H200s: every rank hung in destroy_process_group after its last step).
-    Dropping the runners is not enough: Dynamo keeps each compiled step in the
-    traced module's globals (`__compiled_fn_*`), so the graphs outlive
-    `torch._dynamo.reset()`. So every graph captured into the pool is reset
-    (its executable freed) first. Should the destroy still not return within
-    `timeout_s`, every thread's stack is printed and the process exits (1)
-    rather than hang."""
+    Dropping the runners is not enough: graphs outlive them (see
+    `release_graphs`), so every graph is freed first. Should the destroy
+    still not return within `timeout_s`, every thread's stack is printed and
+    the process exits (1) rather than hang."""
     import faulthandler
-    import gc
 
     import torch.distributed as dist
 
-    from compile_backend.runtime import cuda_graph
+    from compile_backend.runtime.cuda_graph import release_graphs
 
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    gc.collect()
-    graphs = list(cuda_graph._pool_graphs)  # weak set: every live graph captured into the pool
-    for graph in graphs:
-        reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; the CPU stand-in has none
-        if reset is not None:
-            reset()
-    if cuda:
-        torch.cuda.synchronize()
+    released = release_graphs()
     faulthandler.dump_traceback_later(timeout_s, exit=True)
     try:
         dist.destroy_process_group()
     finally:
         faulthandler.cancel_dump_traceback_later()
-    logger.info("tensor parallel: %d graphs released, process group destroyed", len(graphs))
-    return len(graphs)
+    logger.info("tensor parallel: %d graphs released, process group destroyed", released)
+    return released

@@ -96,6 +96,7 @@ def use_graph_backend(graphs: Any):
 
 
 _pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs captured into it
+_wrappers: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()  # every wrapper, for release_graphs
 # Storage addresses of the shared pool's graph outputs: a later graph that
 # takes one as input holds it weakly (the pool owns that memory), so the
 # capture-time inputs of every piece of every size do not keep it allocated.
@@ -111,6 +112,39 @@ def shared_graph_pool(graphs: Any) -> Any:
         _shared_pool = graphs.pool()
         _pool_outputs.clear()  # the old pool's addresses may now be anyone's
     return _shared_pool
+
+
+def release_graphs() -> int:
+    """Free every captured graph and the shared pool's memory; returns how
+    many graphs were freed. Each wrapper forgets its graphs, so a later call
+    of a compiled model or runner captures again (on demand) into a new pool.
+
+    Needed because graphs outlive their runner and `torch._dynamo.reset()`:
+    Dynamo keeps each compiled step in the traced module's globals
+    (`__compiled_fn_*`). Without this, switching models keeps the old
+    model's graphs (and pool) alive, and the new model's graphs share that
+    pool. Call it when no graph is in flight on another stream."""
+    global _shared_pool
+    graphs = list(_pool_graphs)
+    wrappers = list(_wrappers)
+    _shared_pool = None
+    if not graphs and not wrappers:
+        return 0
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:  # no replay in flight (stand-in graphs need nothing)
+        torch.cuda.synchronize()
+    for wrapper in wrappers:
+        wrapper.entries.clear()
+        wrapper._keys.clear()
+    for graph in graphs:
+        reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+        if reset is not None:
+            reset()
+    _pool_graphs.clear()
+    _pool_outputs.clear()
+    if cuda:
+        torch.cuda.synchronize()
+    return len(graphs)
 
 
 def _held_input(a: Any) -> Any:
@@ -183,6 +217,7 @@ class CUDAGraphWrapper:
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
         # inside it see a FULL context without a descriptor and run their callables.
         self._lazy_ctx = ForwardContext(cudagraph_runtime_mode=mode) if mode is CUDAGraphMode.FULL else None
+        _wrappers.add(self)
 
     # ---- dispatch ---------------------------------------------------------
 
