@@ -416,10 +416,13 @@ def plot(decode, out_dir) -> str | None:
         return None
     models = sorted({r["model"] for r in decode})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    # One colour per variant in every panel (runs may list variants in any order).
+    colours = {v: f"C{i}" for i, v in enumerate(dict.fromkeys([*VARIANTS, *(r["variant"] for r in decode)]))}
     for ax, m in zip(axes[0], models):
-        for v in dict.fromkeys(r["variant"] for r in decode if r["model"] == m):
+        for v in [v for v in colours if any(r["model"] == m and r["variant"] == v for r in decode)]:
             rows = [r for r in decode if r["model"] == m and r["variant"] == v]
-            ax.plot([r["batch"] for r in rows], [r["ms"] for r in rows], marker="o", label=v)
+            ax.plot([r["batch"] for r in rows], [r["ms"] for r in rows], marker="o", label=v,
+                    color=colours[v])
         rows = [r for r in decode if r["model"] == m and r["variant"] == "eager"] or \
             [r for r in decode if r["model"] == m]
         ax.plot([r["batch"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="HBM floor")
