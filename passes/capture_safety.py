@@ -63,7 +63,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
 from compile_backend.core.counters import counters
-from compile_backend.core.parallel import group_backend, is_collective
+from compile_backend.core.parallel import group_backend
 from compile_backend.core.op_registry import (
     EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name, resolve_op_name,
 )
@@ -154,25 +154,25 @@ def _input_values(node: torch.fx.Node) -> list[Any]:
 _HOST_COLLECTIVE = "collective on process group"
 
 
-def _collective_group(node: torch.fx.Node) -> str | None:
+def _collective_group(node: torch.fx.Node, roles: OpRegistry) -> str | None:
     """The process-group name a functional collective runs on: its last
     string argument (`all_reduce(x, "sum", "0")`: "0"); a `wait_tensor`
     waits on its producer's group."""
     if node_op_name(node) == "_c10d_functional::wait_tensor":
         producer = node.args[0] if node.args else None
-        if isinstance(producer, torch.fx.Node) and is_collective(node_op_name(producer)):
-            return _collective_group(producer)
+        if isinstance(producer, torch.fx.Node) and roles.role(producer) is OpRole.COLLECTIVE:
+            return _collective_group(producer, roles)
         return None
     names = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, str)]
     return node.kwargs.get("group_name", names[-1] if names else None)
 
 
-def _host_collective(node: torch.fx.Node, graph_has_cuda: bool) -> str | None:
+def _host_collective(node: torch.fx.Node, graph_has_cuda: bool, roles: OpRegistry) -> str | None:
     """Why a collective in a CUDA graph cannot be captured, or None (NCCL; a
     CPU-only graph, which is never captured; a group this process cannot see)."""
-    if not graph_has_cuda or not is_collective(node_op_name(node)):
+    if not graph_has_cuda or roles.role(node) is not OpRole.COLLECTIVE:
         return None
-    name = _collective_group(node)
+    name = _collective_group(node, roles)
     backend = group_backend(name) if name is not None else None
     if backend is None or "nccl" in backend:
         return None
@@ -180,9 +180,9 @@ def _host_collective(node: torch.fx.Node, graph_has_cuda: bool) -> str | None:
             "(a CUDA graph captures NCCL collectives only)")
 
 
-def _fix_for(node: torch.fx.Node) -> str:
+def _fix_for(node: torch.fx.Node, roles: OpRegistry) -> str:
     name = node_op_name(node) or ""
-    if is_collective(name):
+    if roles.role(node) is OpRole.COLLECTIVE:
         return ("make the process group with the NCCL backend for CUDA tensors "
                 "(torch.distributed.init_process_group('nccl'))")
     custom = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
@@ -236,7 +236,7 @@ class CaptureSafetyPass(Mrv2Pass):
             self._note_new_symbols(node, origins)
             if why is None:
                 continue
-            reason = f"`{op_label(node)}` at {source_line(node)}: {why}; {_fix_for(node)}"
+            reason = f"`{op_label(node)}` at {source_line(node)}: {why}; {_fix_for(node, self.roles)}"
             findings.append({
                 "node": node.name, "op": op_label(node), "reason": reason,
                 "derived": why.startswith(_DERIVED),
@@ -274,7 +274,7 @@ class CaptureSafetyPass(Mrv2Pass):
         tags = op_tags(node)
         if "cudagraph_unsafe" in tags:
             return "the op is tagged torch.Tag.cudagraph_unsafe"
-        host_collective = _host_collective(node, graph_has_cuda)
+        host_collective = _host_collective(node, graph_has_cuda, self.roles)
         if host_collective:
             return host_collective
         if name in _HOST_SYNC_NAMES or "data_dependent_output" in tags:

@@ -23,10 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Namespaces whose ops are collectives (shown as such by the op registry and the dump).
-COLLECTIVE_NAMESPACES = ("_c10d_functional",)
-
-
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group. Frozen and hashable:
@@ -110,11 +106,6 @@ def check_divides(size: int, **dims: int) -> None:
         f"holds an equal share of every one of them. Use a tensor-parallel size among {valid} "
         "(start that many processes: torchrun --nproc-per-node N), or a model whose sizes "
         f"{size} divides")
-
-
-def is_collective(op_name: str | None) -> bool:
-    """`namespace::name` of a collective (the functional collectives)."""
-    return bool(op_name) and op_name.split("::")[0] in COLLECTIVE_NAMESPACES
 
 
 def group_backend(group_name: str) -> str | None:
