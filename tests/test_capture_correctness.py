@@ -99,7 +99,7 @@ def test_returning_what_capture_recorded_is_caught(monkeypatch):
     """The check this helper exists for: with the old capture (outputs of the
     capturing call handed out, no replay), call 1 differs from eager."""
 
-    def old_capture(self, key, args, ctx):
+    def old_capture(self, key, args, ctx, own_pool=False):
         graph = self.graphs.new_graph()
         with self.graphs.capture(graph, object(), args):
             outputs = self.fn(*args)
@@ -107,7 +107,7 @@ def test_returning_what_capture_recorded_is_caught(monkeypatch):
 
         entry = CapturedGraph(graph, list(args), tuple(
             (i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), outputs)
-        self.entries[key] = entry
+        self._keep(key, entry)
         self.graphs.after_capture(graph, self.fn, entry, ctx)
         return outputs
 

@@ -251,15 +251,22 @@ def test_debug_checks_catch_a_moved_stable_input_and_copy_others():
     with use_graph_backend(graphs):
         weight = torch.randn(4)
         w = CUDAGraphWrapper(lambda x, wt: x * wt, Mode.PIECEWISE, name="piece",
-                             debug_checks=True, stable_inputs=[1], input_names=["x", "weight"])
+                             debug_checks=True, stable_inputs=[1], input_names=["x", "weight"],
+                             written_inputs=())
         ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
                                 cudagraph_runtime_mode=Mode.PIECEWISE)
         with cb.set_forward_context(ctx):
             x0 = torch.randn(4)
+            x0_before = x0.clone()
             w(x0, weight)  # capture
-            x1 = torch.randn(4)  # new address: copied into the captured input
+            x1 = torch.randn(4)  # new address: a graph reading a private buffer
             torch.testing.assert_close(w(x1, weight), x1 * weight)
-            assert cb.counters["replay_input_copies"] == 1
+            assert cb.counters["address_captures"] == 1
+            x2 = torch.randn(4)  # copied into that buffer: no capture
+            torch.testing.assert_close(w(x2, weight), x2 * weight)
+            assert cb.counters["address_captures"] == 1
+            assert cb.counters["replay_input_copies"] == 2
+            assert torch.equal(x0, x0_before)  # the caller's old tensor is never written
             with pytest.raises(RuntimeError, match=r"input 1 \(weight\) moved since capture"):
                 w(x1, weight.clone())
 
@@ -290,7 +297,7 @@ def test_plain_torch_compile_captures_lazily_on_the_second_call():
 def test_released_graphs_are_captured_again_on_the_next_call():
     """release_graphs frees every graph (they outlive runners and
     torch._dynamo.reset()); a compiled model keeps working: each piece
-    captures again on its next call, into a new pool."""
+    captures again on its next call (lazily captured graphs have pools of their own)."""
     import copy
 
     from backend_models import TOY_OPTIONS, ToyHybrid
@@ -307,7 +314,6 @@ def test_released_graphs_are_captured_again_on_the_next_call():
         for _ in range(3):  # warm up, capture, replay
             x = torch.randn(6, 16)
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
-        pool = cuda_graph._shared_pool
         assert cb.counters["cudagraph_captures"] == 2
         assert cb.release_graphs() == 2
         assert not cuda_graph._pool_graphs and cuda_graph._shared_pool is None
@@ -316,7 +322,6 @@ def test_released_graphs_are_captured_again_on_the_next_call():
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(model.state, eager.state)
         assert cb.counters["cudagraph_captures"] == 4
-        assert cuda_graph._shared_pool is not pool
 
 
 def test_debug_checks_through_the_backend_name_a_moved_parameter():

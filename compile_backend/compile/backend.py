@@ -71,14 +71,21 @@ class CompiledStep:
     _values_by_shapes: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, *args: Any) -> Any:
-        if self.graph_mode.has_full and not has_forward_context():
+        if has_forward_context():  # a runner's step: outputs valid until its next step
+            return self.split_gm.forward(*args)  # no module hooks on it: skip Module.__call__
+        if self.graph_mode is CUDAGraphMode.NONE:
+            return self.split_gm.forward(*args)
+        # Plain use: the caller owns what it gets (a replay rewrites graph memory).
+        from compile_backend.runtime.cuda_graph import own_outputs
+
+        if self.graph_mode.has_full:
             if self.full_graph is not None and self._fits_one_graph(args):
-                return self.full_graph(*args)
+                return own_outputs(self.full_graph(*args))
             if not self._blocker_logged:
                 self._blocker_logged = True
                 counters["full_graph_fallbacks"] += 1
                 logger.warning("mrv2: %s", self.full_blocker)
-        return self.split_gm.forward(*args)  # no module hooks on it: skip Module.__call__
+        return own_outputs(self.split_gm.forward(*args))
 
     def _fits_one_graph(self, args: Sequence[Any]) -> bool:
         """A graph bakes in the Python values it is called with (Dynamo passes
@@ -230,11 +237,12 @@ def mrv2_backend(
         names, stable = _piece_inputs(split_gm, piece.name)
         w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
                              debug_checks=config.debug_checks, stable_inputs=stable,
-                             input_names=names)
+                             input_names=names, written_inputs=piece.written_inputs,
+                             graphs_per_shape=config.graphs_per_shape)
         wrappers.append(w)
         return w
 
-    compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler, wrap)
+    written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler, wrap)
     if config.direct_op_calls:  # after compiling: the fake run needs the real ops
         for p in pieces:
             if not p.captured:
@@ -260,7 +268,8 @@ def mrv2_backend(
             [n for n in split_gm.graph.nodes if n.op == "placeholder"])
         step.full_graph = CUDAGraphWrapper(
             split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
-            stable_inputs=stable, input_names=names)
+            stable_inputs=stable, input_names=names, written_inputs=written,
+            graphs_per_shape=config.graphs_per_shape)
     _compiled.append(step)
     logger.info(
         "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",

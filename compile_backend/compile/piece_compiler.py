@@ -19,6 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
+from compile_backend.compile.mutations import WriteRecorder, written_inputs
 from compile_backend.compile.split import Piece
 
 logger = logging.getLogger(__name__)
@@ -68,21 +69,26 @@ def compile_piece(
 
 class _PieceCompileInterpreter(torch.fx.Interpreter):
     """Runs the split graph on fake inputs; at each piece, compiles it with the
-    fake (symbolic) arguments it receives and installs the result."""
+    fake (symbolic) arguments it receives and installs the result. A
+    WriteRecorder active around each piece's fake run tells which inputs it writes."""
 
-    def __init__(self, split_gm, pieces, compiler, wrap, cache):
+    def __init__(self, split_gm, pieces, compiler, wrap, cache, recorder):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
         self.wrap = wrap
         self.cache = cache
+        self.recorder = recorder
         self.compiled: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target, args, kwargs):
         assert not kwargs, kwargs
         piece = self.pieces[target]
         submod = getattr(self.module, target)
-        out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
+        before = len(self.recorder.written)
+        with self.recorder:  # not around compiling: Inductor runs its own fake ops
+            out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
+        piece.written_inputs = written_inputs(args, self.recorder.written[before:])
         if piece.captured:
             key = piece_key(submod, args)
             fn = self.cache.get(key) if key else None
@@ -105,8 +111,10 @@ def compile_pieces(
     example_inputs: Sequence[Any],
     compiler: str,
     wrap: Callable[[Piece, Callable[..., Any]], Callable[..., Any]],
-) -> torch.fx.GraphModule:
-    """Replace every piece submodule of `split_gm` by `wrap(piece, compiled)`."""
+) -> frozenset[int]:
+    """Replace every piece submodule of `split_gm` by `wrap(piece, compiled)`
+    (each piece's `written_inputs` set first); returns the indices of
+    `split_gm`'s inputs that the whole graph writes."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     # The fake mode Dynamo traced with (its symbolic shapes live in it).
@@ -118,12 +126,14 @@ def compile_pieces(
         if val is None:
             val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
         fake_args.append(val)
-    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={})
+    recorder = WriteRecorder()
+    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={},
+                                      recorder=recorder)
     with fake_mode:
         interp.run(*fake_args)
     for name, fn in interp.compiled.items():
         setattr(split_gm, name, _as_module(fn))
-    return split_gm
+    return written_inputs(fake_args, recorder.written)
 
 
 def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -> None:

@@ -38,6 +38,8 @@ class Piece:
     attention_like: list[str] = field(default_factory=list)
     collectives: list[str] = field(default_factory=list)  # all-reduces etc. (role collective)
     eager_reasons: list[str] = field(default_factory=list)  # fallbacks, with source line
+    # indices of its inputs it writes (set by the piece compiler's fake run)
+    written_inputs: frozenset[int] = field(default_factory=frozenset)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -50,6 +52,7 @@ class Piece:
             "attention_like": self.attention_like,
             "collectives": self.collectives,
             "eager_reasons": self.eager_reasons,
+            "written_inputs": sorted(self.written_inputs),
         }
 
 

@@ -38,6 +38,9 @@ class CompilationConfig:
         across breakpoints so that fewer pieces result.
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
+    graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
+        shape, one per set of addresses of the inputs it writes (a new cache
+        object per `generate` call); the least recently used goes beyond it.
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE
@@ -52,6 +55,7 @@ class CompilationConfig:
     enable_passes: bool = True
     reorder_for_fewer_pieces: bool = True
     direct_op_calls: bool = True
+    graphs_per_shape: int = 4
 
     def __post_init__(self) -> None:
         self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
@@ -92,6 +96,12 @@ class CompilationConfig:
                     f"debug_dump_path must be a folder path, got {self.debug_dump_path!r}")
             self.debug_dump_path = os.fspath(self.debug_dump_path)
             check_dump_path(self.debug_dump_path)  # refused now, not after compiling
+        if (not isinstance(self.graphs_per_shape, int) or isinstance(self.graphs_per_shape, bool)
+                or self.graphs_per_shape < 1):
+            raise ValueError(
+                f"graphs_per_shape must be a positive int, got {self.graphs_per_shape!r}; "
+                "for example 4 (graphs kept per input shape, one per address of the "
+                "tensors a graph writes)")
         for name in ("debug_checks", "strict_capture", "enable_passes",
                      "reorder_for_fewer_pieces", "direct_op_calls"):
             if not isinstance(getattr(self, name), bool):

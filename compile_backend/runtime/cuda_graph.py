@@ -17,14 +17,21 @@ replay, whose outputs the call returns and whose writes happen exactly once.
 A caller that must not capture on demand (the draft loop) checks
 `is_captured` first and raises.
 
-Addresses. A graph reads and writes the addresses seen at capture. Inputs at a
-new address are copied into the capture-time tensor (held by the wrapper, so
-it stays valid); with `debug_checks`, inputs named stable (parameters, caches)
-and every persistent metadata tensor must not move, and a replay raises naming
-the tensor if one did. Outputs are held weakly (a non-owning tensor on the
-pool's memory), so a block no later graph reads returns to the shared pool;
-so are capture-time inputs that are another graph's outputs (the pool's
-memory), while a caller's tensors are held (a replay may copy into them).
+Addresses. A graph reads and writes the addresses seen at capture, so a
+replay must never copy an input it writes into a capture-time tensor: the
+caller's tensor would miss the write (a KV cache, a counter). Which inputs a
+graph writes comes from the compile (`written_inputs`; unknown means all).
+An input it writes that moved gets a graph captured for the new address
+(kept per key, `graphs_per_shape` at most, least recently used evicted);
+a read-only input that moves is copied, from then on, into a private buffer
+the graph reads (never into the caller's old tensor). Outputs that alias an
+input are views of the caller's tensor. With `debug_checks` every moved
+input is logged (name, addresses, written or read), and inputs named stable
+(parameters, buffers) and persistent metadata tensors raise if they move.
+Outputs are held weakly (a non-owning tensor on the pool's memory), so a
+block no later graph reads returns to the shared pool; graphs captured
+outside the runner's ordered capture (lazily, or for a new address) get a
+pool of their own. docs/design_notes.md says why each rule holds.
 """
 
 from __future__ import annotations
@@ -135,6 +142,7 @@ def release_graphs() -> int:
         torch.cuda.synchronize()
     for wrapper in wrappers:
         wrapper.entries.clear()
+        wrapper.variants.clear()
         wrapper._keys.clear()
     for graph in graphs:
         reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
@@ -147,15 +155,18 @@ def release_graphs() -> int:
     return len(graphs)
 
 
-def _held_input(a: Any) -> Any:
-    """How a graph keeps a capture-time argument: weakly when it is an output
-    of a graph of the pool (the pool owns it; holding it would keep it out of
-    later captures), strongly otherwise (a caller's tensor may be freed, and
-    a replay copies a moved input into it)."""
-    if (isinstance(a, torch.Tensor) and a.device.type == "cuda" and _pool_outputs
-            and type(a) is torch.Tensor and a.untyped_storage().data_ptr() in _pool_outputs):
-        return weak_ref(a)
-    return a
+def _is_pool_output(t: torch.Tensor) -> bool:
+    """Is `t` memory a graph wrote as an output (the pool's, not a caller's)?"""
+    return bool(_pool_outputs) and t.untyped_storage().data_ptr() in _pool_outputs
+
+
+def own_outputs(out: Any) -> Any:
+    """`out` with every tensor that lives in graph memory cloned: for callers
+    outside a runner, whose outputs must not change when a graph replays."""
+    if not _pool_outputs:
+        return out
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone() if _is_pool_output(t) else t, out)
 
 
 def weak_ref(t: Any) -> Any:
@@ -172,10 +183,18 @@ def weak_ref(t: Any) -> Any:
 @dataclass
 class CapturedGraph:
     graph: Any
-    inputs: list[Any]  # capture-time args (tensors held: replay copies into them)
-    # (index, address) of the tensor inputs: what a replay compares, no more
+    # What the graph reads: a private buffer (strong) for an input copied in
+    # at every replay, else the capture-time argument (weakly on CUDA: the
+    # graph replays only when the caller hands in a tensor at that address).
+    inputs: list[Any]
+    # (index, address) of the tensor inputs read and written in place: a
+    # replay needs each at its capture-time address (the fast check)
     tensor_ptrs: tuple[tuple[int, int], ...]
     outputs: Any  # pytree of (weakly held) tensors
+    copy_ins: tuple[int, ...] = ()  # inputs copied into their private buffer (inputs[i])
+    # outputs that alias an input: (leaf, input index, size, stride, offset
+    # relative to the input's): rebuilt on the caller's tensor at each replay
+    output_aliases: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int], ...] = ()
     metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
     seconds: float = 0.0
     pool_bytes: int = 0  # allocator growth during capture
@@ -192,7 +211,36 @@ def _metadata_ptrs(ctx: ForwardContext | None) -> dict[str, int]:
     return out
 
 
+def _output_aliases(outputs: Any, args: Sequence[Any]):
+    """Outputs that are views of an input (a cache `update` returning the
+    cache): where in the input each one sits."""
+    by_storage = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            by_storage.setdefault(a.untyped_storage().data_ptr(), i)
+    out = []
+    for leaf, t in enumerate(pytree.tree_leaves(outputs)):
+        if not isinstance(t, torch.Tensor):
+            continue
+        i = by_storage.get(t.untyped_storage().data_ptr())
+        if i is not None and args[i].dtype == t.dtype:
+            out.append((leaf, i, tuple(t.shape), tuple(t.stride()),
+                        t.storage_offset() - args[i].storage_offset()))
+    return tuple(out)
+
+
 class CUDAGraphWrapper:
+    """Captures `fn` per key (batch descriptor, or input shapes without a
+    runner) and replays it.
+
+    Addresses (docs/design_notes.md, "A replay never writes into a private
+    copy"): an input the graph writes (`written_inputs`; None: unknown, so
+    every input counts as written) must be where it was at capture; when it
+    moves, the wrapper captures a graph for the new address (at most
+    `graphs_per_shape` per key, least recently used evicted). A read-only
+    input that moves is copied, from then on, into a private buffer that the
+    graph reads. Outputs that alias an input alias the caller's tensor."""
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -202,8 +250,11 @@ class CUDAGraphWrapper:
         stable_inputs: Sequence[int] = (),
         input_names: Sequence[str] | None = None,
         graphs: Any = None,
+        written_inputs: Sequence[int] | None = None,
+        graphs_per_shape: int = 4,
     ) -> None:
         assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
+        assert graphs_per_shape >= 1, graphs_per_shape
         self.fn = fn
         self.mode = mode
         self.name = name
@@ -211,13 +262,21 @@ class CUDAGraphWrapper:
         self.stable_inputs = set(stable_inputs)
         self.input_names = list(input_names) if input_names else None
         self.graphs = graphs or current_graph_backend()
-        self.entries: dict[Hashable, CapturedGraph] = {}
+        self.written_inputs = None if written_inputs is None else frozenset(written_inputs)
+        self.graphs_per_shape = graphs_per_shape
+        self.entries: dict[Hashable, CapturedGraph] = {}  # key -> most recently used graph
+        self.variants: dict[Hashable, list[CapturedGraph]] = {}  # key -> its graphs, LRU last
+        self.moving: set[int] = set()  # read-only inputs seen at a new address
+        self._said: set[tuple[int, str]] = set()  # (input, reason) logged once
         self._keys: dict[Hashable, Hashable] = {}  # descriptor -> key_of(descriptor), memoized
         self._warmed_shapes: set[Hashable] = set()
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
         # inside it see a FULL context without a descriptor and run their callables.
         self._lazy_ctx = ForwardContext(cudagraph_runtime_mode=mode) if mode is CUDAGraphMode.FULL else None
         _wrappers.add(self)
+
+    def writes(self, i: int) -> bool:
+        return self.written_inputs is None or i in self.written_inputs
 
     # ---- dispatch ---------------------------------------------------------
 
@@ -235,7 +294,7 @@ class CUDAGraphWrapper:
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
-        return self._replay(entry, args, ctx)
+        return self._replay(key, entry, args, ctx)
 
     def key_of(self, desc: Hashable) -> Hashable:
         """The key a descriptor's graph is held under."""
@@ -251,20 +310,42 @@ class CUDAGraphWrapper:
         with set_forward_context(ctx) if ctx is not None else contextlib.nullcontext():
             entry = self.entries.get(key)
             if entry is not None:
-                return self._replay(entry, args, ctx)
+                return self._replay(key, entry, args, ctx)
             if key not in self._warmed_shapes:
                 self._warmed_shapes.add(key)
                 counters["lazy_warmups"] += 1
                 return self.fn(*args)
             counters["lazy_captures"] += 1
-            return self._capture(key, args, ctx)
+            # A caller's read-only tensors (not parameters or buffers, not
+            # another graph's outputs) come at new addresses on most calls:
+            # read them from private buffers from the start.
+            self.moving.update(
+                i for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and not self.writes(i)
+                and i not in self.stable_inputs and not _is_pool_output(a))
+            return self._capture(key, args, ctx, own_pool=True)
 
     # ---- capture and replay -------------------------------------------------
 
-    def _capture(self, key: Hashable, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
-        """Capture, then replay once: the call returns the replay's outputs."""
+    def _capture(self, key: Hashable, args: Sequence[Any], ctx: ForwardContext | None,
+                 own_pool: bool = False) -> Any:
+        """Capture, then replay once: the call returns the replay's outputs.
+
+        `own_pool`: capture into a pool of its own. The shared pool is safe
+        for graphs captured and replayed in the same order, a size at a time
+        (the runner's capture and steps); a graph captured in the middle of
+        other graphs' replays (without a runner, or for a new address) could
+        be handed blocks that live outputs of those replays still occupy."""
+        # Inputs known to move get a private buffer, allocated outside the pool.
+        copy_ins = tuple(i for i, a in enumerate(args)
+                         if i in self.moving and isinstance(a, torch.Tensor) and not self.writes(i))
+        capture_args = list(args)
+        for i in copy_ins:
+            capture_args[i] = torch.empty_strided(args[i].shape, args[i].stride(),
+                                                  dtype=args[i].dtype, device=args[i].device)
+            capture_args[i].copy_(args[i])
         graph = self.graphs.new_graph()
-        pool = shared_graph_pool(self.graphs)
+        pool = self.graphs.pool() if own_pool else shared_graph_pool(self.graphs)
         _pool_graphs.add(graph)
         self.graphs.synchronize()
         before = self.graphs.memory_allocated()
@@ -272,26 +353,30 @@ class CUDAGraphWrapper:
         if ctx is not None:
             ctx.capturing = True
         try:
-            with self.graphs.capture(graph, pool, args):
-                outputs = self.fn(*args)
+            with self.graphs.capture(graph, pool, capture_args):
+                outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
                 ctx.capturing = False
         self.graphs.synchronize()
-        for t in pytree.tree_leaves(outputs):
-            if type(t) is torch.Tensor and t.device.type == "cuda":
+        aliases = _output_aliases(outputs, capture_args)
+        aliased = {leaf for leaf, *_ in aliases}
+        for leaf, t in enumerate(pytree.tree_leaves(outputs)):
+            if type(t) is torch.Tensor and leaf not in aliased:
                 _pool_outputs.add(t.untyped_storage().data_ptr())
         entry = CapturedGraph(
             graph=graph,
-            inputs=[_held_input(a) for a in args],
+            inputs=[a if i in copy_ins else weak_ref(a) for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
-                              if isinstance(a, torch.Tensor)),
+                              if isinstance(a, torch.Tensor) and i not in copy_ins),
             outputs=pytree.tree_map(weak_ref, outputs),
+            copy_ins=copy_ins,
+            output_aliases=aliases,
             metadata_ptrs=_metadata_ptrs(ctx),
             seconds=time.perf_counter() - t0,
             pool_bytes=self.graphs.memory_allocated() - before,
         )
-        self.entries[key] = entry
+        self._keep(key, entry)
         if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
             self.graphs.after_capture(graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
@@ -299,27 +384,45 @@ class CUDAGraphWrapper:
         # The replay writes the outputs' memory (garbage until now). Hand out
         # the strong tensors: the rest of this call (later pieces' captures)
         # must not get their memory from the pool while they are in use.
-        self._replay(entry, args, ctx)
-        return outputs
+        self._replay(key, entry, args, ctx)
+        return self._alias_outputs(entry, args, outputs)
+
+    def _keep(self, key: Hashable, entry: CapturedGraph) -> None:
+        kept = self.variants.setdefault(key, [])
+        kept.append(entry)
+        self.entries[key] = entry
+        while len(kept) > self.graphs_per_shape:
+            old = kept.pop(0)
+            counters["graph_evictions"] += 1
+            reset = getattr(old.graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+            if reset is not None:
+                self.graphs.synchronize()  # no replay of it in flight
+                reset()
+            _pool_graphs.discard(old.graph)
+            self._say(-1, "evict",
+                      f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
+                      f"for one input shape (one per address of the tensors it writes); the "
+                      "least recently used is freed. Keep written tensors (caches, state) at "
+                      "fixed addresses, or raise graphs_per_shape")
 
     def _input_name(self, i: int) -> str:
         if self.input_names and i < len(self.input_names):
             return f"input {i} ({self.input_names[i]})"
         return f"input {i}"
 
-    def _replay(self, entry: CapturedGraph, args: Sequence[Any], ctx: ForwardContext | None) -> Any:
+    def _say(self, i: int, reason: str, message: str) -> None:
+        if (i, reason) not in self._said:
+            self._said.add((i, reason))
+            logger.warning("mrv2: %s", message)
+
+    def _replay(self, key: Hashable, entry: CapturedGraph, args: Sequence[Any],
+                ctx: ForwardContext | None) -> Any:
         assert len(args) == len(entry.inputs), (len(args), len(entry.inputs))
         for i, ptr in entry.tensor_ptrs:
-            a = args[i]
-            if a.data_ptr() == ptr:
-                continue
-            if self.debug_checks and i in self.stable_inputs:
-                raise RuntimeError(
-                    f"{self.name}: {self._input_name(i)} moved since capture "
-                    f"(0x{ptr:x} -> 0x{a.data_ptr():x}); the graph would read stale "
-                    "memory. Keep parameters, buffers and caches at a fixed address."
-                )
-            entry.inputs[i].copy_(a)
+            if args[i].data_ptr() != ptr:
+                return self._moved(key, entry, args, ctx)
+        for i in entry.copy_ins:
+            entry.inputs[i].copy_(args[i])
             counters["replay_input_copies"] += 1
         if self.debug_checks and ctx is not None:
             now = _metadata_ptrs(ctx)
@@ -328,8 +431,62 @@ class CUDAGraphWrapper:
                     raise RuntimeError(
                         f"{self.name}: persistent metadata tensor {name} moved since "
                         f"capture (0x{ptr:x} -> 0x{now[name]:x}); metadata builders must "
-                        "write into their persistent buffers, not allocate new tensors."
-                    )
+                        "write into their persistent buffers, not allocate new tensors.")
         entry.graph.replay()
         counters["cudagraph_replays"] += 1
+        if entry.output_aliases:
+            return self._alias_outputs(entry, args, entry.outputs)
         return entry.outputs
+
+    def _alias_outputs(self, entry: CapturedGraph, args: Sequence[Any], outputs: Any) -> Any:
+        """`outputs` with each one that aliases an input rebuilt on the
+        caller's tensor (not on a private buffer, nor a weak reference)."""
+        if not entry.output_aliases:
+            return outputs
+        leaves, spec = pytree.tree_flatten(outputs)
+        for leaf, i, size, stride, offset in entry.output_aliases:
+            a = args[i]
+            leaves[leaf] = a.as_strided(size, stride, a.storage_offset() + offset)
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _moved(self, key: Hashable, entry: CapturedGraph, args: Sequence[Any],
+               ctx: ForwardContext | None) -> Any:
+        """Some input is not where `entry` reads or writes it: use the graph
+        of this key captured for these addresses, or capture one."""
+        for i, ptr in entry.tensor_ptrs:
+            a = args[i]
+            if a.data_ptr() == ptr:
+                continue
+            written = self.writes(i)
+            if self.debug_checks:
+                logger.warning(
+                    "mrv2: %s: %s moved since capture (0x%x -> 0x%x); the graph %s it",
+                    self.name, self._input_name(i), ptr, a.data_ptr(),
+                    "writes" if written else "only reads")
+                if i in self.stable_inputs:
+                    raise RuntimeError(
+                        f"{self.name}: {self._input_name(i)} moved since capture "
+                        f"(0x{ptr:x} -> 0x{a.data_ptr():x}); the graph "
+                        f"{'writes' if written else 'reads'} it. Keep parameters, buffers "
+                        "and caches at a fixed address.")
+            if written:
+                self._say(i, "written",
+                          f"{self.name}: {self._input_name(i)} is at a new address and the "
+                          "graph writes it: capturing a graph for the new address (a copy "
+                          "would take the write from the caller's tensor). Keep it at one "
+                          "address (reuse the cache or state object) to replay without "
+                          "capturing again")
+            elif i not in self.moving:
+                self.moving.add(i)
+                self._say(i, "read",
+                          f"{self.name}: {self._input_name(i)} moves between calls: from now "
+                          "on it is copied into a private buffer that the graph reads")
+        for other in reversed(self.variants.get(key, [])):
+            if other is not entry and all(args[i].data_ptr() == p for i, p in other.tensor_ptrs):
+                kept = self.variants[key]
+                kept.remove(other)
+                kept.append(other)  # most recently used last
+                self.entries[key] = other
+                return self._replay(key, other, args, ctx)
+        counters["address_captures"] += 1
+        return self._capture(key, args, ctx, own_pool=True)
