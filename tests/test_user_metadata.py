@@ -64,6 +64,9 @@ class UserModel(nn.Module):
         h = h + self.sum1(h) / 16
         return self.head(h)
 
+    def get_input_embeddings(self) -> nn.Embedding:  # the runner checks token ids against it
+        return self.embed
+
     def states(self) -> dict[str, torch.Tensor]:
         return {"sum0": self.sum0.state, "sum1": self.sum1.state}
 

@@ -110,10 +110,14 @@ class DraftRunner:
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
         """Draft tokens [B, k] for a uniform decode batch (each request's last
-        token). Block tables must already cover k more positions."""
+        token). Every request's seq_len grows to seq_len + k - 1 in the loop:
+        that must fit max_model_len and its block_ids (ValueError, naming the
+        request, before anything is written)."""
         if not batch.uniform_decode:
             raise ValueError("the draft path takes uniform decode batches (one token per request)")
         r = self.runner
+        r.model_state.check(batch)
+        self._check_room(batch)
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
@@ -125,7 +129,7 @@ class DraftRunner:
                     f"{[tuple(d) for d in self.captured] or 'none'}. Call DraftRunner.capture() "
                     "before propose(): the draft loop is not captured on demand")
             step = StepGraph(CUDAGraphMode.FULL, n, n, uniform_decode=True)
-            meta = r.prepare_step(batch, step)
+            meta = r._write_step(batch, step)  # checked above
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
             return self._run_loop(step, meta, ids, pos)[: batch.num_reqs].clone()
         # PIECEWISE / NONE / too large: step by step through the main runner.
@@ -139,3 +143,27 @@ class DraftRunner:
                               step.req_slots, block_ids=step.block_ids,
                               compressed_block_ids=step.compressed_block_ids)
         return torch.tensor(out, dtype=torch.int64).T
+
+    def _check_room(self, batch: InputBatch) -> None:
+        """Refuse a batch whose draft tokens outgrow max_model_len or the
+        request's blocks. In FULL mode the loop's later steps advance on the
+        device (a position past the block table fails in its gather; one past
+        the request's blocks writes its KV into the null block); stepping
+        through execute would refuse only the step that outgrows them, after
+        the earlier ones wrote KV. Checked for all k steps now."""
+        cfg, grow = self.runner.kv_cache_config, self.k - 1
+        if max(batch.seq_lens) + grow > cfg.max_model_len:
+            i, s = next((i, s) for i, s in enumerate(batch.seq_lens)
+                        if s + grow > cfg.max_model_len)
+            raise ValueError(
+                f"request {i}: seq_len {s} with num_draft_tokens={self.k} reaches seq_len "
+                f"{s + grow}, more than max_model_len={cfg.max_model_len}; draft fewer tokens "
+                "or finish the request")
+        bs = cfg.block_size
+        for i, (ids, s) in enumerate(zip(batch.block_ids, batch.seq_lens)):  # rows: checked
+            if len(ids) * bs < s + grow:
+                raise ValueError(
+                    f"request {i}: block_ids has {len(ids)} blocks, too few for num_draft_tokens="
+                    f"{self.k} after seq_len {s}: the draft loop reaches seq_len {s + grow}, "
+                    f"which needs ceil({s + grow} / block_size={bs}) = {-(-(s + grow) // bs)}; "
+                    "give the request blocks for its draft tokens before propose")

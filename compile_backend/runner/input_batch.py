@@ -70,13 +70,19 @@ class InputBatch:
     def uniform_decode(self) -> bool:
         return self.num_reqs > 0 and all(q == 1 for q in self.query_lens)
 
-    def check_against(self, cfg: KVCacheConfig) -> None:
+    def check_against(self, cfg: KVCacheConfig, *, vocab_size: int | None = None,
+                      vocab_source: str = "vocab_size") -> None:
         """Raise ValueError, naming the request, the field, the value and the
-        valid range, for sizes and ids the cache layout cannot hold: a bad
-        req_slot would fail deep inside an op (or, negative, be taken for a
-        padding row and skip its state), a seq_len past max_model_len would
-        outgrow the block table. Block ids are checked where they are written
-        (BlockTables.write), row by row as rows change.
+        valid range, for sizes and ids the cache layout or the model cannot
+        take: a bad req_slot would fail deep inside an op (or, negative, be
+        taken for a padding row and skip its state), a seq_len past
+        max_model_len would outgrow the block table, a token id outside
+        [0, vocab_size) indexes outside the embedding (Inductor's kernel aborts
+        the process), and a request without a block row on a model whose
+        layers read that table (cfg.groups_reading) would run on the null
+        block, silently (its KV not written, block 0 read as its context).
+        vocab_size None: token ids are not checked. Block ids are checked
+        where they are written (BlockTables.write), row by row as rows change.
 
         On the per-step host path: the good path is a few min/max over the
         lists; only a failure scans request by request to name the culprit.
@@ -103,12 +109,51 @@ class InputBatch:
             raise ValueError(
                 f"request {i}: req_slot {slots[i]} is also request {slots.index(slots[i])}'s; "
                 "each request needs its own slot (two on one slot would share one state)")
+        ids = self.token_ids
+        if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(self._first_bad_token(vocab_size, vocab_source))
         for name in ("block_ids", "compressed_block_ids"):
             rows = len(getattr(self, name))
-            if rows not in (0, B):
-                raise ValueError(
-                    f"{name} has {rows} rows for {B} requests; give one row per request "
-                    "(or none, for a model without that cache)")
+            if rows != B:
+                readers = cfg.groups_reading(name)
+                if rows or readers:
+                    raise ValueError(self._missing_rows(cfg, name, rows, readers))
+
+    def _first_bad_token(self, vocab_size: int, source: str) -> str:
+        """The error for the first token id outside [0, vocab_size)."""
+        start = 0
+        for i, q in enumerate(self.query_lens):
+            for j, t in enumerate(self.token_ids[start: start + q]):
+                if not 0 <= t < vocab_size:
+                    return (f"request {i}: token_ids[{start + j}] = {t} (its new token {j}) is "
+                            f"not in the model's vocabulary; valid: 0 <= token id < vocab_size="
+                            f"{vocab_size} ({source}). Give ids of the model's own tokenizer "
+                            "(the runner pads batches itself)")
+            start += q
+        raise AssertionError(self.token_ids)
+
+    def _missing_rows(self, cfg: KVCacheConfig, name: str, rows: int, readers: list) -> str:
+        """The error for `name` (block_ids, compressed_block_ids) with `rows`
+        rows for a batch of another request count; `readers`: the
+        KVCacheGroups whose layers read that table."""
+        B = self.num_reqs
+        counts = f"{name} has {rows} rows for {B} requests"
+        if rows > B:
+            return (f"{counts}; give one row per request"
+                    + ("" if readers else " (or none: no layer of this model reads them)"))
+        head = f"request {rows}: no {name} row ({counts})"
+        if not readers:
+            return f"{head}; give one row per request, or none (no layer of this model reads them)"
+        bs = cfg.block_size
+        cache, blocks = (("the KV cache", f"ceil(seq_len / block_size={bs})")
+                         if name == "block_ids" else
+                         ("the compressed cache", f"ceil(ceil(seq_len / compress_ratio="
+                                                  f"{cfg.compress_ratio}) / block_size={bs})"))
+        kinds = ", ".join(repr(g.kind) for g in readers)
+        layers = [n for g in readers for n in g.layer_names]
+        shown = ", ".join(layers[:2]) + (f", ... ({len(layers)} layers)" if len(layers) > 2 else "")
+        return (f"{head}; the model's {kinds} layers ({shown}) read {cache} through it. Give one "
+                f"row per request: its blocks, {blocks} of them")
 
     def _first_out_of_range(self, cfg: KVCacheConfig, low: int) -> str:
         """The error for the first request whose slot or seq_len is out of range."""

@@ -13,6 +13,10 @@ class KVCacheGroup:
     name: str  # "attention", "compressed", "sconv", ...
     kind: str  # metadata kind: "attention" | "compressor" | "sconv" | a registered one
     layer_names: list[str] = field(default_factory=list)
+    # The InputBatch fields whose rows its metadata reads ("block_ids" for the
+    # block table or slot mapping, "compressed_block_ids"): a batch must give
+    # every request a row of each (InputBatch.check_against).
+    block_fields: tuple[str, ...] = ()
 
 
 @dataclass
@@ -56,3 +60,8 @@ class KVCacheConfig:
 
     def group(self, kind: str) -> KVCacheGroup | None:
         return next((g for g in self.groups if g.kind == kind), None)
+
+    def groups_reading(self, block_field: str) -> list[KVCacheGroup]:
+        """The groups whose metadata reads `block_field`'s rows ("block_ids",
+        "compressed_block_ids"); none: the model has no such cache."""
+        return [g for g in self.groups if block_field in g.block_fields]

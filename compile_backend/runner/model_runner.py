@@ -7,7 +7,9 @@ serving, and to run every step through them.
 
 The model's forward is `forward(input_ids [T], positions [T]) -> [T, ...]`; its
 attention and attention-like layers (kernels/layers.py) read their metadata
-from the forward context this runner sets.
+from the forward context this runner sets. Token ids are checked against the
+model's vocabulary size (`model.vocab_size`, `get_input_embeddings()` or
+`config.vocab_size`; model_state.vocab_size_of).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class ModelRunner:
         self.model = model
         self.model_state = ModelState.for_model(model, kv_cache_config, self.device)
         # The state's parts, for engines and tests that read the buffers.
+        self.vocab_size = self.model_state.vocab_size  # token ids are below it (None: unchecked)
         self.input_buffers = self.model_state.input_buffers
         self.block_tables = self.model_state.block_tables
         self.attn_groups = self.model_state.attn_groups
@@ -249,9 +252,9 @@ class ModelRunner:
         """Run one step; returns the rows of the real tokens ([T, ...]), valid
         until the next step: a graph's output lives in the graphs' shared pool,
         which the next replay writes (clone what must outlive it). A batch the
-        cache layout cannot hold raises ValueError, before anything is written
-        (InputBatch.check_against, then BlockTables.write)."""
-        batch.check_against(self.kv_cache_config)  # before dispatch counts a fallback
+        cache layout or the model's vocabulary cannot take raises ValueError,
+        before anything is written (ModelState.check, then BlockTables.write)."""
+        self.model_state.check(batch)  # before dispatch counts a fallback
         step = self.dispatch(batch)
         if self.parallel is not None:
             self.parallel.check_step(step)
@@ -259,10 +262,10 @@ class ModelRunner:
         return out[: batch.num_tokens]
 
     def prepare_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:
-        """Check the batch against the cache layout, pad it to `step`, write it
-        into the persistent buffers and build its metadata (`for_capture` when
-        it replays in a FULL graph)."""
-        batch.check_against(self.kv_cache_config)
+        """Check the batch against the cache layout and the vocabulary, pad it
+        to `step`, write it into the persistent buffers and build its metadata
+        (`for_capture` when it replays in a FULL graph)."""
+        self.model_state.check(batch)
         return self._write_step(batch, step)
 
     def _write_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:

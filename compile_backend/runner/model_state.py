@@ -3,6 +3,7 @@ place metadata is built, for serving and for capture alike."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +42,70 @@ def attention_groups_for(
                 f"{sorted(BUILDERS)}. Register one before building the runner: "
                 f"compile_backend.register_metadata_builder({kind!r}, YourBuilder) (README, "
                 "\"Your own attention-like ops\")")
-        groups.append(AttentionGroup(BUILDERS[kind](cfg, buffers, tables), names))
-        cfg.groups.append(KVCacheGroup(name=kind, kind=kind, layer_names=names))
+        builder = BUILDERS[kind](cfg, buffers, tables)
+        groups.append(AttentionGroup(builder, names))
+        cfg.groups.append(KVCacheGroup(name=kind, kind=kind, layer_names=names,
+                                       block_fields=_block_fields(builder, tables)))
     return groups
+
+
+def _block_fields(builder: MetadataBuilder, tables: BlockTables) -> tuple[str, ...]:
+    """The batch fields whose rows `builder`'s metadata reads: a view of the
+    block table or slot mapping (built from block_ids), or of the compressed
+    block table. Tensors are matched by address, so a builder that hands out
+    a slice of a table counts as reading it."""
+    ptrs = {t.data_ptr() for t in builder.persistent_tensors().values()}
+    reads = {"block_ids": (tables.block_table, tables.slot_mapping),
+             "compressed_block_ids": (tables.compressed_block_table,)}
+    return tuple(f for f, ts in reads.items() if any(t.data_ptr() in ptrs for t in ts))
+
+
+_MISSING = object()
+
+
+def vocab_size_of(model: torch.nn.Module) -> tuple[int | None, str]:
+    """(the number of token ids `model` embeds, where it was read): token ids
+    are checked against it on the host, since past it an id indexes past the
+    input embedding (IndexError with eager pieces; with Inductor's, a device
+    assert that aborts the process). Read, in order, from `model.vocab_size`
+    (None declares input ids that are not token ids: they are not checked),
+    `model.get_input_embeddings().num_embeddings` (Hugging Face's convention,
+    which the demo models follow) and `model.config.vocab_size`. A model
+    with none of them is refused: a runner that cannot check its token ids
+    is a crash waiting for the first bad one."""
+    declared = getattr(model, "vocab_size", _MISSING)
+    if declared is not _MISSING:
+        return (None if declared is None else _positive(declared, "model.vocab_size", True),
+                "model.vocab_size")
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            rows = getattr(get(), "num_embeddings", None)
+        except NotImplementedError:  # transformers' default on a model without one
+            rows = None
+        if rows is not None:
+            where = "model.get_input_embeddings()"
+            return _positive(rows, f"{where}.num_embeddings", False), where
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size is not None:
+        return _positive(size, "model.config.vocab_size", False), "model.config.vocab_size"
+    raise ValueError(
+        f"cannot tell the vocabulary size of {type(model).__name__} (no vocab_size attribute, "
+        "no get_input_embeddings(), no config.vocab_size), so token ids could not be checked "
+        "before they index its embedding. Declare it before building the runner: "
+        "model.vocab_size = N (the number of token ids it embeds), or model.vocab_size = None "
+        "for a model whose input_ids are not token ids (they are then not checked)")
+
+
+def _positive(value: Any, where: str, none_allowed: bool) -> int:
+    try:
+        size = operator.index(value)
+    except TypeError:
+        size = 0
+    if isinstance(value, bool) or size < 1:
+        raise ValueError(f"{where} must be a positive int{' or None' if none_allowed else ''}, "
+                         f"got {value!r}")
+    return size
 
 
 class ModelState:
@@ -57,23 +119,35 @@ class ModelState:
     MAX_LOGGED_SERVING_BUILDS = 1024
 
     def __init__(self, kv_cache_config: KVCacheConfig, input_buffers: InputBuffers,
-                 block_tables: BlockTables, attn_groups: list[AttentionGroup]) -> None:
+                 block_tables: BlockTables, attn_groups: list[AttentionGroup],
+                 vocab_size: int | None = None, vocab_source: str = "") -> None:
         self.kv_cache_config = kv_cache_config
         self.input_buffers = input_buffers
         self.block_tables = block_tables
         self.attn_groups = attn_groups
+        # Token ids must be below it (None: not checked); vocab_size_of says where from.
+        self.vocab_size, self.vocab_source = vocab_size, vocab_source
         self.build_log: list[dict[str, Any]] = []  # for the debug dump and tests
         self.serving_builds_logged = 0
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, kv_cache_config: KVCacheConfig,
                   device: torch.device) -> "ModelState":
-        """Allocate the buffers and tables of `kv_cache_config` on `device` and
-        group `model`'s layers by metadata kind."""
+        """Allocate the buffers and tables of `kv_cache_config` on `device`,
+        group `model`'s layers by metadata kind and read its vocabulary size
+        (vocab_size_of: raises ValueError, with the fix, where there is none)."""
+        vocab = vocab_size_of(model)  # before allocating: a refused model costs nothing
         buffers = InputBuffers.allocate(kv_cache_config, device)
         tables = BlockTables(kv_cache_config, device)
         return cls(kv_cache_config, buffers, tables,
-                   attention_groups_for(model, kv_cache_config, buffers, tables))
+                   attention_groups_for(model, kv_cache_config, buffers, tables), *vocab)
+
+    def check(self, batch: InputBatch) -> None:
+        """Raise ValueError for a batch this model's buffers, tables or
+        vocabulary cannot take, before anything is written
+        (InputBatch.check_against; BlockTables.write checks block ids)."""
+        batch.check_against(self.kv_cache_config, vocab_size=self.vocab_size,
+                            vocab_source=self.vocab_source)
 
     def write(self, batch: InputBatch) -> None:
         """Write a padded batch (`batch.graph` set) into the persistent buffers.

@@ -157,6 +157,11 @@ class Decoder(nn.Module):
             x = layer(x, positions)
         return self.lm_head(self.norm(x)).float()
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """Hugging Face's name for it: the runner reads the vocabulary size
+        from it to check token ids."""
+        return self.embed
+
     def bind_caches(self, num_blocks: int, block_size: int, num_slots: int,
                     device: torch.device | str) -> None:
         """Allocate every layer's KV cache and per-request state."""
