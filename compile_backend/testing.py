@@ -6,13 +6,21 @@
 
 For each mode, a fresh copy of the model is compiled with
 `torch.compile(backend="mrv2")` and driven beside an eager copy made from
-the same state. After every call the outputs, and every parameter and buffer
-of the two copies (KV caches, conv state: what a stateful model mutates), are
-compared; the first difference raises `EagerMismatch` naming the call index,
-the input shapes, the mode, the tensor and the error. Each input shape must
-come at least three times (warm-up, capture, replay), so that every path of a
-lazily captured graph is compared; a call that is a function `fn(model)`
-(a `generate` loop, say) drives the model as it likes and is not counted.
+the same state. After every call, every tensor the call can reach is
+compared: the outputs (and tensors inside output objects), every parameter
+and buffer of the two copies (KV caches, conv state), and every tensor
+argument, including tensors held inside argument objects (a cache passed in
+and written in place). The first difference raises `EagerMismatch` naming
+the call index, the session, the input shapes, the mode, the tensor and the
+error. Each input shape must come at least three times (warm-up, capture,
+replay), so that every path of a lazily captured graph is compared; a call
+that is a function `fn(model)` (a `generate` loop, say) drives the model as
+it likes and is not counted.
+
+`sessions=N` drives the calls N times over the same compiled model, as real
+callers do: each session deep-copies the calls, so state objects (caches)
+are new and every input is at a new address, while objects shared by calls
+of one session stay shared within it.
 
 With a `ModelRunner` instead of a model, the calls are `InputBatch`es; each
 mode gets a runner of its own over a copy of the runner's model (captured
@@ -97,8 +105,55 @@ def _compare(tag: str, got: Any, want: Any, atol: float, rtol: float) -> None:
     for (name, g), (_, w) in zip(got_leaves, want_leaves):
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor):
             why = _first_difference(g, w, atol, rtol)
-        else:
+        elif isinstance(g, (int, float, str, bool, type(None))):
             why = None if g == w else f"{g!r}, eager {w!r}"
+        else:  # an object (a cache): its tensors are compared by reachable_tensors
+            why = None if type(g) is type(w) else f"{type(g).__name__}, eager {type(w).__name__}"
+        if why is not None:
+            raise EagerMismatch(f"{tag}: {name} differs from eager: {why}")
+
+
+def reachable_tensors(x: Any, name: str, max_depth: int = 8) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from `x` by name: through lists, tuples, dicts
+    and the attributes of plain objects (a cache's layers, a model output),
+    each tensor once. Modules are left out (their parameters and buffers are
+    compared by name)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(v: Any, path: str, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out[path] = v
+            return
+        if (depth > max_depth or id(v) in seen or v is None or isinstance(v, torch.nn.Module)
+                or isinstance(v, (str, bytes, int, float, bool, type, torch.dtype, torch.device))
+                or callable(v) and not hasattr(v, "__dict__")):
+            return
+        seen.add(id(v))
+        if isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                walk(item, f"{path}[{k!r}]", depth + 1)
+        elif hasattr(v, "__dict__") and not callable(v):
+            for k, item in vars(v).items():
+                walk(item, f"{path}.{k}", depth + 1)
+
+    walk(x, name, 0)
+    return out
+
+
+def _compare_reachable(tag: str, what: str, got: Any, want: Any, atol: float, rtol: float) -> None:
+    """Compare every tensor reachable from `got` with the one of the same name in `want`."""
+    g, w = reachable_tensors(got, what), reachable_tensors(want, what)
+    if set(g) != set(w):
+        missing = sorted(set(g) ^ set(w))[:5]
+        raise EagerMismatch(f"{tag}: {what} holds other tensors than eager's: {missing}")
+    for name, t in g.items():
+        why = _first_difference(t.detach(), w[name].detach(), atol, rtol)
         if why is not None:
             raise EagerMismatch(f"{tag}: {name} differs from eager: {why}")
 
@@ -131,26 +186,40 @@ def _count_shapes(calls: Sequence[Any], min_calls_per_shape: int) -> None:
 
 
 def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subject_state,
-           reference_state, calls: Sequence[Any], mode: str, atol: float, rtol: float,
-           report: ModeReport, describe: Callable[[Any], str]) -> None:
+           reference_state, calls: Sequence[tuple[Any, Any]], mode: str, atol: float,
+           rtol: float, report: ModeReport, describe: Callable[[Any], str],
+           session: int = 0) -> None:
+    """`calls`: (the subject's call, the reference's call) pairs, each side's
+    own objects, so that what a call writes into its arguments is compared."""
     captures, replays = counters["cudagraph_captures"], counters["cudagraph_replays"]
     fallbacks = counters["full_graph_fallbacks"]
-    for i, call in enumerate(calls):
-        shape = describe(call)
-        tag = f"call {i} (inputs {shape}), mode {mode}"
-        want = _clone(reference(call))
-        got = _clone(subject(call))
+    for i, (sub_call, ref_call) in enumerate(calls):
+        shape = describe(sub_call)
+        tag = f"call {i} of session {session} (inputs {shape}), mode {mode}"
+        want = _clone(reference(ref_call))
+        got = _clone(subject(sub_call))
         _compare(tag, got, want, atol, rtol)
+        _compare_reachable(tag, "output", got, want, atol, rtol)
         _compare_state(tag, subject_state, reference_state, atol, rtol)
+        if not callable(sub_call):
+            _compare_reachable(tag, "argument", sub_call, ref_call, atol, rtol)
         report.calls += 1
         report.shapes[shape] = report.shapes.get(shape, 0) + 1
-    report.captures = counters["cudagraph_captures"] - captures
-    report.replays = counters["cudagraph_replays"] - replays
-    report.full_graph_fallbacks = counters["full_graph_fallbacks"] - fallbacks
+    report.captures += counters["cudagraph_captures"] - captures
+    report.replays += counters["cudagraph_replays"] - replays
+    report.full_graph_fallbacks += counters["full_graph_fallbacks"] - fallbacks
+
+
+def _session_calls(calls: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """Each side's own copy of a session's calls: new state objects, every
+    tensor at a new address, objects shared between calls still shared."""
+    sub, ref = copy.deepcopy(list(calls)), copy.deepcopy(list(calls))
+    return list(zip(sub, ref))
 
 
 def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
-                 options: dict[str, Any], atol: float, rtol: float) -> ModeReport:
+                 options: dict[str, Any], atol: float, rtol: float,
+                 sessions: int = 1) -> ModeReport:
     import torch._dynamo
 
     from compile_backend.compile.backend import mrv2_backend
@@ -162,12 +231,13 @@ def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
     subject.compile(backend=mrv2_backend, options={**options, "cudagraph_mode": mode})
 
     def run(m: Any, call: Any) -> Any:
-        return call(m) if callable(call) else m(*_clone(call))
+        return call(m) if callable(call) else m(*call)
 
     report = ModeReport(mode)
-    _drive(lambda c: run(subject, c), lambda c: run(reference, c), subject, reference,
-           calls, mode, atol, rtol, report,
-           lambda c: "a function of the model" if callable(c) else _shapes(c))
+    for session in range(sessions):
+        _drive(lambda c: run(subject, c), lambda c: run(reference, c), subject, reference,
+               _session_calls(calls), mode, atol, rtol, report,
+               lambda c: "a function of the model" if callable(c) else _shapes(c), session)
     return report
 
 
@@ -189,9 +259,8 @@ def _check_runner(runner: Any, calls: Sequence[Any], mode: str, atol: float, rto
     subject.capture()
     report = ModeReport(mode)
     # execute pads the batch it is given: each runner gets its own copy
-    _drive(lambda b: subject.execute(copy.deepcopy(b)),
-           lambda b: reference.execute(copy.deepcopy(b)), subject.model, reference.model,
-           calls, mode, atol, rtol, report,
+    _drive(lambda b: subject.execute(b), lambda b: reference.execute(b), subject.model,
+           reference.model, _session_calls(calls), mode, atol, rtol, report,
            lambda b: f"{b.num_tokens} tokens over {b.num_reqs} requests")
     return report
 
@@ -205,14 +274,19 @@ def check_against_eager(
     atol: float = 1e-5,
     rtol: float = 1e-5,
     min_calls_per_shape: int = 3,
+    sessions: int = 1,
 ) -> CheckReport:
     """Compare compiled and eager call by call in each of `modes`; raise
     `EagerMismatch` at the first difference, else return what ran (calls,
     graphs captured and replayed per mode: a check that replayed nothing
     proves little). `options`: more backend options (`piece_compiler`, ...)
-    for a model; a runner brings its own config. The model is not changed:
-    every mode runs on copies."""
+    for a model; a runner brings its own config. `sessions`: how many times
+    the calls are driven through the same compiled model, each time on new
+    copies of the inputs and of the state objects they hold. The model is
+    not changed: every mode runs on copies."""
     calls = list(calls)
+    if not isinstance(sessions, int) or sessions < 1:
+        raise ValueError(f"sessions must be a positive int, got {sessions!r}")
     if not calls:
         raise ValueError("no calls to check: give the inputs of at least three calls per shape")
     for m in modes:
@@ -226,7 +300,7 @@ def check_against_eager(
             if isinstance(model_or_runner, ModelRunner):
                 report.modes.append(_check_runner(model_or_runner, calls, mode, atol, rtol))
             else:
-                _count_shapes(calls, min_calls_per_shape)
+                _count_shapes(calls * sessions, min_calls_per_shape)
                 report.modes.append(_check_model(model_or_runner, calls, mode,
-                                                 dict(options or {}), atol, rtol))
+                                                 dict(options or {}), atol, rtol, sessions))
     return report

@@ -6,11 +6,16 @@ capture-time tensor (the caller's tensor would miss the write), so the
 runtime has to know, per piece and for the whole graph, which inputs are
 written. Dynamo graphs are torch-level (`index_copy_`, `copy_`, a custom op
 with `mutates_args`, an in-place method on a view of an argument); every one
-of them reaches the dispatcher as an aten or custom op whose schema marks
-the written argument (`Tensor(a!)`). So the piece compiler's fake run records
-the storages written under a dispatch mode, and an input counts as written
-when its storage is: writes through views are seen, and two inputs that
-share a storage are both counted (conservative).
+of these bumps the version counter that a tensor shares with its views (the
+dispatcher's ADInplaceOrView step, fake tensors included). So the piece
+compiler's fake run reads each tensor input's version before and after a
+piece: writes through views are seen, two inputs that are views of one
+tensor are both counted (conservative), and a tensor without a version
+counter (made under inference_mode) counts as written.
+
+A dispatch mode reading op schemas would see the same writes, but sitting
+above the fake mode it changes how some ops run on symbolic shapes (torch
+2.11 fails `constant_pad_nd` that way), so versions are read instead.
 """
 
 from __future__ import annotations
@@ -18,38 +23,26 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
 
 
-class WriteRecorder(TorchDispatchMode):
-    """Records the storage of every tensor an op writes (`Tensor(a!)` in its
-    schema, `out=` included). Sits above the fake mode; runs nothing itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[StorageWeakRef] = []  # in order; a piece takes its slice
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        schema = getattr(func, "_schema", None)
-        if schema is not None:
-            for i, a in enumerate(schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-                self.written += [_storage(t) for t in pytree.tree_leaves(value)
-                                 if isinstance(t, torch.Tensor)]
-        return func(*args, **kwargs)
+def versions(args: Sequence[Any]) -> list[int | None]:
+    """The version of each tensor argument (None for other arguments)."""
+    return [_version(a) if isinstance(a, torch.Tensor) else None for a in args]
 
 
-def written_inputs(args: Sequence[Any], written: Sequence[StorageWeakRef]) -> frozenset[int]:
-    """Indices of the tensor `args` whose storage is in `written`."""
-    seen = set(written)
-    return frozenset(i for i, a in enumerate(args)
-                     if isinstance(a, torch.Tensor) and _storage(a) in seen)
+def written_inputs(args: Sequence[Any], before: Sequence[int | None]) -> frozenset[int]:
+    """Indices of the tensor `args` written since `before = versions(args)`."""
+    out = set()
+    for i, (a, v) in enumerate(zip(args, before)):
+        if isinstance(a, torch.Tensor):
+            now = _version(a)
+            if now is None or v is None or now != v:
+                out.add(i)
+    return frozenset(out)

@@ -15,11 +15,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
-from compile_backend.compile.mutations import WriteRecorder, written_inputs
+from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 
 logger = logging.getLogger(__name__)
@@ -69,26 +70,24 @@ def compile_piece(
 
 class _PieceCompileInterpreter(torch.fx.Interpreter):
     """Runs the split graph on fake inputs; at each piece, compiles it with the
-    fake (symbolic) arguments it receives and installs the result. A
-    WriteRecorder active around each piece's fake run tells which inputs it writes."""
+    fake (symbolic) arguments it receives and installs the result. Version
+    counters read around each piece's fake run tell which inputs it writes."""
 
-    def __init__(self, split_gm, pieces, compiler, wrap, cache, recorder):
+    def __init__(self, split_gm, pieces, compiler, wrap, cache):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
         self.wrap = wrap
         self.cache = cache
-        self.recorder = recorder
         self.compiled: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target, args, kwargs):
         assert not kwargs, kwargs
         piece = self.pieces[target]
         submod = getattr(self.module, target)
-        before = len(self.recorder.written)
-        with self.recorder:  # not around compiling: Inductor runs its own fake ops
-            out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
-        piece.written_inputs = written_inputs(args, self.recorder.written[before:])
+        before = versions(args)
+        out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
+        piece.written_inputs = written_inputs(args, before)
         if piece.captured:
             key = piece_key(submod, args)
             fn = self.cache.get(key) if key else None
@@ -126,14 +125,15 @@ def compile_pieces(
         if val is None:
             val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
         fake_args.append(val)
-    recorder = WriteRecorder()
-    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={},
-                                      recorder=recorder)
-    with fake_mode:
+    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={})
+    before = versions(fake_args)
+    # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
+    # say) are Python registrations that only the Python dispatcher runs.
+    with fake_mode, enable_python_dispatcher():
         interp.run(*fake_args)
     for name, fn in interp.compiled.items():
         setattr(split_gm, name, _as_module(fn))
-    return written_inputs(fake_args, recorder.written)
+    return written_inputs(fake_args, before)
 
 
 def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -> None:
