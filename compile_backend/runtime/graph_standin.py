@@ -59,6 +59,16 @@ class _UndoWrites(TorchDispatchMode):
     """Saves each tensor an op writes (on its first write through that view)
     and which storages existed before capture; `undo()` restores them."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo runs compiled code inside a capture, as under
+        torch.cuda.graph (the mode sees that code's ops, not the compiler's).
+        Without this, Dynamo skips a frame it meets under the mode, and went
+        on skipping it after: one FULL capture (the model's frame entered
+        under the mode) left every later step of that model uncompiled, so
+        its PIECEWISE graphs were never replayed nor captured again."""
+        return True
+
     def __init__(self, args: Sequence[Any]) -> None:
         super().__init__()
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
