@@ -193,6 +193,43 @@ def test_plain_callers_own_their_outputs():
         assert torch.equal(o, k)
 
 
+def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
+    """A graph captured into the shared pool (a runner's) in the same process
+    neither makes a plain caller's outputs graph memory again nor reuses a
+    shared pool handle whose graphs are gone while lazily captured graphs
+    (pools of their own) live."""
+    import gc
+
+    from backend_models import TOY_OPTIONS, ToyHybrid
+
+    from compile_backend.runtime import cuda_graph
+
+    model = ToyHybrid()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        f = torch.compile(model, backend="mrv2", options={"piece_compiler": "eager", **TOY_OPTIONS})
+        for _ in range(3):  # warm-up, capture (pools of their own), replay
+            f(torch.randn(6, 16))
+
+        def shared_capture():
+            # graphs of their own: the stand-in keeps every graph it made
+            w = CUDAGraphWrapper(lambda x: x + 1, cb.CUDAGraphMode.PIECEWISE, name="runner_piece",
+                                 graphs=StandInGraphs())
+            ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
+                                    cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+            with cb.set_forward_context(ctx):
+                w(torch.randn(4))
+            return cuda_graph._shared_pool
+
+        first = shared_capture()  # its wrapper and graph die on return
+        gc.collect()
+        assert shared_capture() is not first  # no live graph held the first handle
+        out = f(torch.randn(6, 16))
+        kept = out.clone()
+        f(torch.randn(6, 16))  # replays the same graphs
+    assert cb.counters["cudagraph_replays"] > 0
+    assert torch.equal(out, kept)
+
+
 # ---- Hugging Face generate, called as users call it --------------------------------------
 
 

@@ -24,6 +24,7 @@ from compile_backend.core.forward_context import has_forward_context
 from compile_backend.core.op_registry import OpRegistry, OpRole
 from compile_backend.compile.piece_compiler import call_pieces_directly, compile_pieces
 from compile_backend.compile.split import Piece, split_graph
+from compile_backend.runtime.cuda_graph import own_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ class CompiledStep:
         if self.graph_mode is CUDAGraphMode.NONE:
             return self.split_gm.forward(*args)
         # Plain use: the caller owns what it gets (a replay rewrites graph memory).
-        from compile_backend.runtime.cuda_graph import own_outputs
-
         if self.graph_mode.has_full:
             if self.full_graph is not None and self._fits_one_graph(args):
                 return own_outputs(self.full_graph(*args))

@@ -102,22 +102,24 @@ def use_graph_backend(graphs: Any):
         _graph_backend, _shared_pool = previous, previous_pool
 
 
-_pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # graphs captured into it
+_pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every live graph, for release_graphs
+_shared_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those in the shared pool
 _wrappers: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()  # every wrapper, for release_graphs
-# Storage addresses of the shared pool's graph outputs: a later graph that
-# takes one as input holds it weakly (the pool owns that memory), so the
-# capture-time inputs of every piece of every size do not keep it allocated.
+# Storage addresses of graph outputs (any pool's): what `own_outputs` clones
+# for plain callers, and what a lazy capture does not take for a caller's
+# tensor. Cleared only when every graph is freed: a stale address costs a
+# clone or a capture at most, a missing one would hand out graph memory.
 _pool_outputs: set[int] = set()
 
 
 def shared_graph_pool(graphs: Any) -> Any:
-    """One memory pool for every live graph (captured largest first, so smaller
-    graphs reuse the blocks of larger ones). The allocator frees a pool when
-    its last graph dies, so a handle is reused only while a graph holds it."""
+    """One memory pool for the runner's graphs (captured largest first, so
+    smaller graphs reuse the blocks of larger ones). The allocator frees a
+    pool when its last graph dies, so a handle is reused only while a graph
+    captured into it lives (graphs in pools of their own do not count)."""
     global _shared_pool
-    if _shared_pool is None or not _pool_graphs:
+    if _shared_pool is None or not _shared_graphs:
         _shared_pool = graphs.pool()
-        _pool_outputs.clear()  # the old pool's addresses may now be anyone's
     return _shared_pool
 
 
@@ -149,6 +151,7 @@ def release_graphs() -> int:
         if reset is not None:
             reset()
     _pool_graphs.clear()
+    _shared_graphs.clear()
     _pool_outputs.clear()
     if cuda:
         torch.cuda.synchronize()
@@ -347,6 +350,8 @@ class CUDAGraphWrapper:
         graph = self.graphs.new_graph()
         pool = self.graphs.pool() if own_pool else shared_graph_pool(self.graphs)
         _pool_graphs.add(graph)
+        if not own_pool:
+            _shared_graphs.add(graph)
         self.graphs.synchronize()
         before = self.graphs.memory_allocated()
         t0 = time.perf_counter()
@@ -399,6 +404,7 @@ class CUDAGraphWrapper:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
             _pool_graphs.discard(old.graph)
+            _shared_graphs.discard(old.graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "
