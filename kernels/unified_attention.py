@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from compile_backend.core.direct_calls import register_direct_impl
-from compile_backend.core.forward_context import get_forward_context
+from compile_backend.core.forward_context import get_forward_context, resolve_layer
 
 from . import _common
 from ._common import (
@@ -538,7 +538,7 @@ def unified_attention_direct(
     direct_calls.py): the op's effect, through the step's plan where one
     serves (Note [attention plans]), else through the checked path."""
     ctx = get_forward_context()
-    meta = ctx.attn_metadata.get(layer_name)
+    meta = ctx.attn_metadata.get(resolve_layer(layer_name))
     plans = getattr(meta, _PLANS, None)
     if plans is not None:
         plan = plans.get(_plan_key(query, key_cache, value_cache, output))

@@ -4,12 +4,12 @@ The token dimension is symbolic, so one compile per distinct piece serves all
 batch sizes. Identical pieces (same code, same symbolic input specs: the
 transformer layers of a model) share one compiled artifact: with Dynamo's
 default `inline_inbuilt_nn_modules`, parameters are graph inputs, so the
-layers' pieces differ only in which tensors are passed in.
+layers' pieces differ only in which tensors are passed in, and in the layer
+names of their attention-like ops (compile/layer_sharing.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any, Callable, Sequence
 
@@ -20,38 +20,11 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
+from compile_backend.compile.layer_sharing import AsLayer, layer_alias_for, piece_key
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 
 logger = logging.getLogger(__name__)
-
-
-def _spec(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
-    if isinstance(x, torch.SymInt):
-        return f"S({x.node.expr})"
-    return f"{type(x).__name__}({x!r})"
-
-
-def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> str | None:
-    """Key under which identical pieces share a compiled artifact; None when
-    the piece holds module attributes (its code alone does not define it)."""
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
-        return None
-    # Node names carry the layer's index (l_self_modules_layers_modules_3_...):
-    # describe the graph by node positions instead.
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a: Any) -> Any:
-        return torch.fx.node.map_arg(a, lambda n: f"%{index[n]}")
-
-    lines = [
-        f"{n.op} {n.target if n.op != 'placeholder' else ''} {arg(n.args)} {arg(n.kwargs)}"
-        for n in gm.graph.nodes
-    ]
-    text = "\n".join(lines) + "|" + ";".join(_spec(a) for a in fake_args)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def compile_piece(
@@ -89,15 +62,19 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
         piece.written_inputs = written_inputs(args, before)
         if piece.captured:
-            key = piece_key(submod, args)
-            fn = self.cache.get(key) if key else None
-            if fn is None:
+            key, names = piece_key(submod, args)
+            hit = self.cache.get(key) if key else None
+            if hit is None:
                 fn = compile_piece(submod, args, self.compiler)
                 counters["piece_compiles"] += 1
                 if key:
-                    self.cache[key] = fn
+                    self.cache[key] = (fn, names, piece.name)
             else:
+                fn, compiled_names, piece.compiled_as = hit
                 counters["piece_compile_reuses"] += 1
+                alias = layer_alias_for(compiled_names, names)
+                if alias is not None:
+                    fn = AsLayer(fn, alias)
         else:
             fn = submod  # breakpoints (and capture fallbacks) run eagerly
         self.compiled[target] = self.wrap(piece, fn)

@@ -40,6 +40,8 @@ class Piece:
     eager_reasons: list[str] = field(default_factory=list)  # fallbacks, with source line
     # indices of its inputs it writes (set by the piece compiler's fake run)
     written_inputs: frozenset[int] = field(default_factory=frozenset)
+    # the identical piece whose compiled artifact this one runs (None: its own)
+    compiled_as: str | None = None
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -53,6 +55,7 @@ class Piece:
             "collectives": self.collectives,
             "eager_reasons": self.eager_reasons,
             "written_inputs": sorted(self.written_inputs),
+            "compiled_as": self.compiled_as,
         }
 
 

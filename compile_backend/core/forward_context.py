@@ -3,6 +3,8 @@ ops read, so that a model never passes metadata through `forward`.
 
 Ops look up their metadata by layer name:
     meta = get_forward_context().metadata(layer_name)
+(an op that reads `attn_metadata` itself resolves the name first with
+`resolve_layer(layer_name)`: a piece compiled for one layer may run as another's).
 The runner (or a test) sets it with `set_forward_context(...)`, a context
 manager that restores the previous value on exit (nesting is allowed).
 """
@@ -38,6 +40,8 @@ class ForwardContext:
                    cudagraph_runtime_mode=step.mode, trace=trace)
 
     def metadata(self, layer_name: str) -> Any:
+        if _layer_alias is not None:
+            layer_name = _layer_alias.get(layer_name, layer_name)
         try:
             return self.attn_metadata[layer_name]
         except KeyError:
@@ -50,10 +54,16 @@ class ForwardContext:
     def record(self, layer_name: str, event: str) -> None:
         """Ops call this on entry; during capture the event reads "<event>@capture"."""
         if self.trace is not None:
+            if _layer_alias is not None:
+                layer_name = _layer_alias.get(layer_name, layer_name)
             self.trace.append((layer_name, f"{event}@capture" if self.capturing else event))
 
 
 _current: ForwardContext | None = None
+# Layer name an op was compiled with -> the layer it serves now. Set while a
+# piece compiled for one layer runs as another's (identical layers share one
+# compiled artifact: compile_backend/compile/layer_sharing.py).
+_layer_alias: dict[str, str] | None = None
 
 
 def get_forward_context() -> ForwardContext:
@@ -79,3 +89,22 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _current = previous
+
+
+def resolve_layer(layer_name: str) -> str:
+    """The layer an op called with `layer_name` serves now (see _layer_alias)."""
+    if _layer_alias is None:
+        return layer_name
+    return _layer_alias.get(layer_name, layer_name)
+
+
+@contextlib.contextmanager
+def layer_alias(alias: dict[str, str]) -> Iterator[None]:
+    """Ops called with a key of `alias` serve the layer it maps to."""
+    global _layer_alias
+    previous = _layer_alias
+    _layer_alias = alias
+    try:
+        yield
+    finally:
+        _layer_alias = previous

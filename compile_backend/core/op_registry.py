@@ -47,6 +47,15 @@ _DEFAULT_ROLES: dict[str, OpRole] = {
     "_c10d_functional::*": OpRole.COLLECTIVE,  # functional collectives and their wait_tensor
 }
 
+# Ops that use their `layer_name` argument only to find that layer's metadata
+# in the forward context (through ForwardContext.metadata, which follows layer
+# aliases). Pieces that differ only in these names are one piece: they share
+# one compiled artifact (compile_backend/compile/layer_sharing.py).
+_LAYER_KEYED_OPS: set[str] = {
+    "mrv2::reshape_and_cache", "mrv2::unified_attention", "mrv2::sconv", "mrv2::kv_compress",
+}
+LAYER_NAME_ARG = "layer_name"
+
 # Python-level callables that Dynamo leaves in its graphs, by the op they are.
 _PYTHON_ALIASES: dict[Callable[..., Any], str] = {
     torch.nn.functional.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
@@ -61,6 +70,34 @@ _NAMESPACE_MODULES = {"mrv2": "kernels"}
 def register_op_role(name: str, role: "OpRole | str") -> None:
     """Add a process-wide default role (e.g. for a library's own attention op)."""
     _DEFAULT_ROLES[check_op_name(name)] = _parse_role(role)
+
+
+def register_layer_keyed_op(name: str) -> None:
+    """Declare that op `name` uses its `layer_name` argument only to look up
+    the layer's metadata with `get_forward_context().metadata(layer_name)`
+    (or `resolve_layer(layer_name)`): identical layers holding it then compile
+    once. Without this, a user's op keeps its per-layer name in the compiled
+    code, and each layer's piece compiles on its own (correct, slower start)."""
+    resolve_op_name(name)
+    ns, op = name.split("::")
+    schema = getattr(getattr(torch.ops, ns), op).default._schema
+    if not any(a.name == LAYER_NAME_ARG for a in schema.arguments):
+        raise ValueError(f"{name} has no argument named {LAYER_NAME_ARG!r} (schema: {schema}); "
+                         "name the layer argument `layer_name`")
+    _LAYER_KEYED_OPS.add(name)
+
+
+def layer_name_position(target: Any) -> int | None:
+    """Position of the `layer_name` argument of a layer-keyed op's overload
+    (None: the target is not one)."""
+    if isinstance(target, torch._ops.OpOverloadPacket):  # Dynamo's graphs call packets
+        if target._qualified_op_name not in _LAYER_KEYED_OPS:
+            return None
+        target = target.default
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.name not in _LAYER_KEYED_OPS:
+        return None
+    names = [a.name for a in target._schema.arguments]
+    return names.index(LAYER_NAME_ARG) if LAYER_NAME_ARG in names else None
 
 
 def _parse_role(role: "OpRole | str") -> OpRole:

@@ -1,0 +1,116 @@
+"""Identical layers compile once.
+
+A transformer's layers trace to pieces that differ only in the layer name
+their attention-like ops carry (`mrv2::reshape_and_cache(k, v, kc, vc,
+"layers.3.attn")`). The name is a constant in the compiled code, so compiled
+as it is, every layer's piece would compile on its own (about 1.6 s a layer
+with Inductor on an 8B model).
+
+Ops declared layer-keyed (core/op_registry.py: they use the name only to find
+the layer's metadata in the forward context) have their names left out of the
+piece's key: the first layer's piece is compiled, and every later identical
+piece runs that artifact under a layer alias (the first layer's names -> its
+own), which `ForwardContext.metadata` follows. The alias costs one global
+assignment per call of the piece's callable, and nothing on a CUDA-graph
+replay, which never calls it.
+
+    key, names = piece_key(gm, fake_args)      # names: layer names, op order
+    alias = layer_alias_for(rep_names, names)  # None: the same layers
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from compile_backend.core import forward_context
+from compile_backend.core.op_registry import layer_name_position
+
+
+def _spec(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
+    if isinstance(x, torch.SymInt):
+        return f"S({x.node.expr})"
+    return f"{type(x).__name__}({x!r})"
+
+
+def layer_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The layer names of `gm`'s layer-keyed op calls, in graph order."""
+    out = []
+    for n in gm.graph.nodes:
+        pos = layer_name_position(n.target) if n.op == "call_function" else None
+        if pos is None:
+            continue
+        name = n.args[pos] if pos < len(n.args) else n.kwargs.get("layer_name")
+        if isinstance(name, str):
+            out.append(name)
+    return out
+
+
+def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str | None, list[str]]:
+    """(key under which identical pieces share a compiled artifact, the
+    piece's layer names). The key is None when the piece holds module
+    attributes (its code alone does not define it)."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None, []
+    # Node names carry the layer's index (l_self_modules_layers_modules_3_...):
+    # describe the graph by node positions instead.
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    names: list[str] = []
+
+    def arg(a: Any) -> Any:
+        return torch.fx.node.map_arg(a, lambda n: f"%{index[n]}")
+
+    def layer(name: str) -> str:
+        # By first occurrence: "the same layer twice" stays part of the key.
+        if name not in names:
+            names.append(name)
+        return f"<layer {names.index(name)}>"
+
+    lines = []
+    for n in gm.graph.nodes:
+        args, kwargs = n.args, n.kwargs
+        pos = layer_name_position(n.target) if n.op == "call_function" else None
+        if pos is not None and pos < len(args) and isinstance(args[pos], str):
+            args = args[:pos] + (layer(args[pos]),) + args[pos + 1:]
+        elif pos is not None and isinstance(kwargs.get("layer_name"), str):
+            kwargs = {**kwargs, "layer_name": layer(kwargs["layer_name"])}
+        target = n.target if n.op != "placeholder" else ""
+        lines.append(f"{n.op} {target} {arg(args)} {arg(kwargs)}")
+    text = "\n".join(lines) + "|" + ";".join(_spec(a) for a in fake_args)
+    return hashlib.sha256(text.encode()).hexdigest()[:16], names
+
+
+def layer_alias_for(compiled_names: Sequence[str], names: Sequence[str]) -> dict[str, str] | None:
+    """The alias under which an artifact compiled with `compiled_names` serves
+    a piece with `names` (equal keys: the same pattern of names); None when
+    they are the same layers."""
+    assert len(compiled_names) == len(names), (compiled_names, names)
+    if list(compiled_names) == list(names):
+        return None
+    return dict(zip(compiled_names, names))
+
+
+class AsLayer:
+    """A piece's compiled artifact, compiled for another layer, run as this
+    piece's layer(s)."""
+
+    def __init__(self, fn: Callable[..., Any], alias: dict[str, str]) -> None:
+        self.fn = fn
+        self.alias = alias
+
+    def __call__(self, *args: Any) -> Any:
+        # forward_context.layer_alias, without a generator per call.
+        previous = forward_context._layer_alias
+        forward_context._layer_alias = self.alias
+        try:
+            return self.fn(*args)
+        finally:
+            forward_context._layer_alias = previous
+
+    def __repr__(self) -> str:
+        return f"AsLayer({self.alias})"

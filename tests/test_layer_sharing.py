@@ -1,0 +1,168 @@
+"""Identical layers compile once (compile/layer_sharing.py): pieces that differ
+only in the layer names of layer-keyed ops share one compiled artifact, and
+each still reads its own layer's metadata."""
+
+import pytest
+import torch
+
+import compile_backend as cb
+import passes
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
+from compile_backend.core.op_registry import _LAYER_KEYED_OPS, register_layer_keyed_op
+from compile_backend.demo.engine import Engine
+from compile_backend.demo.models import build_model, preset
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_standin import StandInGraphs
+from runtime_helpers import kv_config, random_prompts
+
+
+# A user's op that reads a per-layer value from its layer's metadata:
+# x [T, D] -> x * scale + shift of that layer.
+@torch.library.custom_op("sharing_test::scale_by_layer", mutates_args=())
+def scale_by_layer(x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    meta = cb.get_forward_context().metadata(layer_name)
+    return x * meta["scale"] + meta["shift"]
+
+
+@scale_by_layer.register_fake
+def _(x, layer_name):
+    return torch.empty_like(x)
+
+
+passes.register_capture_safe("sharing_test::scale_by_layer")
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d, name):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.name = name
+
+    def forward(self, x):
+        return torch.ops.sharing_test.scale_by_layer(torch.relu(self.lin(x)), self.name)
+
+
+class _Stack(torch.nn.Module):
+    """Layers split by a breakpoint (toy::attn) so that each is its own piece."""
+
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(d, f"layers.{i}.op") for i in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            x = torch.ops.toy.attn(x, x, x)
+        return x
+
+
+def _per_layer_metadata(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.op": {"scale": torch.rand((), generator=g).item() + 0.5,
+                               "shift": torch.randn((), generator=g).item()} for i in range(n)}
+
+
+@pytest.fixture
+def layer_keyed_user_op():
+    register_layer_keyed_op("sharing_test::scale_by_layer")
+    yield
+    _LAYER_KEYED_OPS.discard("sharing_test::scale_by_layer")
+
+
+def _compile_and_compare(shared):
+    import toy_ops  # noqa: F401  (registers toy::attn)
+
+    torch._dynamo.reset()
+    cb.reset_counters()
+    torch.manual_seed(7)
+    model = _Stack().eval()
+    compiled = torch.compile(model, backend=cb.backend(
+        cudagraph_mode="none", piece_compiler="eager", splitting_ops=["toy::attn"]))
+    for call in range(3):  # a fresh batch and fresh per-layer metadata every call
+        meta = _per_layer_metadata(4, seed=call)
+        x = torch.randn(8 + call, 16, generator=torch.Generator().manual_seed(100 + call))
+        with set_forward_context(ForwardContext(attn_metadata=meta)), torch.no_grad():
+            want = model(x)
+            got = compiled(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    step = cb.compiled_steps()[-1]
+    captured = [p for p in step.pieces if p.captured]
+    assert len(captured) == 4
+    return captured
+
+
+def test_a_registered_user_op_compiles_once_and_reads_each_layers_metadata(layer_keyed_user_op):
+    captured = _compile_and_compare(shared=True)
+    # the first layer's piece is compiled; the others run it as their layer
+    # (per Dynamo graph: the first call's static one, then a dynamic one)
+    graphs = cb.counters["dynamo_graphs"]
+    assert cb.counters["piece_compiles"] == graphs
+    assert cb.counters["piece_compile_reuses"] == 3 * graphs
+    assert [p.compiled_as for p in captured] == [None] + [captured[0].name] * 3
+
+
+def test_an_unregistered_user_op_keeps_its_names_and_compiles_per_layer():
+    captured = _compile_and_compare(shared=False)
+    assert cb.counters["piece_compiles"] == 4 * cb.counters["dynamo_graphs"]
+    assert [p.compiled_as for p in captured] == [None] * 4
+
+
+def test_registering_an_op_without_a_layer_name_argument_says_what_to_name_it():
+    import toy_ops  # noqa: F401
+
+    with pytest.raises(ValueError, match="no argument named 'layer_name'"):
+        register_layer_keyed_op("toy::attn")
+    with pytest.raises(ValueError, match="does not resolve"):
+        register_layer_keyed_op("toy::no_such_op")
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", pytest.param("piecewise", marks=pytest.mark.slow)])
+def test_llama_layers_share_one_artifact_and_every_layer_runs_at_capture(mode):
+    """A 4-layer llama: first piece, 3 identical middle pieces, last piece ->
+    3 compiled. Each layer's KV write still runs as that layer at capture (the
+    trace names all four), and tokens equal eager."""
+    prompts = random_prompts([5, 9])
+
+    def run(m):
+        torch._dynamo.reset()
+        cb.reset_counters()
+        with use_graph_backend(StandInGraphs()), torch.no_grad():
+            model = build_model("llama", preset("tiny", num_layers=4))
+            cfg = cb.CompilationConfig(cudagraph_mode=m, capture_sizes=[1, 4, 8],
+                                       piece_compiler="eager")
+            engine = Engine(model, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
+            trace = []
+            engine.runner.capture(trace)
+            return engine.generate(prompts, 3), trace, dict(cb.counters)
+
+    ref, _, _ = run("none")
+    out, trace, counts = run(mode)
+    assert out == ref
+    assert counts["piece_compiles"] == 3 and counts["piece_compile_reuses"] == 2, counts
+    at_capture = {layer for layer, e in trace if e == "reshape_and_cache@capture"}
+    assert at_capture == {f"layers.{i}.attn" for i in range(4)}
+    step = cb.compiled_steps()[-1]
+    shared = [p for p in step.pieces if p.compiled_as]
+    assert len(shared) == 2 and len({p.compiled_as for p in shared}) == 1
+
+
+@pytest.mark.slow
+def test_inductor_compiles_identical_llama_layers_once():
+    """Through Inductor: 6 layers, 3 compiles (first, middle, last piece)."""
+    torch._dynamo.reset()
+    cb.reset_counters()
+    model = build_model("llama", preset("tiny", num_layers=6))
+    cfg = cb.CompilationConfig(cudagraph_mode="none", capture_sizes=[8])
+    engine = Engine(model, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
+    ref_model = build_model("llama", preset("tiny", num_layers=6))
+    ref_model.load_state_dict(model.state_dict())
+    ref = Engine(ref_model, kv_config(), cb.CompilationConfig(
+        cudagraph_mode="none", piece_compiler="eager"), "cpu", prefill_chunk=8, progress=False)
+    prompts = random_prompts([5, 9])
+    with torch.no_grad():
+        engine.runner.capture()
+        got = engine.generate(prompts, 3)
+        assert cb.counters["inductor_compiles"] == 3, dict(cb.counters)
+        assert cb.counters["piece_compile_reuses"] == 4
+        want = ref.generate(prompts, 3)
+    assert got == want
