@@ -8,6 +8,10 @@ _HAS_GPU_DEVICE = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiac
 if not _HAS_GPU_DEVICE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The warm-start cache stays off unless a test names a folder: tests count
+# compiles, and one test's saved step would be another's load.
+os.environ.setdefault("MRV2_CACHE_DIR", "off")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402

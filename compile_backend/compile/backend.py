@@ -7,6 +7,7 @@ points itself and rejects a second registration of the same name.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -22,7 +23,8 @@ from compile_backend.core.counters import counters
 from compile_backend.core.direct_calls import rewrite_direct_calls
 from compile_backend.core.forward_context import has_forward_context
 from compile_backend.core.op_registry import OpRegistry, OpRole
-from compile_backend.compile.piece_compiler import call_pieces_directly, compile_pieces
+from compile_backend.compile.piece_compiler import (call_pieces_directly, compile_pieces,
+                                                    install_pieces)
 from compile_backend.compile.split import Piece, split_graph
 from compile_backend.runtime.cuda_graph import own_outputs
 
@@ -48,9 +50,17 @@ def graph_mode_on_this_machine(requested: CUDAGraphMode) -> tuple[CUDAGraphMode,
     return CUDAGraphMode.NONE, reason
 
 
+try:  # torch's interface for what an AOT-compiled function saves (torch >= 2.10)
+    from torch._dynamo.aot_compile_types import SerializableCallable as _Saveable
+except ImportError:  # pragma: no cover - older torch: no warm start
+    _Saveable = object
+
+
 @dataclass
-class CompiledStep:
-    """What the backend returns for one Dynamo graph."""
+class CompiledStep(_Saveable):
+    """What the backend returns for one Dynamo graph. It can be saved with
+    the Dynamo output around it (torch's AOT compile): see
+    compile/step_artifacts.py for what it saves and how it is loaded."""
 
     config: CompilationConfig
     roles: OpRegistry
@@ -63,6 +73,15 @@ class CompiledStep:
     pass_log: list[dict[str, Any]] = field(default_factory=list)
     passes_uuid: str | None = None
     compile_seconds: float = 0.0
+    # Saved with the step (compile/step_artifacts.py): each captured piece's
+    # input names and stable (parameter, buffer) inputs, the whole graph's,
+    # the graph inputs it writes, and the compiled callables of pieces that
+    # compiled on their own.
+    piece_inputs: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
+    graph_inputs: tuple[list[str], list[int]] = ((), ())
+    written_inputs: frozenset[int] = frozenset()
+    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
+    loaded: bool = False  # True: loaded from a saved step, nothing traced or compiled
     wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
     # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
     # graph captured lazily, or why it cannot be (then pieces run PIECEWISE).
@@ -102,6 +121,18 @@ class CompiledStep:
             f"between calls of one input shape ({list(first)}, then {list(values)}), which "
             f"a graph would bake in; {_instead(self.graph_mode)}")
         return False
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "CompiledStep") -> bytes:
+        from compile_backend.compile.step_artifacts import serialize_step
+
+        return serialize_step(fn)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "CompiledStep":
+        from compile_backend.compile.step_artifacts import deserialize_step
+
+        return deserialize_step(data)
 
     @property
     def __code__(self):
@@ -221,32 +252,10 @@ def mrv2_backend(
     for p in pieces:
         if p.eager_reasons:
             counters["capture_fallbacks"] += 1
-
-    wrappers: list[Any] = []
-    full_blocker = full_capture_blocker(pieces, roles, graph_mode) if graph_mode.has_full else None
-    # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
-    # for plain use when the whole graph cannot be one graph (known now, or at
-    # a call). Under a FULL graph or a runner's FULL step they run their callables.
-    piecewise = graph_mode.has_piecewise or graph_mode is CUDAGraphMode.FULL
-    from compile_backend.runtime.cuda_graph import CUDAGraphWrapper  # the runtime's seam
-
-    def wrap(piece: Piece, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not (piece.captured and piecewise):
-            return fn
-        names, stable = _piece_inputs(split_gm, piece.name)
-        w = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
-                             debug_checks=config.debug_checks, stable_inputs=stable,
-                             input_names=names, written_inputs=piece.written_inputs,
-                             graphs_per_shape=config.graphs_per_shape)
-        wrappers.append(w)
-        return w
-
-    written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler, wrap)
-    if config.direct_op_calls:  # after compiling: the fake run needs the real ops
-        for p in pieces:
-            if not p.captured:
-                counters["direct_calls"] += rewrite_direct_calls(getattr(split_gm, p.name))
-    call_pieces_directly(split_gm, [p.name for p in pieces])
+    piece_inputs = {p.name: _piece_inputs(split_gm, p.name) for p in pieces if p.captured}
+    graph_inputs = _names_and_stable([n for n in split_gm.graph.nodes if n.op == "placeholder"])
+    fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
+                                  serializable=config.serializable)
     step = CompiledStep(
         config=config,
         roles=roles,
@@ -258,18 +267,13 @@ def mrv2_backend(
         pieces=pieces,
         pass_log=pass_log,
         passes_uuid=passes_uuid,
-        compile_seconds=time.perf_counter() - t0,
-        wrappers=wrappers,
-        full_blocker=full_blocker,
+        piece_inputs=piece_inputs,
+        graph_inputs=graph_inputs,
+        written_inputs=written,
+        artifacts={p.name: fns[p.name] for p in pieces if p.captured and p.compiled_as is None},
     )
-    if graph_mode.has_full and full_blocker is None:
-        names, stable = _names_and_stable(
-            [n for n in split_gm.graph.nodes if n.op == "placeholder"])
-        step.full_graph = CUDAGraphWrapper(
-            split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
-            stable_inputs=stable, input_names=names, written_inputs=written,
-            graphs_per_shape=config.graphs_per_shape)
-    _compiled.append(step)
+    assemble_step(step, fns)
+    step.compile_seconds = time.perf_counter() - t0
     logger.info(
         "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",
         len(pieces), sum(not p.captured for p in pieces), graph_mode.value,
@@ -280,6 +284,47 @@ def mrv2_backend(
 
         write_compile_dump(config.debug_dump_path, step)
     return step
+
+
+def assemble_step(step: CompiledStep, fns: dict[str, Callable[..., Any]]) -> None:
+    """Make `step` callable from its pieces' callables (compiled now, or
+    loaded): CUDA-graph wrappers, direct op calls in eager pieces, the lazily
+    captured whole graph of plain use. Everything here comes from `step`'s
+    saved fields, so a loaded step runs as the one compiled."""
+    config, graph_mode, split_gm = step.config, step.graph_mode, step.split_gm
+    # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
+    # for plain use when the whole graph cannot be one graph (known now, or at
+    # a call). Under a FULL graph or a runner's FULL step they run their callables.
+    piecewise = graph_mode.has_piecewise or graph_mode is CUDAGraphMode.FULL
+    from compile_backend.runtime.cuda_graph import CUDAGraphWrapper  # the runtime's seam
+
+    installed = {}
+    for piece in step.pieces:
+        fn = fns[piece.name]
+        if piece.captured and piecewise:
+            names, stable = step.piece_inputs[piece.name]
+            fn = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
+                                  debug_checks=config.debug_checks, stable_inputs=stable,
+                                  input_names=names, written_inputs=piece.written_inputs,
+                                  graphs_per_shape=config.graphs_per_shape)
+            step.wrappers.append(fn)
+        elif not piece.captured and config.direct_op_calls:
+            # On a copy: the piece's own module stays as traced (it is what a
+            # saved step holds). After compiling: the fake run needs the real ops.
+            fn = copy.deepcopy(fn)
+            counters["direct_calls"] += rewrite_direct_calls(fn)
+        installed[piece.name] = fn
+    install_pieces(split_gm, installed)
+    call_pieces_directly(split_gm, [p.name for p in step.pieces])
+    step.full_blocker = (full_capture_blocker(step.pieces, step.roles, graph_mode)
+                         if graph_mode.has_full else None)
+    if graph_mode.has_full and step.full_blocker is None:
+        names, stable = step.graph_inputs
+        step.full_graph = CUDAGraphWrapper(
+            split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
+            stable_inputs=stable, input_names=names, written_inputs=step.written_inputs,
+            graphs_per_shape=config.graphs_per_shape)
+    _compiled.append(step)
 
 
 def backend(**options: Any) -> Callable[..., Any]:

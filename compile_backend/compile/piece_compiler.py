@@ -28,30 +28,36 @@ logger = logging.getLogger(__name__)
 
 
 def compile_piece(
-    gm: torch.fx.GraphModule, fake_args: Sequence[Any], compiler: str
+    gm: torch.fx.GraphModule, fake_args: Sequence[Any], compiler: str, serializable: bool = False
 ) -> Callable[..., Any]:
     if compiler == "eager":
         return gm
     assert compiler == "inductor", compiler
-    from torch._inductor.compile_fx import compile_fx
-
     counters["inductor_compiles"] += 1
     # Inference only: with grad off, AOTAutograd builds no backward graph.
     with torch.no_grad():
+        if serializable:
+            # An artifact that can be saved (compile/step_artifacts.py); the
+            # symbolic shapes come from Dynamo's tracing context, as compile_fx's do.
+            from torch._inductor import standalone_compile
+
+            return standalone_compile(gm, list(fake_args), dynamic_shapes="from_tracing_context")
+        from torch._inductor.compile_fx import compile_fx
+
         return compile_fx(gm, list(fake_args))
 
 
 class _PieceCompileInterpreter(torch.fx.Interpreter):
     """Runs the split graph on fake inputs; at each piece, compiles it with the
-    fake (symbolic) arguments it receives and installs the result. Version
-    counters read around each piece's fake run tell which inputs it writes."""
+    fake (symbolic) arguments it receives. Version counters read around each
+    piece's fake run tell which inputs it writes."""
 
-    def __init__(self, split_gm, pieces, compiler, wrap, cache):
+    def __init__(self, split_gm, pieces, compiler, cache, serializable):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
-        self.wrap = wrap
         self.cache = cache
+        self.serializable = serializable
         self.compiled: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target, args, kwargs):
@@ -65,19 +71,19 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
             key, names = piece_key(submod, args)
             hit = self.cache.get(key) if key else None
             if hit is None:
-                fn = compile_piece(submod, args, self.compiler)
+                fn = compile_piece(submod, args, self.compiler, self.serializable)
                 counters["piece_compiles"] += 1
                 if key:
                     self.cache[key] = (fn, names, piece.name)
             else:
                 fn, compiled_names, piece.compiled_as = hit
                 counters["piece_compile_reuses"] += 1
-                alias = layer_alias_for(compiled_names, names)
-                if alias is not None:
-                    fn = AsLayer(fn, alias)
+                piece.layer_alias = layer_alias_for(compiled_names, names)
+                if piece.layer_alias is not None:
+                    fn = AsLayer(fn, piece.layer_alias)
         else:
             fn = submod  # breakpoints (and capture fallbacks) run eagerly
-        self.compiled[target] = self.wrap(piece, fn)
+        self.compiled[target] = fn
         return out
 
 
@@ -86,11 +92,12 @@ def compile_pieces(
     pieces: list[Piece],
     example_inputs: Sequence[Any],
     compiler: str,
-    wrap: Callable[[Piece, Callable[..., Any]], Callable[..., Any]],
-) -> frozenset[int]:
-    """Replace every piece submodule of `split_gm` by `wrap(piece, compiled)`
-    (each piece's `written_inputs` set first); returns the indices of
-    `split_gm`'s inputs that the whole graph writes."""
+    serializable: bool = False,
+) -> tuple[dict[str, Callable[..., Any]], frozenset[int]]:
+    """Compile every piece of `split_gm` (each piece's `written_inputs`,
+    `compiled_as` and `layer_alias` set on the way); returns the callables by
+    piece name and the indices of `split_gm`'s inputs the whole graph writes.
+    `serializable`: Inductor pieces as artifacts that can be saved."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     # The fake mode Dynamo traced with (its symbolic shapes live in it).
@@ -102,15 +109,20 @@ def compile_pieces(
         if val is None:
             val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
         fake_args.append(val)
-    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, wrap, cache={})
+    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, cache={},
+                                      serializable=serializable)
     before = versions(fake_args)
     # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
     # say) are Python registrations that only the Python dispatcher runs.
     with fake_mode, enable_python_dispatcher():
         interp.run(*fake_args)
-    for name, fn in interp.compiled.items():
+    return interp.compiled, written_inputs(fake_args, before)
+
+
+def install_pieces(split_gm: torch.fx.GraphModule, fns: dict[str, Callable[..., Any]]) -> None:
+    """Replace each piece submodule of `split_gm` by its callable."""
+    for name, fn in fns.items():
         setattr(split_gm, name, _as_module(fn))
-    return written_inputs(fake_args, before)
 
 
 def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -> None:

@@ -42,6 +42,8 @@ class Piece:
     written_inputs: frozenset[int] = field(default_factory=frozenset)
     # the identical piece whose compiled artifact this one runs (None: its own)
     compiled_as: str | None = None
+    # compiled_as's layer names -> this piece's (None: the same layers)
+    layer_alias: dict[str, str] | None = None
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:

@@ -15,6 +15,15 @@ from compile_backend.core.graph_mode import CUDAGraphMode
 PIECE_COMPILERS = ("inductor", "eager")
 
 
+def default_cache_dir() -> str | None:
+    """$MRV2_CACHE_DIR ("off" or empty: None), else the user's cache folder."""
+    env = os.environ.get("MRV2_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "none", "0") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mrv2")
+
+
 def default_capture_sizes() -> list[int]:
     return [1, 2, 4] + list(range(8, 257, 8))
 
@@ -41,6 +50,13 @@ class CompilationConfig:
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
+    cache_dir: where a ModelRunner saves its compiled step and loads it in a
+        later process (warm start: no Dynamo tracing, no Inductor compile).
+        Default: $MRV2_CACHE_DIR, else $XDG_CACHE_HOME/mrv2 (~/.cache/mrv2);
+        None (or MRV2_CACHE_DIR=off) saves and loads nothing.
+        `mrv2 cache ls|clear` shows and clears it.
+    serializable: compile Inductor pieces as artifacts that can be saved (the
+        runner sets it when it has a cache_dir).
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE
@@ -56,6 +72,8 @@ class CompilationConfig:
     reorder_for_fewer_pieces: bool = True
     direct_op_calls: bool = True
     graphs_per_shape: int = 4
+    cache_dir: str | None = field(default_factory=lambda: default_cache_dir())
+    serializable: bool = False
 
     def __post_init__(self) -> None:
         self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
@@ -102,8 +120,12 @@ class CompilationConfig:
                 f"graphs_per_shape must be a positive int, got {self.graphs_per_shape!r}; "
                 "for example 4 (graphs kept per input shape, one per address of the "
                 "tensors a graph writes)")
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise ValueError(f"cache_dir must be a folder path or None, got {self.cache_dir!r}")
+            self.cache_dir = os.fspath(self.cache_dir)
         for name in ("debug_checks", "strict_capture", "enable_passes",
-                     "reorder_for_fewer_pieces", "direct_op_calls"):
+                     "reorder_for_fewer_pieces", "direct_op_calls", "serializable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

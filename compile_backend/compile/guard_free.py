@@ -1,0 +1,178 @@
+"""The runner's compiled model: compiled (or loaded) once, then called with no
+Dynamo frame evaluation and no guard checks.
+
+    step = GuardFreeModel(model, config, backend)
+    out = step(input_ids, positions)     # first call: load or compile; then direct
+
+The first call AOT-compiles the model with torch's `aot_compile` (torch >=
+2.10): Dynamo traces once, the mrv2 backend compiles, and what comes back is
+Dynamo's transformed code bound to the compiled step. Later calls run that
+code directly: they skip the frame callback, guard evaluation and
+`nn.Module.__call__`. With a `cache_dir` the result is saved
+(compile/step_cache.py) and a later process loads it instead of compiling
+(warm start: nothing traced, nothing compiled).
+
+What the runner promises in exchange for skipping the guards: the model's
+code and its parameters and buffers stay the same objects (as captured graphs
+need anyway), and its inputs keep their dtypes and ranks (the runner's own
+persistent buffers). Under `debug_checks` the guards run at every call and a
+failure raises, naming what changed.
+
+Where this torch has no `aot_compile`, or it fails for this model, the model
+runs under plain `torch.compile` (Dynamo's guards on every call): logged once
+with the reason and counted (`guarded_fallbacks`). A cache entry that is
+corrupt, stale or saved for something else is logged once with the reason
+and compiled again (`cache_misses`); a save that fails is logged
+(`cache_save_failures`) and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from compile_backend.core.counters import counters
+
+logger = logging.getLogger(__name__)
+
+
+class GuardFreeModel:
+    def __init__(self, model: torch.nn.Module, config: Any,
+                 backend: Callable[..., Any]) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend  # (gm, example_inputs) -> CompiledStep
+        self._fn: Callable[..., Any] | None = None
+        self._aot: Any = None  # the AOT-compiled function (guard checks under debug_checks)
+        # How the first call got its step: "compiled", "loaded" or "guarded"
+        # (plain torch.compile), and the cache entry involved (None: no cache).
+        self.how: str | None = None
+        self.cache_path: str | None = None
+        self.seconds = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self._fn is not None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._fn is None:
+            self._first(args)
+        elif self._aot is not None and self.config.debug_checks:
+            self._check_guards(args)
+        return self._fn(*args)
+
+    # ---- first call ------------------------------------------------------------
+
+    def _first(self, args: tuple) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        compiled = torch.compile(self.model, fullgraph=True, backend=self.backend)
+        aot_compile = getattr(compiled.forward, "aot_compile", None)
+        if aot_compile is None:
+            self._guarded(compiled, "this torch has no aot_compile")
+            return
+        header = None
+        if self.config.cache_dir is not None:
+            from compile_backend.compile import step_cache
+
+            header, why_not = step_cache.entry_header(self.model, self.config, args)
+            if why_not:
+                logger.warning("mrv2: no warm-start cache for this model: %s", why_not)
+                header = None
+            else:
+                self.cache_path = step_cache.entry_path(self.config.cache_dir, header)
+                aot = self._load(header, args)
+                if aot is not None:
+                    self._bind(aot, "loaded", t0)
+                    return
+        try:
+            aot = aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 - any failure: the guarded path still serves
+            counters["guarded_fallbacks"] += 1
+            self._guarded(compiled, f"aot_compile failed ({type(e).__name__}: {e})")
+            return
+        counters["aot_compiles"] += 1
+        if header is not None:
+            self._save(aot, header)
+        self._bind(aot, "compiled", t0)
+
+    def _bind(self, aot: Any, how: str, t0: float) -> None:
+        import time
+
+        self._aot = aot
+        model, fn = self.model, aot.fn  # Dynamo's code, bound to the compiled step
+        self._fn = lambda *args: fn(model, *args)
+        self.how = how
+        self.seconds = time.perf_counter() - t0
+
+    def _guarded(self, compiled: Callable[..., Any], reason: str) -> None:
+        logger.warning("mrv2: the runner's steps go through Dynamo's guards: %s", reason)
+        self._fn = compiled
+        self.how = "guarded"
+
+    # ---- cache -------------------------------------------------------------------
+
+    def _load(self, header: dict, args: tuple) -> Any:
+        import os
+
+        from compile_backend.compile import step_cache
+
+        path = self.cache_path
+        if not os.path.exists(path):
+            counters["cache_misses"] += 1
+            return None
+        try:
+            data = step_cache.read_entry(path, header)
+            from torch._dynamo.aot_compile import AOTCompiledFunction
+
+            aot = AOTCompiledFunction.deserialize(data)
+            # Once, at load: the saved guards accept this model and these inputs.
+            failed = _failed_guards(aot, self.model, args)
+            if failed:
+                raise RuntimeError(f"its guards refuse this model and inputs: {failed}")
+        except Exception as e:  # noqa: BLE001 - a bad entry is compiled again, never used
+            counters["cache_misses"] += 1
+            counters["cache_bad_entries"] += 1
+            logger.warning("mrv2: warm-start entry %s not used, compiling again: %s", path,
+                           f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else e)
+            return None
+        counters["cache_hits"] += 1
+        logger.info("mrv2: loaded the compiled step from %s", path)
+        return aot
+
+    def _save(self, aot: Any, header: dict) -> None:
+        from compile_backend.compile import step_cache
+
+        try:
+            data = type(aot).serialize(aot).serialized_data
+            step_cache.write_entry(self.cache_path, header, data)
+        except Exception as e:  # noqa: BLE001 - the step runs; only the next start is cold
+            counters["cache_save_failures"] += 1
+            logger.warning("mrv2: could not save the compiled step to %s (%s: %s); the next "
+                           "process compiles again", self.cache_path, type(e).__name__, e)
+
+    # ---- debug_checks ------------------------------------------------------------
+
+    def _check_guards(self, args: tuple) -> None:
+        reason = _failed_guards(self._aot, self.model, args)
+        if not reason:
+            return
+        raise RuntimeError(
+            "mrv2 debug_checks: the runner's compiled step no longer fits this call "
+            f"(failed guards: {reason}). Runner steps skip Dynamo's guards: the model's code, "
+            "parameters and buffers must stay the same objects and the inputs keep their "
+            "dtypes and ranks. Build a new ModelRunner after changing the model.")
+
+
+def _failed_guards(aot: Any, model: torch.nn.Module, args: tuple) -> list[str]:
+    """The guards of `aot` that this call fails (empty: it passes). The
+    inputs are checked without the dynamic-dimension marks the runner puts on
+    its first call's tensors (a guard compares marks, not what they mean)."""
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    if aot.guard_check(model, *args):
+        return []
+    f_locals = aot.prepare_f_locals(model, *args)
+    return list(aot._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)

@@ -1,0 +1,173 @@
+"""What a compiled step saves, and how a saved one is loaded.
+
+torch's AOT compile (compile/guard_free.py) saves Dynamo's output (the
+transformed bytecode, its guards) and asks the backend's callable for its own
+bytes (`SerializableCallable`). A `CompiledStep` saves:
+
+  - the split graph and every piece's graph module, node by node (FX's
+    GraphPickler; pickling a GraphModule as code would trace it again on load,
+    which fails on symbolic sizes). The ops they call must be registered again
+    when loading, which importing the model's modules does;
+  - the pieces' facts (captured, written inputs, layer sharing, reasons), the
+    config, the op roles and the pass log;
+  - each captured piece's inputs (names, which are parameters or buffers),
+    the whole graph's, and which graph inputs it writes: these come from
+    Dynamo's node metadata, which pickling drops;
+  - for each piece that compiled on its own with Inductor, the Inductor
+    artifact (`torch._inductor.standalone_compile`, saved in binary form:
+    its generated code and kernels); eager pieces need nothing but their graph.
+
+Loading builds the pieces' callables from these (a piece compiled as another
+layer's runs that artifact under its layer alias) and assembles the step
+exactly as the backend does after compiling (compile/backend.assemble_step).
+Nothing is traced and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx._graph_pickler import GraphPickler, Options
+
+from compile_backend.core.counters import counters
+
+# Bumped when what is saved changes: an older entry is then a miss.
+FORMAT = 1
+
+
+def _artifact_bytes(artifact: Any) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "piece.bin")
+        artifact.save(path=path, format="binary")
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def _load_artifact(data: bytes) -> Any:
+    from torch._inductor import CompiledArtifact
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "piece.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        return CompiledArtifact.load(path=path, format="binary")
+
+
+def _bare(gm: torch.fx.GraphModule, children: dict | None = None) -> torch.fx.GraphModule:
+    """A copy of `gm`'s graph without node metadata (Dynamo's fake values and
+    sources: what they told is saved beside it) and with `children` as its
+    submodules."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for node in graph.nodes:
+        node.meta = {}
+    return torch.fx.GraphModule(children or {}, graph)
+
+
+def _as_graph_returns(gm: torch.fx.GraphModule, fn: Any) -> Any:
+    """A loaded Inductor artifact returns its outputs as a list; a piece whose
+    graph returns one value (not a tuple) must return that value, as the
+    artifact compiled in this process does."""
+    out = gm.graph.output_node().args[0]
+    if isinstance(out, (tuple, list)):
+        return fn
+
+    def one_value(*args: Any) -> Any:
+        result = fn(*args)
+        return result[0] if isinstance(result, (list, tuple)) else result
+
+    return one_value
+
+
+def serialize_step(step: Any) -> bytes:
+    """Bytes from which `deserialize_step` builds an equal step. Raises
+    (RuntimeError) when a piece's compiled callable cannot be saved."""
+    artifacts: dict[str, bytes | None] = {}
+    for name, fn in step.artifacts.items():
+        if isinstance(fn, torch.fx.GraphModule):  # eager piece compiler: the graph is the code
+            artifacts[name] = None
+        elif hasattr(fn, "save"):
+            artifacts[name] = _artifact_bytes(fn)
+        else:
+            raise RuntimeError(
+                f"piece {name} was compiled as {type(fn).__name__}, which cannot be saved "
+                "(compile with CompilationConfig.serializable=True)")
+    # The split graph with each piece's module as traced (split_gm itself now
+    # holds the pieces' callables).
+    bare = {p.name: _bare(p.graph_module) for p in step.pieces}
+    root = _bare(step.split_gm, bare)
+    payload = {
+        "format": FORMAT,
+        "config": step.config,
+        "roles": step.roles,
+        "graph_mode": step.graph_mode,
+        "mode_reason": step.mode_reason,
+        "original_code": step.original_code,
+        "passed_code": step.passed_code,
+        "pass_log": step.pass_log,
+        "passes_uuid": step.passes_uuid,
+        "split_graph": root,
+        "pieces": [copy.copy(p) for p in step.pieces],  # graph modules: the split graph's
+        "piece_inputs": step.piece_inputs,
+        "graph_inputs": step.graph_inputs,
+        "written_inputs": step.written_inputs,
+        "artifacts": artifacts,
+    }
+    for p in payload["pieces"]:
+        p.graph_module = None  # the split graph's submodule of that name
+    return GraphPickler.dumps(payload, Options(ops_filter=None))
+
+
+def deserialize_step(data: bytes) -> Any:
+    from compile_backend.compile.backend import CompiledStep, assemble_step
+    from compile_backend.compile.layer_sharing import AsLayer
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    payload = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    if payload.get("format") != FORMAT:
+        raise RuntimeError(f"saved step format {payload.get('format')} is not {FORMAT}")
+    split_gm = payload["split_graph"]
+    split_gm.recompile()  # the pickler restores graphs, not their generated code
+    pieces = payload["pieces"]
+    fns: dict[str, Any] = {}
+    for p in pieces:
+        p.graph_module = getattr(split_gm, p.name)
+        p.graph_module.recompile()
+        if not p.captured:
+            fns[p.name] = p.graph_module
+        elif p.compiled_as is None:
+            data = payload["artifacts"][p.name]
+            fns[p.name] = (p.graph_module if data is None
+                           else _as_graph_returns(p.graph_module, _load_artifact(data)))
+    for p in pieces:
+        if p.captured and p.compiled_as is not None:
+            base = fns[p.compiled_as]
+            fns[p.name] = base if p.layer_alias is None else AsLayer(base, p.layer_alias)
+    step = CompiledStep(
+        config=payload["config"],
+        roles=payload["roles"],
+        graph_mode=payload["graph_mode"],
+        mode_reason=payload["mode_reason"],
+        original_code=payload["original_code"],
+        passed_code=payload["passed_code"],
+        split_gm=split_gm,
+        pieces=pieces,
+        pass_log=payload["pass_log"],
+        passes_uuid=payload["passes_uuid"],
+        piece_inputs=payload["piece_inputs"],
+        graph_inputs=payload["graph_inputs"],
+        written_inputs=payload["written_inputs"],
+        artifacts={p.name: fns[p.name] for p in pieces if p.captured and p.compiled_as is None},
+        loaded=True,
+    )
+    assemble_step(step, fns)
+    counters["steps_loaded"] += 1
+    return step

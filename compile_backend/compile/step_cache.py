@@ -1,0 +1,198 @@
+"""The warm-start cache: saved compiled steps, one file per entry.
+
+    <cache_dir>/steps/<key>.mrv2   pickle {"header": {...}, "aot": bytes}
+
+The key hashes everything the saved step depends on (`entry_header`): the
+model's code (the source of every module class in it) and its parameters'
+names, shapes and dtypes; the inputs' dtypes and ranks; the config; mrv2's own
+source; torch, Triton, Python and CUDA versions; the GPU. A changed input
+gives another key (a miss, compiled and saved beside the old entry); the
+header is stored in the entry and compared on load, so an entry that does
+not match what it is loaded for is refused, never used. Writes go to a
+temporary file in the same folder, then `os.replace`: a reader sees a whole
+entry or none.
+
+`mrv2 cache ls|clear` (compile_backend/demo/cli.py) lists and clears entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+
+SUFFIX = ".mrv2"
+
+
+def steps_dir(cache_dir: str) -> str:
+    return os.path.join(cache_dir, "steps")
+
+
+@functools.lru_cache(maxsize=1)
+def _own_source_hash() -> str:
+    """sha256 over mrv2's own Python files (compile_backend, kernels, passes):
+    a change to the backend's code is a change to what it compiles."""
+    import compile_backend
+    import kernels
+    import passes
+
+    h = hashlib.sha256()
+    for pkg in (compile_backend, kernels, passes):
+        root = os.path.dirname(pkg.__file__)
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()[:24]
+
+
+def _model_code(model: torch.nn.Module) -> dict[str, str] | None:
+    """Source hash per module class in `model` (None: some source is not
+    available, so the code cannot be told apart: no cache)."""
+    out = {}
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch.") or klass is object:
+                continue  # torch's own classes: covered by torch's version
+            name = f"{klass.__module__}.{klass.__qualname__}"
+            if name in out:
+                continue
+            try:
+                src = inspect.getsource(klass)
+            except (OSError, TypeError):
+                return None
+            out[name] = hashlib.sha256(src.encode()).hexdigest()[:16]
+    return out
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"{p.name} sm{p.major}{p.minor}"
+    return "cpu"
+
+
+def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tuple[dict, str | None]:
+    """(what a saved step depends on, why it cannot be cached or None)."""
+    code = _model_code(model)
+    if code is None:
+        return {}, "the model's source is not available (inspect.getsource fails)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover
+        triton_version = None
+    options = config.summary()
+    for name in ("cache_dir", "debug_dump_path"):  # where things go, not what runs
+        options.pop(name, None)
+    header = {
+        "format": 1,
+        "mrv2": _own_source_hash(),
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "model": code,
+        "state": [(n, list(t.shape), str(t.dtype), t.device.type)
+                  for n, t in [*model.named_parameters(), *model.named_buffers()]],
+        "inputs": [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args],
+        "config": options,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": list(sys.version_info[:2]),
+        "cuda": torch.version.cuda,
+        "device": _device(),
+        "interpret": os.environ.get("TRITON_INTERPRET", ""),
+    }
+    return header, None
+
+
+def entry_key(header: dict) -> str:
+    return hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def entry_path(cache_dir: str, header: dict) -> str:
+    return os.path.join(steps_dir(cache_dir), entry_key(header) + SUFFIX)
+
+
+def read_entry(path: str, header: dict) -> bytes:
+    """The saved AOT bytes at `path` for `header`; raises (with the reason)
+    when the entry is corrupt or was saved for something else."""
+    with open(path, "rb") as f:
+        try:
+            entry = pickle.load(f)
+        except Exception as e:
+            raise RuntimeError(f"corrupt entry ({type(e).__name__}: {e})") from None
+    if not isinstance(entry, dict) or "aot" not in entry or "header" not in entry:
+        raise RuntimeError("corrupt entry (not an mrv2 step)")
+    if entry["header"] != header:
+        changed = sorted(k for k in set(entry["header"]) | set(header)
+                         if entry["header"].get(k) != header.get(k))
+        raise RuntimeError(f"stale entry (saved for another {', '.join(changed)})")
+    return entry["aot"]
+
+
+def write_entry(path: str, header: dict, aot: bytes) -> None:
+    """Atomic: a temporary file in the same folder, then os.replace."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump({"header": header, "aot": aot, "saved": time.time()}, f,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def list_entries(cache_dir: str) -> list[dict[str, Any]]:
+    """One row per entry: key, bytes, saved time, model classes, mode, device."""
+    folder = steps_dir(cache_dir)
+    rows = []
+    if not os.path.isdir(folder):
+        return rows
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(SUFFIX) or name.startswith(".tmp-"):
+            continue
+        path = os.path.join(folder, name)
+        row: dict[str, Any] = {"key": name[: -len(SUFFIX)], "bytes": os.path.getsize(path)}
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f)
+            header = entry["header"]
+            row.update(saved=entry.get("saved"), model=header["model_class"],
+                       mode=header["config"].get("cudagraph_mode"), device=header["device"],
+                       torch=header["torch"])
+        except Exception as e:  # listed as unreadable; `clear` removes it
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return rows
+
+
+def clear_entries(cache_dir: str) -> int:
+    """Remove every entry (and leftover temporary files); returns how many."""
+    folder = steps_dir(cache_dir)
+    if not os.path.isdir(folder):
+        return 0
+    n = 0
+    for name in os.listdir(folder):
+        if name.endswith(SUFFIX):
+            os.unlink(os.path.join(folder, name))
+            n += not name.startswith(".tmp-")
+    return n
