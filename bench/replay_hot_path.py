@@ -50,6 +50,9 @@ class _NoOpGraphs:
     def synchronize(self) -> None:
         pass
 
+    def empty_cache(self) -> None:
+        pass
+
 
 def time_replays(num_inputs: int, calls: int) -> tuple[float, float]:
     args = [torch.randn(8) for _ in range(num_inputs)]  # at fixed addresses, as a runner's

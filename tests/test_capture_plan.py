@@ -4,13 +4,14 @@ inside capture (a dummy batch past max_model_len); capture_sizes=[] failed in
 capture() with "max() arg is an empty sequence"; a debug_dump_path that is a
 file was found only after compiling."""
 
+import gc
 import logging
 
 import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
 from compile_backend.debug.dump import DumpPathError
 from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.runner.input_batch import InputBatch
@@ -101,3 +102,66 @@ def test_a_dump_path_that_is_a_file_is_refused_when_the_config_is_built(tmp_path
 def test_an_op_name_of_the_wrong_form_is_refused_when_the_config_is_built():
     with pytest.raises(ValueError, match="'state_mix' is not of the form 'namespace::name'"):
         cb.CompilationConfig(attention_like_ops=["state_mix"])
+
+
+class _CountingGraphs(StandInGraphs):
+    """The stand-in, counting synchronizes and cache emptyings, and whether the
+    garbage collector was frozen at each capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = self.empties = 0
+        self.frozen_at_capture: list[bool] = []
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def empty_cache(self):
+        self.empties += 1
+
+    def capture(self, graph, pool, args=()):
+        self.frozen_at_capture.append(gc.get_freeze_count() > 0)
+        return super().capture(graph, pool, args)
+
+
+def test_a_plan_synchronizes_and_empties_the_cache_once_with_the_collector_frozen():
+    """Capture speed (issue #21): per graph, a synchronize before and after
+    and an emptied allocator cache made a plan of many graphs slow. A plan
+    does each once at its start and end, with the garbage collector frozen
+    meanwhile (and unfrozen after, also when a capture fails; a caller's own
+    frozen objects are left frozen); a capture alone (lazy, late) still does
+    them per graph."""
+    graphs = _CountingGraphs()
+    with use_graph_backend(graphs), torch.no_grad():
+        r = _runner("full_and_piecewise", [1, 2, 4])
+        r.capture()
+        assert len(graphs.graphs) > len(r.capture_plan())  # PIECEWISE: a graph per piece
+        assert graphs.frozen_at_capture and all(graphs.frozen_at_capture)
+        assert (graphs.syncs, graphs.empties) == (2, 2)
+        assert gc.get_freeze_count() == 0
+        assert all(c.pool_bytes == 0 and c.seconds > 0 for c in r.captures)
+
+        graphs.syncs = graphs.empties = 0
+        w = CUDAGraphWrapper(lambda x: x * 2, Mode.PIECEWISE, name="alone")
+        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
+                                cudagraph_runtime_mode=Mode.PIECEWISE)
+        with cb.set_forward_context(ctx):
+            w(torch.randn(4))  # a capture outside a plan
+        assert (graphs.syncs, graphs.empties) == (2, 1)
+        assert graphs.frozen_at_capture[-1] is False
+
+        r2 = _runner("piecewise", [1, 2])
+        gc.freeze()  # a caller's own frozen objects stay frozen
+        try:
+            r2.capture()
+            assert gc.get_freeze_count() > 0  # not thawed by the plan
+        finally:
+            gc.unfreeze()
+
+        def fail(*args):
+            assert gc.get_freeze_count() > 0  # frozen by the plan
+            raise RuntimeError("capture failed")
+        r2._capture_one = fail
+        with pytest.raises(RuntimeError, match="capture failed"):
+            r2.capture()
+        assert gc.get_freeze_count() == 0

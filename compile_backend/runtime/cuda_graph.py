@@ -37,6 +37,7 @@ pool of their own. docs/design_notes.md says why each rule holds.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 import weakref
@@ -55,15 +56,45 @@ from compile_backend.core.forward_context import (
 logger = logging.getLogger(__name__)
 
 
+# One side stream per device for every capture (as torch.cuda.graph keeps one).
+_capture_streams: dict[int, Any] = {}
+
+
 class TorchCUDAGraphs:
-    """The real thing; tests substitute a stand-in with the same three methods."""
+    """The real thing; tests substitute a stand-in with the same methods
+    (new_graph, capture, pool, memory_allocated, synchronize, empty_cache)."""
 
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()) -> contextlib.AbstractContextManager:
-        """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing)."""
-        return torch.cuda.graph(graph, pool=pool)
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()):
+        """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing).
+
+        torch.cuda.graph without what it does before every capture: a device
+        synchronize, torch.cuda.empty_cache, the pinned host cache's emptying
+        and, with TORCH_CUDAGRAPH_GC set (always in old torch), gc.collect.
+        A runner's plan captures hundreds of graphs (1155 in PIECEWISE for
+        llama8b at 35 sizes), each paying for those; the wrapper does them
+        itself where they are wanted (once per plan, or per graph outside
+        one: `plan_capture`).
+        The rest is as torch.cuda.graph: a side stream (capture cannot run on
+        the default stream) that waits for the caller's stream before, and
+        the caller's stream waits for it after, so the capture is ordered
+        after the work queued before it without a host synchronize; same
+        capture_error_mode ("global") and pool."""
+        outer = torch.cuda.current_stream()
+        stream = _capture_streams.get(outer.device_index)
+        if stream is None:
+            stream = _capture_streams[outer.device_index] = torch.cuda.Stream(outer.device)
+        stream.wait_stream(outer)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="global")
+            try:
+                yield
+            finally:
+                graph.capture_end()
+        outer.wait_stream(stream)
 
     def pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -73,6 +104,13 @@ class TorchCUDAGraphs:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        """Return the allocator's cached free blocks to the device, so a
+        graph's pool can take that memory (what torch.cuda.graph did before
+        every capture: an allocation that fails during a capture cannot
+        free cached blocks then)."""
+        torch.cuda.empty_cache()
 
 
 _shared_pool: Any = None
@@ -110,6 +148,54 @@ _wrappers: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()  # every wrap
 # tensor. Cleared only when every graph is freed: a stale address costs a
 # clone or a capture at most, a missing one would hand out graph memory.
 _pool_outputs: set[int] = set()
+
+
+_plan_depth = 0  # > 0 while plan_capture is active
+
+
+@contextlib.contextmanager
+def plan_capture(graphs: Any):
+    """Scope of many captures in a row (a runner's capture plan).
+
+    Per graph, a capture outside a plan synchronizes the device before and
+    after (its `seconds` is then the device's time) and empties the
+    allocator's cache (as torch.cuda.graph did). Inside a plan these happen
+    once for the whole plan: the graphs are captured largest first into one
+    pool, so the cache emptied before the first (largest) one is what the
+    later ones need, and the host queues the next size's warm-up while the
+    device runs the previous one. Per-graph `seconds` are then host time
+    (the plan's end synchronizes); `pool_bytes` stay per graph (the
+    allocator counts on the host, without a synchronize).
+
+    The garbage collector is frozen meanwhile (vLLM does the same): one
+    collection first (a dead reference cycle holding device memory would
+    otherwise keep it out of the pool for good), then gc.freeze(), so the
+    collections that capture's allocations trigger no longer walk every
+    object the compile left behind (Dynamo's and Inductor's); gc.unfreeze()
+    after, also on error. Plans may nest; the outermost one does all this."""
+    global _plan_depth
+    outermost = _plan_depth == 0
+    # A caller that froze objects itself keeps them frozen: gc.unfreeze()
+    # would thaw its objects too, so the plan then freezes nothing.
+    freeze = outermost and gc.get_freeze_count() == 0
+    if outermost:
+        gc.collect()
+        graphs.synchronize()
+        graphs.empty_cache()
+    if freeze:
+        gc.freeze()
+    _plan_depth += 1
+    try:
+        yield
+    finally:
+        _plan_depth -= 1
+        if freeze:
+            gc.unfreeze()
+    if outermost:  # not after an error: a failed capture's error stays the one raised
+        graphs.synchronize()
+        # What the warm-ups cached is not the graphs': return it, as the
+        # per-graph empty_cache used to by the end of a plan.
+        graphs.empty_cache()
 
 
 def shared_graph_pool(graphs: Any) -> Any:
@@ -200,7 +286,7 @@ class CapturedGraph:
     output_aliases: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int], ...] = ()
     metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
     seconds: float = 0.0
-    pool_bytes: int = 0  # allocator growth during capture
+    pool_bytes: int = 0  # allocator growth during capture (host-side count: exact in a plan too)
 
 
 def _metadata_ptrs(ctx: ForwardContext | None) -> dict[str, int]:
@@ -352,7 +438,13 @@ class CUDAGraphWrapper:
         _pool_graphs.add(graph)
         if not own_pool:
             _shared_graphs.add(graph)
-        self.graphs.synchronize()
+        # Alone (lazily, late, or for a new address), a capture settles the
+        # device and empties the allocator's cache first, as torch.cuda.graph
+        # did; in a plan that is done once for all graphs (plan_capture).
+        alone = _plan_depth == 0
+        if alone:
+            self.graphs.synchronize()
+            self.graphs.empty_cache()
         before = self.graphs.memory_allocated()
         t0 = time.perf_counter()
         if ctx is not None:
@@ -363,7 +455,8 @@ class CUDAGraphWrapper:
         finally:
             if ctx is not None:
                 ctx.capturing = False
-        self.graphs.synchronize()
+        if alone:  # `seconds` is the device's time; in a plan, the host's
+            self.graphs.synchronize()
         aliases = _output_aliases(outputs, capture_args)
         aliased = {leaf for leaf, *_ in aliases}
         for leaf, t in enumerate(pytree.tree_leaves(outputs)):

@@ -165,6 +165,9 @@ class StandInGraphs:
     def synchronize(self):
         pass
 
+    def empty_cache(self):  # no allocator cache on the CPU
+        pass
+
     def after_capture(self, graph, fn, entry, ctx):
         graph.fn, graph.entry = fn, entry
         for t in pytree.tree_leaves(entry.outputs):
