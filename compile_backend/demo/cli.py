@@ -1,8 +1,10 @@
-"""`mrv2` (or `python -m compile_backend`): the demo and the dump inspector.
+"""`mrv2` (or `python -m compile_backend`): the demo, the dump inspector and
+the warm-start cache.
 
     mrv2 demo [--model hybrid] [--preset tiny] [--mode all] [--dump DIR] ...
     torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   (tensor parallel; rank 0 prints)
     mrv2 inspect DIR [--piece N] [--svg OUT.svg]
+    mrv2 cache ls|clear [--dir DIR]      (the runner's warm-start cache)
 
 Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input
 (one line on stderr, nothing written).
@@ -56,7 +58,37 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--graph", type=int, default=0, metavar="K",
                    help="which Dynamo graph --piece refers to (default 0)")
     i.add_argument("--svg", metavar="OUT.svg", help="picture path (default DIR/step.svg)")
+
+    c = sub.add_parser("cache", help="list or clear the warm-start cache of compiled steps")
+    c.add_argument("action", choices=["ls", "clear"])
+    c.add_argument("--dir", metavar="DIR",
+                   help="cache folder (default: $MRV2_CACHE_DIR, else ~/.cache/mrv2)")
     return p
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from compile_backend.compile.step_cache import clear_entries, list_entries, steps_dir
+    from compile_backend.core.config import default_cache_dir
+
+    folder = args.dir or default_cache_dir()
+    if folder is None:
+        return _fail("the cache is off (MRV2_CACHE_DIR=off); name a folder with --dir DIR")
+    if args.action == "clear":
+        print(f"removed {clear_entries(folder)} entries from {steps_dir(folder)}")
+        return 0
+    rows = list_entries(folder)
+    print(f"{steps_dir(folder)}: {len(rows)} entries, "
+          f"{sum(r['bytes'] for r in rows) / 2**20:.1f} MiB")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['key']}  {r['bytes'] / 2**20:7.1f} MiB  unreadable: {r['error']}")
+            continue
+        import time
+
+        saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["saved"])) if r["saved"] else "?"
+        print(f"  {r['key']}  {r['bytes'] / 2**20:7.1f} MiB  {saved}  {r['model']}  "
+              f"mode {r['mode']}  {r['device']}  torch {r['torch']}")
+    return 0
 
 
 def _fail(message: str) -> int:
@@ -126,4 +158,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already reported)
         return int(e.code or 0)
-    return _demo(args) if args.verb == "demo" else _inspect(args)
+    return {"demo": _demo, "inspect": _inspect, "cache": _cache}[args.verb](args)

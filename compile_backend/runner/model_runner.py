@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from compile_backend.compile.backend import graph_mode_on_this_machine, mrv2_backend
+from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
@@ -116,8 +117,14 @@ class ModelRunner:
                                                  kv_cache_config))
         options = self.config.summary()
         options["cudagraph_mode"] = self.mode.value
+        # Pieces an entry of the warm-start cache can hold.
+        options["serializable"] = self.config.cache_dir is not None
         if compile_fn is None:
-            self.compiled = torch.compile(model, backend=mrv2_backend, options=options)
+            # Compiled (or loaded) at the first step, then called without
+            # Dynamo's guards (compile/guard_free.py says what that promises).
+            self.compiled = GuardFreeModel(
+                model, CompilationConfig.from_options(options),
+                lambda gm, example_inputs: mrv2_backend(gm, example_inputs, options=options))
         else:
             self.compiled = compile_fn(model)
         # Outputs held weakly, as every piece's are: a step's logits live in the
@@ -134,6 +141,9 @@ class ModelRunner:
     # ---- one forward ---------------------------------------------------------
 
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        if getattr(self.compiled, "ready", False):  # compiled: no Dynamo from here on
+            with torch.no_grad():
+                return self.compiled(input_ids, positions)
         mark_token_dim(input_ids)
         mark_token_dim(positions)
         with symbolic_tokens(), torch.no_grad():  # a runner serves inference only

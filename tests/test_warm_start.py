@@ -1,0 +1,233 @@
+"""Warm start and guard-free steps (compile/guard_free.py, compile/step_cache.py,
+compile/step_artifacts.py): a second process loads the saved step without
+tracing; a corrupt, stale or mismatched entry is compiled again, never used;
+runner steps skip Dynamo's guards except under debug_checks."""
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compile_backend as cb
+from compile_backend.compile import step_cache
+from compile_backend.demo.cli import main as cli_main
+from compile_backend.demo.engine import Engine
+from compile_backend.demo.models import build_model, preset
+from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_standin import StandInGraphs
+from runtime_helpers import kv_config, random_prompts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _worker(cache, *extra):
+    env = dict(os.environ)
+    if "cuda" not in extra:
+        env["TRITON_INTERPRET"] = "1"
+    env.pop("MRV2_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "warm_start_worker.py"),
+                           "--cache", str(cache), *extra],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _entries(cache):
+    folder = step_cache.steps_dir(str(cache))
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".mrv2"))
+
+
+def test_a_second_process_loads_the_step_without_tracing_and_equals_eager(tmp_path):
+    cold, _ = _worker(tmp_path)
+    assert cold["how"] == "compiled" and cold["traced"]["fullgraph_capture"] == 1
+    assert cold["counters"]["piece_compiles"] == 3  # 4 identical layers: first, middle, last
+    warm, _ = _worker(tmp_path)
+    assert warm["how"] == "loaded"
+    assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}, warm
+    assert "dynamo_graphs" not in warm["counters"] and "piece_compiles" not in warm["counters"]
+    assert warm["counters"]["cache_hits"] == 1 and warm["counters"]["steps_loaded"] == 1
+    for run in (cold, warm):  # every step's logits and every KV cache, against eager
+        assert run["logits_equal"] and run["caches_equal"], run
+        assert run["counters"]["cudagraph_replays"] > 0
+    assert len(_entries(tmp_path)) == 1
+
+
+@pytest.mark.slow
+def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path):
+    _worker(tmp_path)
+    (entry,) = _entries(tmp_path)
+    with open(entry, "r+b") as f:  # truncated mid-write, as a crash would leave it
+        f.truncate(os.path.getsize(entry) // 2)
+    run, err = _worker(tmp_path)
+    assert run["how"] == "compiled" and run["counters"]["cache_bad_entries"] == 1
+    assert "not used, compiling again: corrupt entry" in err
+    assert run["logits_equal"] and run["caches_equal"]
+    again, _ = _worker(tmp_path)  # the entry was written anew
+    assert again["how"] == "loaded" and again["logits_equal"]
+
+
+@pytest.mark.slow
+def test_a_changed_option_misses_and_a_mismatched_entry_is_refused(tmp_path):
+    _worker(tmp_path)
+    (first,) = _entries(tmp_path)
+    # another option: another key, compiled and saved beside the first
+    run, _ = _worker(tmp_path, "--capture-sizes", "1,2,4,8")
+    assert run["how"] == "compiled" and run["counters"]["cache_misses"] == 1
+    assert len(_entries(tmp_path)) == 2
+    # an entry whose header does not match what it is loaded for (a hash
+    # collision, or a file copied in by hand) is refused with what differs
+    second = next(e for e in _entries(tmp_path) if e != first)
+    with open(first, "rb") as f:
+        a = pickle.load(f)
+    with open(second, "rb") as f:
+        b = pickle.load(f)
+    step_cache.write_entry(first, b["header"], b["aot"])
+    run, err = _worker(tmp_path)
+    assert run["how"] == "compiled" and run["counters"]["cache_bad_entries"] == 1
+    assert "stale entry (saved for another config)" in err
+    assert run["logits_equal"] and run["caches_equal"]
+    assert a["header"] != b["header"]
+
+
+def test_entry_header_changes_with_model_code_state_inputs_and_options():
+    m = build_model("llama", preset("tiny", num_layers=2))
+    cfg = cb.CompilationConfig(piece_compiler="eager")
+    ids = torch.zeros(4, dtype=torch.int64)
+    base, why = step_cache.entry_header(m, cfg, (ids, ids))
+    assert why is None
+    key = step_cache.entry_key(base)
+    bigger = build_model("llama", preset("tiny", num_layers=3))
+    assert step_cache.entry_key(step_cache.entry_header(bigger, cfg, (ids, ids))[0]) != key
+    other = cb.CompilationConfig(piece_compiler="eager", capture_sizes=[1, 2])
+    assert step_cache.entry_key(step_cache.entry_header(m, other, (ids, ids))[0]) != key
+    int32 = ids.to(torch.int32)
+    assert step_cache.entry_key(step_cache.entry_header(m, cfg, (int32, ids))[0]) != key
+    # where things go is not what runs
+    moved = cb.CompilationConfig(piece_compiler="eager", cache_dir="/elsewhere")
+    assert step_cache.entry_key(step_cache.entry_header(m, moved, (ids, ids))[0]) == key
+
+    class Patched(type(m)):  # same state, other code
+        def forward(self, input_ids, positions):
+            return super().forward(input_ids, positions) * 1.0
+
+    m.__class__ = Patched
+    assert step_cache.entry_key(step_cache.entry_header(m, cfg, (ids, ids))[0]) != key
+
+
+def test_cache_dir_comes_from_the_environment_and_off_turns_it_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("MRV2_CACHE_DIR", str(tmp_path))
+    assert cb.CompilationConfig().cache_dir == str(tmp_path)
+    monkeypatch.setenv("MRV2_CACHE_DIR", "off")
+    assert cb.CompilationConfig().cache_dir is None
+    monkeypatch.delenv("MRV2_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cb.CompilationConfig().cache_dir == str(tmp_path / "xdg" / "mrv2")
+    with pytest.raises(ValueError, match="cache_dir must be a folder path"):
+        cb.CompilationConfig(cache_dir=3)
+
+
+def test_cache_ls_and_clear(tmp_path, capsys):
+    header = {"model_class": "m.M", "model": {}, "config": {"cudagraph_mode": "full"},
+              "device": "cpu", "torch": "x"}
+    step_cache.write_entry(step_cache.entry_path(str(tmp_path), header), header, b"aot")
+    with open(os.path.join(step_cache.steps_dir(str(tmp_path)), "junk.mrv2"), "wb") as f:
+        f.write(b"not a pickle")
+    assert cli_main(["cache", "ls", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "m.M" in out and "mode full" in out and "unreadable" in out
+    assert cli_main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert step_cache.list_entries(str(tmp_path)) == []
+
+
+def _engine(mode, debug_checks=False, cache_dir=None):
+    m = build_model("llama", preset("tiny", num_layers=2))
+    cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=[1, 4, 8], piece_compiler="eager",
+                               debug_checks=debug_checks, cache_dir=cache_dir)
+    return Engine(m, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
+
+
+def test_runner_steps_skip_dynamo_after_the_first_compile(monkeypatch):
+    """After its first compile the runner never enters Dynamo: no frame is
+    evaluated, whatever size comes."""
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engine = _engine("piecewise")
+        engine.runner.capture()
+        assert engine.runner.compiled.how == "compiled"
+        import torch._dynamo.convert_frame as convert_frame
+
+        def no_frames(*a, **k):
+            raise AssertionError("a runner step entered Dynamo's frame evaluation")
+
+        monkeypatch.setattr(convert_frame, "_compile", no_frames)
+        monkeypatch.setattr(convert_frame, "fullgraph_capture", no_frames)
+        out = engine.generate(random_prompts([5, 17, 2]), 3)  # eager sizes and graph sizes
+    assert len(out) == 3
+
+
+def test_debug_checks_run_the_guards_and_name_a_changed_input_dtype():
+    torch._dynamo.reset()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engine = _engine("none", debug_checks=True)
+        engine.runner.capture()
+        runner = engine.runner
+        ids = runner.input_buffers.input_ids[:4]
+        pos = runner.input_buffers.positions[:4]
+        with pytest.raises(RuntimeError, match="no longer fits this call .*dtype"):
+            runner.compiled(ids.to(torch.int32), pos)
+        with pytest.raises(RuntimeError, match="no longer fits this call"):
+            runner.compiled(ids[None], pos)  # another rank
+        quiet = _engine("none")
+        quiet.runner.capture()
+        assert quiet.runner.compiled.how == "compiled"  # no guard runs without debug_checks
+
+
+def test_a_step_saved_in_this_process_loads_for_a_new_runner(tmp_path, caplog):
+    """Save, then load for a second runner (a new model object of the same
+    code and state): no trace, tokens equal the first runner's and eager's."""
+    prompts = random_prompts([5, 9, 3])
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        torch._dynamo.reset()
+        ref = _engine("none")
+        ref.runner.capture()
+        want = ref.generate(prompts, 4)
+        outs = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            cb.reset_counters()
+            torch.manual_seed(0)
+            engine = _engine("full_and_piecewise", cache_dir=str(tmp_path))
+            engine.runner.model.load_state_dict(ref.runner.model.state_dict())
+            with caplog.at_level(logging.INFO):
+                engine.runner.capture()
+            outs.append((engine.runner.compiled.how, engine.generate(prompts, 4),
+                         dict(cb.counters)))
+    (how0, got0, c0), (how1, got1, c1) = outs
+    assert (how0, how1) == ("compiled", "loaded")
+    assert c1.get("dynamo_graphs", 0) == 0 and c1["steps_loaded"] == 1
+    assert got0 == want and got1 == want
+    assert any("loaded the compiled step" in r.message for r in caplog.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
+    """On the GPU, with Inductor pieces: the second process loads the saved
+    step (Inductor artifacts and all) without tracing, and its replays equal
+    eager (every step's logits, every KV cache at the end)."""
+    extra = ["--device", "cuda", "--compiler", "inductor", "--mode", mode,
+             "--capture-sizes", "1,2,4,8,16"]
+    cold, _ = _worker(tmp_path, *extra)
+    warm, _ = _worker(tmp_path, *extra)
+    assert (cold["how"], warm["how"]) == ("compiled", "loaded"), (cold, warm)
+    assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}
+    assert "inductor_compiles" not in warm["counters"]
+    for run in (cold, warm):
+        assert run["logits_equal"] and run["caches_equal"], run
+        assert run["counters"]["cudagraph_replays"] > 0

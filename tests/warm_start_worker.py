@@ -1,0 +1,117 @@
+"""One process of the warm-start checks (tests/test_warm_start.py starts it
+twice or more with one cache folder).
+
+It builds a seeded 4-layer llama, serves a fixed schedule through a
+ModelRunner whose cache_dir is `--cache`, and counts what Dynamo traced
+(calls of `convert_frame.fullgraph_capture`, which torch's AOT compile uses,
+and of `convert_frame._compile`, the frame callback's). Then it serves the
+same schedule through an uncompiled runner and compares every step's logits
+and, at the end, every KV cache. One JSON line on stdout.
+
+    python tests/warm_start_worker.py --cache DIR [--mode piecewise] [--device cpu|cuda]
+        [--compiler eager|inductor] [--capture-sizes 1,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--cache", required=True)
+ap.add_argument("--mode", default="piecewise")
+ap.add_argument("--device", default="cpu")
+ap.add_argument("--compiler", default="eager")
+ap.add_argument("--capture-sizes", default="1,4,8")
+ap.add_argument("--debug-checks", action="store_true")
+args = ap.parse_args()
+if args.device == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+import torch._dynamo.convert_frame as convert_frame  # noqa: E402
+
+import compile_backend as cb  # noqa: E402
+from compile_backend.demo.models import build_model, preset  # noqa: E402
+from compile_backend.runner.input_batch import InputBatch  # noqa: E402
+from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
+from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
+
+traced = {"fullgraph_capture": 0, "frames": 0}
+
+
+def _counting(name, fn):
+    def wrapper(*a, **k):
+        traced[name] += 1
+        return fn(*a, **k)
+    return wrapper
+
+
+convert_frame.fullgraph_capture = _counting("fullgraph_capture", convert_frame.fullgraph_capture)
+convert_frame._compile = _counting("frames", convert_frame._compile)
+
+device = torch.device(args.device)
+dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+kv = KVCacheConfig(num_blocks=64, block_size=16, max_model_len=64, max_num_reqs=4,
+                   max_num_tokens=64)
+
+
+def model():
+    torch.manual_seed(1234)
+    m = build_model("llama", preset("tiny", num_layers=4, dtype=dtype)).to(device)
+    m.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, device)
+    return m
+
+
+def schedule():
+    """A prefill of 3 requests (5, 9, 3 tokens), then 3 decode steps: fresh
+    random token ids (seeded), each request in its own blocks and slot."""
+    g = torch.Generator().manual_seed(99)
+    lens = [5, 9, 3]
+    for step in range(4):
+        qlens = lens if step == 0 else [1, 1, 1]
+        seq = [n + step for n in lens]
+        ids = torch.randint(0, 200, (sum(qlens),), generator=g).tolist()
+        blocks = [[3 * r, 3 * r + 1, 3 * r + 2] for r in range(3)]
+        yield InputBatch(ids, list(qlens), seq, [0, 1, 2], block_ids=blocks)
+
+
+def serve(runner):
+    return [runner.execute(batch).float().clone() for batch in schedule()]
+
+
+graphs = contextlib.nullcontext()
+if args.device == "cpu" and args.mode != "none":
+    from compile_backend.runtime.cuda_graph import use_graph_backend
+    from compile_backend.runtime.graph_standin import StandInGraphs
+
+    graphs = use_graph_backend(StandInGraphs())
+with graphs, torch.no_grad():
+    cb.reset_counters()
+    m = model()
+    cfg = cb.CompilationConfig(cudagraph_mode=args.mode, piece_compiler=args.compiler,
+                               capture_sizes=[int(s) for s in args.capture_sizes.split(",")],
+                               cache_dir=args.cache, debug_checks=args.debug_checks)
+    runner = ModelRunner(m, kv, cfg, device, progress=False)
+    runner.capture()
+    got = serve(runner)
+    counts = {k: v for k, v in cb.counters.items() if v}
+    result = {"how": runner.compiled.how, "load_seconds": runner.compiled.seconds,
+              "traced": dict(traced), "counters": counts}
+    ref_model = model()
+    ref = ModelRunner(ref_model, kv, cb.CompilationConfig(cudagraph_mode="none", cache_dir=None),
+                      device, progress=False, compile_fn=lambda mod: mod)
+    want = serve(ref)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    result["max_logit_error"] = max((a - b).abs().max().item() for a, b in zip(got, want))
+    result["logits_equal"] = all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in zip(got, want))
+    caches = [(n, t) for n, t in m.named_buffers()]
+    ref_caches = dict(ref_model.named_buffers())
+    result["caches_equal"] = all(
+        torch.allclose(t.float(), ref_caches[n].float(), rtol=tol, atol=tol) for n, t in caches)
+print(json.dumps(result))
