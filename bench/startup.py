@@ -1,0 +1,344 @@
+"""Startup as a user feels it: each measurement is a fresh process.
+
+    python bench/startup.py [--models llama] [--preset bench,llama8b] [--modes piecewise,full]
+                            [--phases cold,warm] [--out bench/results/startup.md]
+    python bench/startup.py --smoke          (CPU check: tiny model, eager pieces, graph stand-in)
+    python bench/startup.py --merge a.json b.json --out bench/results/startup.md
+
+For every (model, preset, graph mode) the parent runs this file again with
+`--child` (a subprocess that prints one JSON line), twice:
+  cold  new, empty cache folders: TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
+        (the project's Triton kernels too) and MRV2_CACHE_DIR (mrv2's
+        warm-start cache, used where the backend has one)
+  warm  a second process with the same folders
+A child reports: interpreter start (the process's age at the script's first
+line), import (torch, compile_backend, the bench helpers), CUDA init, build
+(model weights, KV caches and the runner: bench/decode.py's `build` less its
+compile and capture), compile (the first call: runner.warmup at the largest
+capture size), capture (runner.capture(): the whole plan; graphs = CUDA
+graphs captured, plan = len(runner.captures)), first step (one decode
+runner.execute + synchronize) and the counters (piece_compiles,
+piece_compile_reuses, inductor_compiles, dynamo_graphs). Start to first step
+is measured by the parent: from just before it spawns the process to the
+child's clock at the end of the first step (same machine, time.time()).
+
+Without CUDA it runs on the CPU with the tiny preset, eager pieces and the
+graph stand-in (timings mean little); --smoke does that quickly whatever the
+machine, and writes into a temporary folder unless --out is given.
+"""
+
+import time  # the child's clock starts here, before torch is imported
+
+_T0 = time.perf_counter()
+_WALL0 = time.time()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py)
+
+from decode import Setup, build, decode_batch, sync  # noqa: E402  (puts the repo on sys.path)
+from compile_backend.core.counters import counters  # noqa: E402
+from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
+
+_T_IMPORTED = time.perf_counter()
+
+JSON_PREFIX = "STARTUP_JSON "
+GPU_SIZES = [1, 2, 4] + list(range(8, 257, 8))  # the default capture sizes: 35
+CPU_SIZES = [1, 2, 4, 8]
+COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
+            "pieces", "cudagraph_captures")
+# What to compare with (issue #21).
+ANCHORS = [  # (figure, vLLM, target, phase, field)
+    ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
+    ("warm compile s", "-", "-", "warm", "compile_s"),
+    ("warm start to first step s", "~9 (warm start with Inductor's cache)", "<= 5", "warm",
+     "start_to_first_step_s"),
+    ("capture s (whole plan)", "~2", "<= 2 per mode", "warm", "capture_s"),
+]
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere):
+    the interpreter's own start-up before the script's first line."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---- the child: one fresh process, one (model, preset, mode) -----------------------------
+
+
+@torch.no_grad()
+def child(spec: dict) -> dict:
+    interpreter_s = process_age()
+    if interpreter_s is not None:  # the age now, less what the script has done so far
+        interpreter_s -= time.perf_counter() - _T0
+    cuda = spec["device"] == "cuda"
+    setup = Setup(device=spec["device"], dtype=torch.bfloat16 if cuda else torch.float32,
+                  preset=spec["preset"], piece_compiler=spec["piece_compiler"],
+                  context=spec["context"], graphs=None if cuda else StandInGraphs())
+    t = time.perf_counter()
+    if cuda:  # the context, on its own (otherwise inside the model's build)
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+    cuda_init_s = time.perf_counter() - t
+    sizes = spec["sizes"]
+    max_reqs = max(sizes)  # every size is a decode size: FULL captures 2 graphs per size
+    blocks = max_reqs * (math.ceil((setup.context + 1) / 16) + 2) + 2  # as decode.run_decode
+    with setup.scope():
+        t = time.perf_counter()
+        runner, model, kv, s = build(spec["model"], f"mrv2-{spec['mode']}", setup, sizes,
+                                     max_reqs, max(sizes), blocks)
+        build_total_s = time.perf_counter() - t
+        batch = decode_batch(min(spec["batch"], max_reqs), setup.context, kv, model.cfg.vocab_size)
+        t = time.perf_counter()
+        out = runner.execute(batch)
+        sync(setup)
+        t_end = time.perf_counter()
+        wall_end = time.time()
+        first_step_s = t_end - t
+        finite = bool(torch.isfinite(out.float()).all())
+        step_mode = runner.dispatch(batch).mode.value
+    return {
+        **{k: spec[k] for k in ("model", "preset", "mode", "phase")},
+        "interpreter_s": interpreter_s, "import_s": _T_IMPORTED - _T0, "cuda_init_s": cuda_init_s,
+        "build_s": build_total_s - s["compile_s"] - s["capture_s"],
+        "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
+        "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
+        "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
+        "pool_bytes": s["pool_bytes"], "first_step_ran_as": step_mode, "first_step_finite": finite,
+        "counters": {k: counters[k] for k in COUNTERS},
+        "device_name": torch.cuda.get_device_name() if cuda else "CPU (graph stand-in)",
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "mrv2_cache_dir": os.environ.get("MRV2_CACHE_DIR"),
+    }
+
+
+# ---- the parent: spawn, collect, write ---------------------------------------------------
+
+
+def folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def run_child(spec: dict, caches: dict[str, str], timeout: float) -> dict:
+    env = dict(os.environ, **caches)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    spawn = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {**spec, "error": f"timed out after {timeout:.0f} s",
+                "stderr_tail": (e.stderr or b"")[-3000:].decode(errors="replace")
+                if isinstance(e.stderr, bytes) else (e.stderr or "")[-3000:]}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(JSON_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        return {**spec, "error": f"exit code {proc.returncode}",
+                "stderr_tail": (proc.stderr or proc.stdout)[-3000:]}
+    row = json.loads(lines[-1][len(JSON_PREFIX):])
+    row["start_to_first_step_s"] = row["wall_end"] - spawn
+    row["spawn_to_first_line_s"] = row["wall_first_line"] - spawn
+    row["process_s"] = time.time() - spawn  # teardown included
+    row["cache_bytes"] = {k: folder_bytes(v) for k, v in caches.items()}
+    return row
+
+
+def _f(x, fmt=".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def tables(meta: dict, rows: list[dict]) -> str:
+    ok = [r for r in rows if "error" not in r]
+    first = ok[0] if ok else {}
+    L = [f"# Startup ({first.get('device_name', meta.get('device', '?'))}, torch "
+         f"{first.get('torch', torch.__version__)}, triton {first.get('triton', '?')}, {meta['date']})",
+         "",
+         f"Command: `{meta['command']}`. Each row is one fresh process (`bench/startup.py --child`); "
+         "cold: new TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and MRV2_CACHE_DIR folders; warm: a "
+         "second process with the same folders. "
+         f"Capture sizes: {meta['sizes_text']} (max_num_reqs = the largest); first step: a decode "
+         f"batch of {meta['batch']} requests with {meta['context']} cached tokens. compile: the "
+         "first call (runner.warmup at the largest size); capture: runner.capture(), the whole "
+         "plan (graphs: CUDA graphs captured; plan: sizes x graph kinds); start to first step: "
+         "from the parent's spawn of the process to the end of the first step (interpreter "
+         "start, imports, CUDA init, model build included); build: model weights (random), KV "
+         "caches, runner.", "",
+         "| model | preset | mode | phase | compile s | capture s | graphs | start-to-first-step s "
+         "| piece_compiles | reuses | inductor_compiles | dynamo_graphs | import s | build s "
+         "| first step s | plan | caches MiB after (inductor / triton / mrv2) |",
+         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        head = f"| {r['model']} | {r['preset']} | {r['mode']} | {r['phase']} |"
+        if "error" in r:
+            L.append(f"{head} failed: {r['error']} |" + " |" * 12)
+            continue
+        c, mib = r["counters"], {k: v / 2**20 for k, v in r.get("cache_bytes", {}).items()}
+        caches = " / ".join(_f(mib.get(k)) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                     "MRV2_CACHE_DIR"))
+        L.append(f"{head} {_f(r['compile_s'])} | {_f(r['capture_s'], '.2f')} | {r['graphs']} | "
+                 f"{_f(r['start_to_first_step_s'])} | {c['piece_compiles']} | "
+                 f"{c['piece_compile_reuses']} | {c['inductor_compiles']} | {c['dynamo_graphs']} | "
+                 f"{_f(r['import_s'])} | {_f(r['build_s'])} | {_f(r['first_step_s'], '.3f')} | "
+                 f"{r['plan']} | {caches} |")
+    # Anchors: one column per measured (model, preset, mode).
+    keys = list(dict.fromkeys((r["model"], r["preset"], r["mode"]) for r in ok))
+    L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
+          "seconds\"), against this run:",
+          "", "| figure | vLLM, Llama-3-8B | target | "
+          + " | ".join(f"{m} {p} {mode}" for m, p, mode in keys) + " |",
+          "|---|---|---|" + "---:|" * len(keys)]
+    for name, vllm, target, phase, field in ANCHORS:
+        vals = []
+        for key in keys:
+            match = [r for r in ok if (r["model"], r["preset"], r["mode"]) == key and r["phase"] == phase]
+            if not match and field == "capture_s":  # capture does not depend on the phase
+                match = [r for r in ok if (r["model"], r["preset"], r["mode"]) == key]
+            vals.append(_f(match[0][field], ".2f" if field == "capture_s" else ".1f")
+                        if match else "-")
+        L.append(f"| {name} | {vllm} | {target} | " + " | ".join(vals) + " |")
+    odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]
+    if odd:
+        L += ["", "First step not as expected (non-finite logits, or not run in the row's mode): "
+              + "; ".join(f"{r['model']} {r['preset']} {r['mode']} {r['phase']}: ran as "
+                          f"{r['first_step_ran_as']}, finite {r['first_step_finite']}" for r in odd)]
+    failed = [r for r in rows if "error" in r]
+    for r in failed:
+        L += ["", f"{r['model']} {r['preset']} {r['mode']} {r['phase']} failed ({r['error']}):",
+              "", "```", r.get("stderr_tail", "").rstrip(), "```"]
+    return "\n".join(L) + "\n"
+
+
+def write(out: str, meta: dict, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    text = tables(meta, rows)
+    with open(out, "w") as f:
+        f.write(text)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return text
+
+
+def merge(paths: list[str], out: str) -> str:
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    meta = dict(runs[0]["meta"])
+    meta["command"] = " ; ".join(r["meta"]["command"] for r in runs)
+    meta["runs"] = [r["meta"] for r in runs]
+    return write(out, meta, [row for r in runs for row in r["rows"]])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama", help="comma-separated: llama, hybrid")
+    ap.add_argument("--preset", default=None,
+                    help="comma-separated presets (default: bench,llama8b on a GPU; tiny on the CPU)")
+    ap.add_argument("--modes", default="piecewise,full", help="comma-separated graph modes")
+    ap.add_argument("--phases", default="cold,warm")
+    ap.add_argument("--sizes", default=None, help="capture sizes (default: 1,2,4,8..256 step 8 "
+                    "on a GPU; 1,2,4,8 on the CPU)")
+    ap.add_argument("--batch", type=int, default=8, help="requests in the first decode step")
+    ap.add_argument("--context", type=int, default=None, help="cached tokens per request "
+                    "(default 500; 40 on the CPU)")
+    ap.add_argument("--piece-compiler", default=None, help="inductor on a GPU, eager on the CPU")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
+    ap.add_argument("--smoke", action="store_true", help="quick CPU check (tiny, eager pieces, "
+                    "graph stand-in; numbers mean nothing)")
+    ap.add_argument("--keep-caches", action="store_true", help="keep the cache folders (printed)")
+    ap.add_argument("--out", default=None, help="markdown file; raw JSON next to it "
+                    "(default bench/results/startup.md; with --smoke a temporary folder)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON")
+    ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        row = child(json.loads(args.child))
+        print(JSON_PREFIX + json.dumps(row), flush=True)
+        return 0
+    if args.merge:
+        print(merge(args.merge, args.out or "bench/results/startup.md"))
+        return 0
+    cuda = torch.cuda.is_available() and not args.smoke
+    out = args.out or (os.path.join(tempfile.mkdtemp(prefix="mrv2-startup-smoke-"), "startup.md")
+                       if args.smoke else "bench/results/startup.md")
+    sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes
+             else GPU_SIZES if cuda else CPU_SIZES)
+    presets = (args.preset or ("bench,llama8b" if cuda else "tiny")).split(",")
+    models = args.models.split(",")
+    modes = args.modes.split(",")
+    phases = args.phases.split(",")
+    if not set(phases) <= {"cold", "warm"}:
+        ap.error(f"--phases: cold and/or warm, not {args.phases}")
+    if args.smoke and not args.preset:
+        models, presets = ["llama"], ["tiny"]
+    base = {"device": "cuda" if cuda else "cpu",
+            "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
+            "sizes": sizes, "batch": min(args.batch, max(sizes)),
+            "context": args.context if args.context is not None else (500 if cuda else 40)}
+    sizes_text = (f"{len(sizes)} ([1, 2, 4] + 8..256 step 8)" if sizes == GPU_SIZES
+                  else f"{len(sizes)} ({sizes})")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": "cuda" if cuda else "cpu", "python": platform.python_version(),
+            "command": " ".join(["python", "bench/startup.py"]
+                                + list(argv if argv is not None else sys.argv[1:])),
+            "sizes_text": sizes_text, "batch": base["batch"], "context": base["context"],
+            "piece_compiler": base["piece_compiler"]}
+    rows: list[dict] = []
+    failed = False
+    for model in models:
+        for p in presets:
+            for mode in modes:
+                root = tempfile.mkdtemp(prefix=f"mrv2-startup-{model}-{p}-{mode}-")
+                caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+                          "TRITON_CACHE_DIR": os.path.join(root, "triton"),
+                          "MRV2_CACHE_DIR": os.path.join(root, "mrv2")}
+                for folder in caches.values():
+                    os.makedirs(folder)
+                for phase in phases:  # cold first: it fills the folders warm reads
+                    spec = {**base, "model": model, "preset": p, "mode": mode, "phase": phase}
+                    row = run_child(spec, caches, args.timeout)
+                    rows.append(row)
+                    if "error" in row:
+                        failed = True
+                        print(f"{model} {p} {mode} {phase}: FAILED ({row['error']})\n"
+                              f"{row.get('stderr_tail', '')}", flush=True)
+                        break
+                    print(f"{model} {p} {mode} {phase}: compile {row['compile_s']:.1f} s, capture "
+                          f"{row['capture_s']:.2f} s ({row['graphs']} graphs), start to first "
+                          f"step {row['start_to_first_step_s']:.1f} s", flush=True)
+                    write(out, meta, rows)
+                if args.keep_caches:
+                    print(f"caches kept: {root}")
+                else:
+                    shutil.rmtree(root, ignore_errors=True)
+    text = write(out, meta, rows)
+    print(text)
+    print(f"written: {out} and {os.path.splitext(out)[0]}.json")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
