@@ -69,8 +69,13 @@ class GuardFreeModel:
         import time
 
         t0 = time.perf_counter()
+        # The model's forward, traced as the function `type(model).forward`
+        # (its first argument the model): torch 2.11 has aot_compile on
+        # compiled functions, not on a compiled module's forward. Module hooks
+        # do not run, as in any CUDA-graph replay of the model.
+        aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
+                                            backend=self.backend), "aot_compile", None)
         compiled = torch.compile(self.model, fullgraph=True, backend=self.backend)
-        aot_compile = getattr(compiled.forward, "aot_compile", None)
         if aot_compile is None:
             self._guarded(compiled, "this torch has no aot_compile")
             return
