@@ -73,8 +73,13 @@ class GuardFreeModel:
         # (its first argument the model): torch 2.11 has aot_compile on
         # compiled functions, not on a compiled module's forward. Module hooks
         # do not run, as in any CUDA-graph replay of the model.
-        aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
-                                            backend=self.backend), "aot_compile", None)
+        # torch 2.11 attaches aot_compile only under enable_aot_compile (on by
+        # default from 2.12); the flag is read when torch.compile wraps.
+        flag = ({"enable_aot_compile": True}
+                if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
+        with torch._dynamo.config.patch(**flag):
+            aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
+                                                backend=self.backend), "aot_compile", None)
         compiled = torch.compile(self.model, fullgraph=True, backend=self.backend)
         if aot_compile is None:
             self._guarded(compiled, "this torch has no aot_compile")
