@@ -231,3 +231,34 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
     for run in (cold, warm):
         assert run["logits_equal"] and run["caches_equal"], run
         assert run["counters"]["cudagraph_replays"] > 0
+
+
+def test_without_aot_compile_steps_go_through_dynamo_and_say_so(monkeypatch, caplog):
+    """Where AOT compile fails (or this torch lacks it), the runner serves
+    through plain torch.compile with guards: logged once, counted, one Dynamo
+    graph for every size (the token dimension stays symbolic), tokens equal
+    eager."""
+    import torch._dynamo.aot_compile as aot
+
+    def refuse(*a, **k):
+        raise RuntimeError("no AOT here")
+
+    monkeypatch.setattr(aot, "aot_compile_fullgraph", refuse)
+    prompts = random_prompts([5, 17, 2])
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        torch._dynamo.reset()
+        ref = _engine("none")
+        ref.runner.capture()
+        want = ref.generate(prompts, 3)
+        torch._dynamo.reset()
+        cb.reset_counters()
+        engine = _engine("piecewise", cache_dir=None)
+        ref_state = ref.runner.model.state_dict()
+        engine.runner.model.load_state_dict(ref_state)
+        with caplog.at_level(logging.WARNING):
+            engine.runner.capture()
+            got = engine.generate(prompts, 3)
+    assert engine.runner.compiled.how == "guarded" and not engine.runner.compiled.ready
+    assert cb.counters["guarded_fallbacks"] == 1 and cb.counters["dynamo_graphs"] == 1
+    assert any("go through Dynamo's guards: aot_compile failed" in r.message for r in caplog.records)
+    assert got == want

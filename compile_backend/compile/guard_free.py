@@ -54,7 +54,10 @@ class GuardFreeModel:
 
     @property
     def ready(self) -> bool:
-        return self._fn is not None
+        """True once steps call the compiled code directly: the caller then
+        skips what only Dynamo reads (dynamic-dimension marks, size-oblivious
+        tracing). False on the guarded fallback, which goes through Dynamo."""
+        return self._aot is not None
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is None:
@@ -80,7 +83,9 @@ class GuardFreeModel:
         with torch._dynamo.config.patch(**flag):
             aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
                                                 backend=self.backend), "aot_compile", None)
-        compiled = torch.compile(self.model, fullgraph=True, backend=self.backend)
+        # The fallback: Dynamo with guards, graph breaks allowed (as before
+        # runner steps skipped Dynamo).
+        compiled = torch.compile(self.model, backend=self.backend)
         if aot_compile is None:
             self._guarded(compiled, "this torch has no aot_compile")
             return

@@ -293,10 +293,14 @@ def _metadata_ptrs(ctx: ForwardContext | None) -> dict[str, int]:
     if ctx is None:
         return {}
     out = {}
+    seen: dict[int, dict[str, int]] = {}  # one metadata object serves a group's layers
     for layer, meta in ctx.attn_metadata.items():
-        tensors = meta.tensors() if hasattr(meta, "tensors") else {}
-        for name, t in tensors.items():
-            out[f"{layer}.{name}"] = t.data_ptr()
+        ptrs = seen.get(id(meta))
+        if ptrs is None:
+            tensors = meta.tensors() if hasattr(meta, "tensors") else {}
+            ptrs = seen[id(meta)] = {name: t.data_ptr() for name, t in tensors.items()}
+        for name, ptr in ptrs.items():
+            out[f"{layer}.{name}"] = ptr
     return out
 
 
@@ -470,7 +474,9 @@ class CUDAGraphWrapper:
             outputs=pytree.tree_map(weak_ref, outputs),
             copy_ins=copy_ins,
             output_aliases=aliases,
-            metadata_ptrs=_metadata_ptrs(ctx),
+            # read only by debug_checks' replays (a walk of every layer's
+            # metadata: too much host time for every one of a plan's graphs)
+            metadata_ptrs=_metadata_ptrs(ctx) if self.debug_checks else {},
             seconds=time.perf_counter() - t0,
             pool_bytes=self.graphs.memory_allocated() - before,
         )
