@@ -188,22 +188,28 @@ def test_debug_checks_run_the_guards_and_name_a_changed_input_dtype():
         assert quiet.runner.compiled.how == "compiled"  # no guard runs without debug_checks
 
 
+def _eager_reference(prompts, new_tokens):
+    """An uncompiled-graph engine's tokens, and its weights (for the engine
+    under test, whose model is built with other random weights)."""
+    torch._dynamo.reset()
+    ref = _engine("none")
+    ref.runner.capture()
+    return ref.generate(prompts, new_tokens), ref.runner.model.state_dict()
+
+
 def test_a_step_saved_in_this_process_loads_for_a_new_runner(tmp_path, caplog):
     """Save, then load for a second runner (a new model object of the same
     code and state): no trace, tokens equal the first runner's and eager's."""
     prompts = random_prompts([5, 9, 3])
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        torch._dynamo.reset()
-        ref = _engine("none")
-        ref.runner.capture()
-        want = ref.generate(prompts, 4)
+        want, state = _eager_reference(prompts, 4)
         outs = []
         for _ in range(2):
             torch._dynamo.reset()
             cb.reset_counters()
             torch.manual_seed(0)
             engine = _engine("full_and_piecewise", cache_dir=str(tmp_path))
-            engine.runner.model.load_state_dict(ref.runner.model.state_dict())
+            engine.runner.model.load_state_dict(state)
             with caplog.at_level(logging.INFO):
                 engine.runner.capture()
             outs.append((engine.runner.compiled.how, engine.generate(prompts, 4),
@@ -246,15 +252,11 @@ def test_without_aot_compile_steps_go_through_dynamo_and_say_so(monkeypatch, cap
     monkeypatch.setattr(aot, "aot_compile_fullgraph", refuse)
     prompts = random_prompts([5, 17, 2])
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        torch._dynamo.reset()
-        ref = _engine("none")
-        ref.runner.capture()
-        want = ref.generate(prompts, 3)
+        want, state = _eager_reference(prompts, 3)
         torch._dynamo.reset()
         cb.reset_counters()
         engine = _engine("piecewise", cache_dir=None)
-        ref_state = ref.runner.model.state_dict()
-        engine.runner.model.load_state_dict(ref_state)
+        engine.runner.model.load_state_dict(state)
         with caplog.at_level(logging.WARNING):
             engine.runner.capture()
             got = engine.generate(prompts, 3)
