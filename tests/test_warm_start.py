@@ -145,10 +145,10 @@ def test_cache_ls_and_clear(tmp_path, capsys):
     assert step_cache.list_entries(str(tmp_path)) == []
 
 
-def _engine(mode, debug_checks=False, cache_dir=None):
+def _engine(mode, debug_checks=False, cache_dir=None, **options):
     m = build_model("llama", preset("tiny", num_layers=2))
     cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=[1, 4, 8], piece_compiler="eager",
-                               debug_checks=debug_checks, cache_dir=cache_dir)
+                               debug_checks=debug_checks, cache_dir=cache_dir, **options)
     return Engine(m, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
 
 
@@ -264,3 +264,24 @@ def test_without_aot_compile_steps_go_through_dynamo_and_say_so(monkeypatch, cap
     assert cb.counters["guarded_fallbacks"] == 1 and cb.counters["dynamo_graphs"] == 1
     assert any("go through Dynamo's guards: aot_compile failed" in r.message for r in caplog.records)
     assert got == want
+
+
+def test_a_loaded_step_writes_its_debug_dump_where_this_runner_says(tmp_path):
+    """The key leaves out where dumps go: a loaded step writes the compile
+    dump of this runner's debug_dump_path, and the runtime section says it
+    was loaded."""
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        for name in ("first", "second"):
+            torch._dynamo.reset()
+            engine = _engine("piecewise", cache_dir=str(tmp_path / "cache"),
+                             debug_dump_path=str(tmp_path / name))
+            engine.runner.capture()
+            engine.generate(random_prompts([4]), 2)
+            cb.update_manifest_runtime(str(tmp_path / name), engine.runner)
+    first, second = (cb.read_manifest(str(tmp_path / n)) for n in ("first", "second"))
+    assert first["runtime"]["step"]["how"] == "compiled"
+    assert second["runtime"]["step"]["how"] == "loaded"
+    assert second["runtime"]["step"]["cache_entry"] == first["runtime"]["step"]["cache_entry"]
+    assert len(second["graphs"]) == 1
+    assert [p["captured"] for p in second["graphs"][0]["pieces"]] == \
+        [p["captured"] for p in first["graphs"][0]["pieces"]]

@@ -117,11 +117,34 @@ class GuardFreeModel:
     def _bind(self, aot: Any, how: str, t0: float) -> None:
         import time
 
+        if how == "loaded":
+            self._adopt(aot._artifacts.compiled_fn)
         self._aot = aot
         model, fn = self.model, aot.fn  # Dynamo's code, bound to the compiled step
         self._fn = lambda *args: fn(model, *args)
         self.how = how
         self.seconds = time.perf_counter() - t0
+
+    def _adopt(self, step: Any) -> None:
+        """A loaded step runs under this runner's config where the key leaves
+        it out (where the dump and the cache go), and writes its compile dump
+        as a compiled one does."""
+        import dataclasses
+
+        from compile_backend.compile.backend import CompiledStep
+
+        if not isinstance(step, CompiledStep):
+            return
+        step.config = dataclasses.replace(step.config, debug_dump_path=self.config.debug_dump_path,
+                                          cache_dir=self.config.cache_dir)
+        if step.config.debug_dump_path:
+            from compile_backend.debug.dump import write_compile_dump
+
+            write_compile_dump(step.config.debug_dump_path, step)
+
+    def summary(self) -> dict[str, Any]:
+        """For the debug dump's runtime section."""
+        return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3)}
 
     def _guarded(self, compiled: Callable[..., Any], reason: str) -> None:
         logger.warning("mrv2: the runner's steps go through Dynamo's guards: %s", reason)

@@ -234,6 +234,8 @@ def update_manifest_runtime(path: str | os.PathLike, runner: Any) -> dict[str, A
         "capture_sizes": list(runner.capture_sizes),
         "decode_sizes": list(runner.decode_sizes),
     }
+    if hasattr(runner.compiled, "summary"):  # how the first step got its compiled step
+        manifest["runtime"]["step"] = runner.compiled.summary()
     manifest["captures"] = [c.summary() for c in runner.captures]
     manifest["metadata_builds"] = list(runner.model_state.build_log)
     fallbacks = _piece_fallbacks(manifest["graphs"])
