@@ -37,7 +37,7 @@ Which ops are trusted (the rule for ops the pass cannot look into):
     checks above;
   - custom ops of the namespaces `mrv2` (this project's kernels are written to
     be captured) and `_c10d_functional` (functional collectives);
-  - ops whose role is attention-like (they must be captured: DESIGN.md, "Op
+  - ops whose role is attention-like (they must be captured: README.md, "Op
     roles") and breakpoints (they run eagerly anyway);
   - ops registered with `register_capture_safe("ns::op")` or `"ns::*"`.
 Every other custom op, higher-order op, non-torch python function or

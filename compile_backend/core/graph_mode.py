@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class CUDAGraphMode(enum.Enum):
-    """Graph modes (DESIGN.md, "Graph modes")."""
+    """Graph modes (README.md, "Options": `cudagraph_mode`)."""
 
     NONE = "none"
     PIECEWISE = "piecewise"
@@ -152,8 +152,8 @@ class StepGraph:
 
     @property
     def for_capture(self) -> bool:
-        """Metadata must hold for any batch of this size (DESIGN.md, "The
-        metadata contract"): the attention kernels are inside the graph."""
+        """Metadata must hold for any batch of this size (docs/design_notes.md,
+        "Metadata builders"): the attention kernels are inside the graph."""
         return self.mode is CUDAGraphMode.FULL
 
     @property

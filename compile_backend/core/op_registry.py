@@ -1,4 +1,4 @@
-"""The registry of op roles (DESIGN.md, "Op roles").
+"""The registry of op roles (README.md, "Op roles").
 
 Everything that asks "what is this op?" asks an `OpRegistry`: the splitter,
 the passes and the debug dump. Ops are named `namespace::name`
