@@ -80,8 +80,7 @@ class CompiledStep(_Saveable):
     piece_inputs: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
     graph_inputs: tuple[list[str], list[int]] = ((), ())
     written_inputs: frozenset[int] = frozenset()
-    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
-    loaded: bool = False  # True: loaded from a saved step, nothing traced or compiled
+    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)  # set by assemble_step
     wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
     # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
     # graph captured lazily, or why it cannot be (then pieces run PIECEWISE).
@@ -270,7 +269,6 @@ def mrv2_backend(
         piece_inputs=piece_inputs,
         graph_inputs=graph_inputs,
         written_inputs=written,
-        artifacts={p.name: fns[p.name] for p in pieces if p.captured and p.compiled_as is None},
     )
     assemble_step(step, fns)
     step.compile_seconds = time.perf_counter() - t0
@@ -292,6 +290,8 @@ def assemble_step(step: CompiledStep, fns: dict[str, Callable[..., Any]]) -> Non
     captured whole graph of plain use. Everything here comes from `step`'s
     saved fields, so a loaded step runs as the one compiled."""
     config, graph_mode, split_gm = step.config, step.graph_mode, step.split_gm
+    step.artifacts = {p.name: fns[p.name] for p in step.pieces
+                      if p.captured and p.compiled_as is None}
     # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
     # for plain use when the whole graph cannot be one graph (known now, or at
     # a call). Under a FULL graph or a runner's FULL step they run their callables.

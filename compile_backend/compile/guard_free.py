@@ -83,11 +83,8 @@ class GuardFreeModel:
         with torch._dynamo.config.patch(**flag):
             aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
                                                 backend=self.backend), "aot_compile", None)
-        # The fallback: Dynamo with guards, graph breaks allowed (as before
-        # runner steps skipped Dynamo).
-        compiled = torch.compile(self.model, backend=self.backend)
         if aot_compile is None:
-            self._guarded(compiled, "this torch has no aot_compile")
+            self._guarded("this torch has no aot_compile")
             return
         header = None
         if self.config.cache_dir is not None:
@@ -106,8 +103,7 @@ class GuardFreeModel:
         try:
             aot = aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - any failure: the guarded path still serves
-            counters["guarded_fallbacks"] += 1
-            self._guarded(compiled, f"aot_compile failed ({type(e).__name__}: {e})")
+            self._guarded(f"aot_compile failed ({type(e).__name__}: {e})")
             return
         counters["aot_compiles"] += 1
         if header is not None:
@@ -146,9 +142,12 @@ class GuardFreeModel:
         """For the debug dump's runtime section."""
         return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3)}
 
-    def _guarded(self, compiled: Callable[..., Any], reason: str) -> None:
+    def _guarded(self, reason: str) -> None:
+        """The fallback: Dynamo with guards, graph breaks allowed (as before
+        runner steps skipped Dynamo)."""
+        counters["guarded_fallbacks"] += 1
         logger.warning("mrv2: the runner's steps go through Dynamo's guards: %s", reason)
-        self._fn = compiled
+        self._fn = torch.compile(self.model, backend=self.backend)
         self.how = "guarded"
 
     # ---- cache -------------------------------------------------------------------

@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.core import forward_context
-from compile_backend.core.op_registry import layer_name_position
+from compile_backend.core.forward_context import call_as_layers
+from compile_backend.core.op_registry import LAYER_NAME_ARG, layer_name_position
 
 
 def _spec(x: Any) -> str:
@@ -36,19 +36,6 @@ def _spec(x: Any) -> str:
     if isinstance(x, torch.SymInt):
         return f"S({x.node.expr})"
     return f"{type(x).__name__}({x!r})"
-
-
-def layer_names(gm: torch.fx.GraphModule) -> list[str]:
-    """The layer names of `gm`'s layer-keyed op calls, in graph order."""
-    out = []
-    for n in gm.graph.nodes:
-        pos = layer_name_position(n.target) if n.op == "call_function" else None
-        if pos is None:
-            continue
-        name = n.args[pos] if pos < len(n.args) else n.kwargs.get("layer_name")
-        if isinstance(name, str):
-            out.append(name)
-    return out
 
 
 def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str | None, list[str]]:
@@ -77,8 +64,8 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str |
         pos = layer_name_position(n.target) if n.op == "call_function" else None
         if pos is not None and pos < len(args) and isinstance(args[pos], str):
             args = args[:pos] + (layer(args[pos]),) + args[pos + 1:]
-        elif pos is not None and isinstance(kwargs.get("layer_name"), str):
-            kwargs = {**kwargs, "layer_name": layer(kwargs["layer_name"])}
+        elif pos is not None and isinstance(kwargs.get(LAYER_NAME_ARG), str):
+            kwargs = {**kwargs, LAYER_NAME_ARG: layer(kwargs[LAYER_NAME_ARG])}
         target = n.target if n.op != "placeholder" else ""
         lines.append(f"{n.op} {target} {arg(args)} {arg(kwargs)}")
     text = "\n".join(lines) + "|" + ";".join(_spec(a) for a in fake_args)
@@ -104,13 +91,7 @@ class AsLayer:
         self.alias = alias
 
     def __call__(self, *args: Any) -> Any:
-        # forward_context.layer_alias, without a generator per call.
-        previous = forward_context._layer_alias
-        forward_context._layer_alias = self.alias
-        try:
-            return self.fn(*args)
-        finally:
-            forward_context._layer_alias = previous
+        return call_as_layers(self.alias, self.fn, *args)
 
     def __repr__(self) -> str:
         return f"AsLayer({self.alias})"

@@ -165,8 +165,6 @@ def deserialize_step(data: bytes) -> Any:
         piece_inputs=payload["piece_inputs"],
         graph_inputs=payload["graph_inputs"],
         written_inputs=payload["written_inputs"],
-        artifacts={p.name: fns[p.name] for p in pieces if p.captured and p.compiled_as is None},
-        loaded=True,
     )
     assemble_step(step, fns)
     counters["steps_loaded"] += 1

@@ -72,7 +72,7 @@ class CompilationConfig:
     reorder_for_fewer_pieces: bool = True
     direct_op_calls: bool = True
     graphs_per_shape: int = 4
-    cache_dir: str | None = field(default_factory=lambda: default_cache_dir())
+    cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from compile_backend.core.graph_mode import BatchDescriptor, CUDAGraphMode, StepGraph
 
@@ -40,7 +40,7 @@ class ForwardContext:
                    cudagraph_runtime_mode=step.mode, trace=trace)
 
     def metadata(self, layer_name: str) -> Any:
-        if _layer_alias is not None:
+        if _layer_alias is not None:  # resolve_layer, inlined: every op call reads it
             layer_name = _layer_alias.get(layer_name, layer_name)
         try:
             return self.attn_metadata[layer_name]
@@ -54,9 +54,7 @@ class ForwardContext:
     def record(self, layer_name: str, event: str) -> None:
         """Ops call this on entry; during capture the event reads "<event>@capture"."""
         if self.trace is not None:
-            if _layer_alias is not None:
-                layer_name = _layer_alias.get(layer_name, layer_name)
-            self.trace.append((layer_name, f"{event}@capture" if self.capturing else event))
+            self.trace.append((resolve_layer(layer_name), f"{event}@capture" if self.capturing else event))
 
 
 _current: ForwardContext | None = None
@@ -98,13 +96,14 @@ def resolve_layer(layer_name: str) -> str:
     return _layer_alias.get(layer_name, layer_name)
 
 
-@contextlib.contextmanager
-def layer_alias(alias: dict[str, str]) -> Iterator[None]:
-    """Ops called with a key of `alias` serve the layer it maps to."""
+def call_as_layers(alias: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), with ops called with a key of `alias` serving the layer it
+    maps to. A plain function, not a context manager: every call of a shared
+    piece's callable pays for it (no generator per call)."""
     global _layer_alias
     previous = _layer_alias
     _layer_alias = alias
     try:
-        yield
+        return fn(*args)
     finally:
         _layer_alias = previous
