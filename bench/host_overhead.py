@@ -148,8 +148,8 @@ def call_rows(B: int, context: int, calls: int) -> list[tuple[str, float]]:
     """Host us of the attention op's entry points and of a few torch calls at
     one decode batch."""
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
-    from kernels.unified_attention import (unified_attention, unified_attention_direct,
+    from compile_backend.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_impl
+    from compile_backend.kernels.unified_attention import (unified_attention, unified_attention_direct,
                                            unified_attention_impl)
 
     q, [(kc, vc)], meta, scale = _decode_inputs([1] * B, context)
@@ -198,7 +198,7 @@ def eager_region_rows(name: str, q_lens: list[int], context: int, calls: int) ->
     import dataclasses
 
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.unified_attention import unified_attention_direct as direct
+    from compile_backend.kernels.unified_attention import unified_attention_direct as direct
 
     q, caches, meta, scale = _decode_inputs(q_lens, context, num_layers=2)
     (k0, v0), (k1, v1) = caches

@@ -26,8 +26,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
-from kernels.unified_attention import num_kv_splits  # noqa: E402
+from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
+from compile_backend.kernels.unified_attention import num_kv_splits  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -302,10 +302,10 @@ def main() -> None:
         shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
     )
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
+    with open(os.path.join(args.out_dir, "compile_backend.kernels.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     table = fmt_table(rows, copy_bw)
-    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
+    with open(os.path.join(args.out_dir, "compile_backend.kernels.md"), "w") as f:
         f.write(f"# mrv2 kernel benchmark\n\n{meta['date']} on {meta['gpu']}, torch {meta['torch']}, "
                 f"triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
     print(table)

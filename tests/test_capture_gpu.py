@@ -95,7 +95,7 @@ def _forced_logits(mode, prompts, new_tokens):
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_long_requests_and_many_kv_splits_equal_eager(mode):
-    from kernels.unified_attention import num_kv_splits
+    from compile_backend.kernels.unified_attention import num_kv_splits
 
     assert num_kv_splits(8, 2, 2048, torch.device("cuda")) > 1
     g = torch.Generator().manual_seed(0)

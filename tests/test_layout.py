@@ -13,10 +13,8 @@ ORDER = ["core", "runtime", "kernels", "passes", "debug", "compile", "runner", "
 
 
 def _package(module: str) -> str | None:
-    """The stage a module belongs to: compile_backend.<stage>..., kernels, passes."""
+    """The stage a module belongs to: compile_backend.<stage>..."""
     parts = module.split(".")
-    if parts[0] in ("kernels", "passes"):
-        return parts[0]
     if parts[0] == "compile_backend" and len(parts) > 1 and parts[1] in ORDER:
         return parts[1]
     return None
@@ -44,6 +42,8 @@ def _edges() -> dict[str, set[str]]:
     for folder in ("compile_backend", "kernels", "passes"):
         for path in (ROOT / folder).rglob("*.py"):
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            if folder != "compile_backend":  # installed as compile_backend.kernels, .passes
+                module = f"compile_backend.{module}"
             src = _package(module)
             if src is None:
                 continue
@@ -65,6 +65,24 @@ def test_passes_and_kernels_import_only_the_shared_vocabulary():
     assert edges["kernels"] <= {"core"}
     assert edges["passes"] <= {"core"}
     assert edges["core"] == set()
+
+
+def test_kernels_and_passes_install_inside_the_package():
+    """`kernels` and `passes` are repository folders, installed as
+    compile_backend.kernels and compile_backend.passes: a top-level `kernels`
+    (a package on the public index) can neither shadow them nor be shadowed."""
+    import compile_backend.kernels
+    import compile_backend.passes
+
+    for pkg, folder in ((compile_backend.kernels, "kernels"), (compile_backend.passes, "passes")):
+        assert pathlib.Path(pkg.__file__).parent == ROOT / folder
+    top_level = []
+    for folder in ("compile_backend", "kernels", "passes", "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in _imports(path, "x.y"):
+                if name.split(".")[0] in ("kernels", "passes"):
+                    top_level.append(f"{path.relative_to(ROOT)}: {name}")
+    assert top_level == []
 
 
 def test_importing_the_package_or_a_kernel_loads_neither_dynamo_nor_triton():

@@ -27,28 +27,9 @@ from compile_backend.compile.piece_compiler import (call_pieces_directly, compil
                                                     install_pieces)
 from compile_backend.compile.split import Piece, split_graph
 from compile_backend.runtime.cuda_graph import own_outputs
+from compile_backend.runtime.machine import graph_mode_on_this_machine
 
 logger = logging.getLogger(__name__)
-
-_warned_no_cuda = False
-
-
-def graph_mode_on_this_machine(requested: CUDAGraphMode) -> tuple[CUDAGraphMode, str | None]:
-    """The mode that can run here, and why it differs from the request."""
-    global _warned_no_cuda
-    from compile_backend.runtime.cuda_graph import graph_backend_overridden
-
-    if requested is CUDAGraphMode.NONE or torch.cuda.is_available() or graph_backend_overridden():
-        return requested, None
-    reason = (
-        f"CUDA graphs are off (requested {requested.value}): torch.cuda.is_available() "
-        "is False, so pieces run without graphs (mode none)"
-    )
-    if not _warned_no_cuda:
-        logger.warning("%s", reason)
-        _warned_no_cuda = True
-    return CUDAGraphMode.NONE, reason
-
 
 try:  # torch's interface for what an AOT-compiled function saves (torch >= 2.10)
     from torch._dynamo.aot_compile_types import SerializableCallable as _Saveable
@@ -155,7 +136,7 @@ def clear_compiled_steps() -> None:
 def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRegistry):
     if not config.enable_passes:
         return [], None
-    from passes import PassManager  # local: passes imports compile_backend
+    from compile_backend.passes import PassManager  # local: passes imports compile_backend
 
     manager = PassManager.from_config(config, roles)
     manager(gm.graph)
@@ -229,6 +210,7 @@ def mrv2_backend(
 ) -> Callable[..., Any]:
     t0 = time.perf_counter()
     config = CompilationConfig.from_options(options, mode)
+    roles = OpRegistry.from_config(config)  # misspelled op names raise, grad or not
     needs_grad = _inputs_needing_grad(example_inputs)
     if needs_grad:
         counters["grad_fallbacks"] += 1
@@ -238,7 +220,6 @@ def mrv2_backend(
             "CUDA graphs, so that autograd still works. For graphs, call the compiled model "
             "under torch.no_grad() or torch.inference_mode().", stacklevel=2)
         return gm.forward
-    roles = OpRegistry.from_config(config)
     counters["dynamo_graphs"] += 1
     graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
     original_code = gm.code

@@ -42,8 +42,8 @@ def _own_source_hash() -> str:
     """sha256 over mrv2's own Python files (compile_backend, kernels, passes):
     a change to the backend's code is a change to what it compiles."""
     import compile_backend
-    import kernels
-    import passes
+    from compile_backend import kernels
+    from compile_backend import passes
 
     h = hashlib.sha256()
     for pkg in (compile_backend, kernels, passes):

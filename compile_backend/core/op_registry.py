@@ -64,7 +64,7 @@ _PYTHON_ALIASES: dict[Callable[..., Any], str] = {
 }
 
 # Namespaces whose ops live in this project's modules, imported on demand.
-_NAMESPACE_MODULES = {"mrv2": "kernels"}
+_NAMESPACE_MODULES = {"mrv2": "compile_backend.kernels"}
 
 
 def register_op_role(name: str, role: "OpRole | str") -> None:

@@ -85,7 +85,7 @@ class AttentionMetadataBuilder(BaseMetadataBuilder):
             # A graph replays any batch of its descriptor: bound, don't measure.
             # The single-token decode path only in uniform-decode graphs: a mixed
             # graph's dummy batch of T tokens over T requests looks like decode
-            # but must serve prefills too (regression: tests/test_runtime.py,
+            # but must serve prefills too (regression: tests/runtime/test_cuda_graph.py,
             # random schedules through the Triton kernels).
             graph = batch.graph
             max_query_len = 1 if graph is not None and graph.uniform_decode else T

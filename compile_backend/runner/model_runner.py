@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from compile_backend.compile.backend import graph_mode_on_this_machine, mrv2_backend
+from compile_backend.compile.backend import mrv2_backend
+from compile_backend.runtime.machine import graph_mode_on_this_machine
 from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
@@ -166,7 +167,7 @@ class ModelRunner:
         too (a sync per launch; never during a capture)."""
         if not self.config.debug_checks:
             return contextlib.nullcontext()
-        from kernels import debug_checks
+        from compile_backend.kernels import debug_checks
 
         return debug_checks()
 

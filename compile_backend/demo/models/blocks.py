@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from compile_backend.core.parallel import TensorParallel, check_divides
-from kernels.layers import PagedAttention
+from compile_backend.kernels.layers import PagedAttention
 
 from .config import ModelConfig
 from .sharding import column_linear, row_linear

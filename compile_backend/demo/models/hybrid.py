@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.layers import KVCompressor, ShortConv
+from compile_backend.kernels.layers import KVCompressor, ShortConv
 
 from compile_backend.core.parallel import TensorParallel
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import gen, paged_batch, randn, state_batch
-from kernels import kv_compress, reshape_and_cache, sconv, unified_attention
+from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs the interpreter or CUDA")

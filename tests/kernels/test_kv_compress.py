@@ -10,7 +10,7 @@ import torch
 
 from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, assert_close_rel, gen, paged_batch,
                           randn, search_in_steps)
-from kernels.kv_compress import kv_compress, kv_compress_ref
+from compile_backend.kernels.kv_compress import kv_compress, kv_compress_ref
 
 KVH = 2
 NUM_SLOTS = 5
@@ -81,7 +81,7 @@ def test_padded_bound_and_search(case, device, monkeypatch):
     """max_query_len = the padded token count (what PIECEWISE passes): the
     grid scales with T (Note [request tiles]); a search chunk of 2 requests
     makes each program scan query_start_loc in several steps."""
-    search_in_steps(monkeypatch, "kernels.kv_compress")
+    search_in_steps(monkeypatch, "compile_backend.kernels.kv_compress")
     q_lens, _, _, pad = CASES[case]
     test_matches_reference(case, 3, torch.float32, 64, device, max_query_len=sum(q_lens) + pad)
 

@@ -25,9 +25,9 @@ from compile_backend.runner.input_buffers import InputBuffers
 from compile_backend.runner.metadata_builders import BUILDERS, AttentionMetadataBuilder
 from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.runner.model_state import attention_groups_for
-from kernels.layers import PagedAttention
+from compile_backend.kernels.layers import PagedAttention
 from runtime_helpers import CAPTURE_SIZES, kv_config
-from test_runtime import _copy, _random_schedule, _torch_reference_kernels  # noqa: F401 (fixture)
+from runtime_helpers import _torch_reference_kernels, copy_batch as _copy, random_schedule as _random_schedule  # noqa: F401 (fixture)
 
 Mode = cb.CUDAGraphMode
 MODES = ["none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
@@ -156,7 +156,7 @@ def _code(source: str) -> str:
 
 
 def test_readme_example_is_the_tested_module():
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     section = readme[readme.index("### Your own attention-like ops"):]
     start = section.index("```python\n") + len("```python\n")
     block = section[start: section.index("```\n", start)]
@@ -225,7 +225,7 @@ def test_registering_loads_neither_dynamo_nor_triton():
             "cb.register_metadata_builder; "
             "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=pathlib.Path(__file__).parents[1])
+                         cwd=pathlib.Path(__file__).parents[2])
     assert out.stdout.strip() == "[]"
 
 

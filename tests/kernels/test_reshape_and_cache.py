@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_cases import stable_seed, DEVICES, DTYPE_IDS, DTYPES, gen, paged_batch, randn
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from compile_backend.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 CASES = {
     "decode": ([1, 1, 1], [5, 16, 33], 0),

@@ -1,5 +1,5 @@
-"""One rank of the tensor-parallel checks; tests/test_tp.py starts N of them
-with `python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py ...`.
+"""One rank of the tensor-parallel checks; tests/runner/test_parallel.py starts N of them
+with `python -m torch.distributed.run --nproc-per-node N tests/runner/tp_worker.py ...`.
 
 For each reference model: the same forced-token schedule (fresh random ids,
 the same on every rank: a prefill, then decodes with prefills joining) runs
@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

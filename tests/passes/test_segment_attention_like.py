@@ -167,7 +167,7 @@ def test_never_moves_across_a_mutation_of_the_same_tensor():
 
 def test_never_moves_across_a_schema_declared_mutation():
     """passtest::bump declares `x` as mutated: reads of x stay on their side."""
-    import passes
+    from compile_backend import passes
 
     passes.register_capture_safe("passtest::bump")
     try:
@@ -214,7 +214,7 @@ def test_wildcard_splitting_ops_never_split_an_attention_like_op(caplog):
     """`toy::*` in splitting_ops covers toy::state_mix; attention-like wins and
     the pass says so in the log and in its details."""
     inputs = [torch.randn(T, D), torch.randn(D, D), torch.randn(D)]
-    with caplog.at_level(logging.INFO, logger="passes"):
+    with caplog.at_level(logging.INFO, logger="compile_backend.passes"):
         step = compile_and_check(
             hybrid_layer, inputs, splitting_ops=["toy::*"], attention_like_ops=["toy::state_mix"]
         )
@@ -256,7 +256,7 @@ def test_symbolic_token_dim_survives_reordering(tokens):
 
 
 def _effects_of(build):
-    from passes.segment_attention_like import node_effects
+    from compile_backend.passes.segment_attention_like import node_effects
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

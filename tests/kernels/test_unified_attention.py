@@ -10,7 +10,7 @@ import torch
 
 from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, SMALL_HEAD_DIMS, assert_close_rel,
                           gen, paged_batch, randn)
-from kernels.unified_attention import (MAX_HEAD_DIM, num_kv_splits, unified_attention,
+from compile_backend.kernels.unified_attention import (MAX_HEAD_DIM, num_kv_splits, unified_attention,
                                        unified_attention_ref)
 
 @pytest.fixture(autouse=True)
@@ -236,7 +236,7 @@ def _run_direct_steps(steps, device, dtype, num_layers=3, H=8, KVH=2, D=64, bs=1
     kernels on the same inputs) and the reference (REL_TOL). Returns the
     steps' metadata objects."""
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.unified_attention import unified_attention_direct
+    from compile_backend.kernels.unified_attention import unified_attention_direct
 
     g = gen(seed)
     metas = []
@@ -268,7 +268,7 @@ def _run_direct_steps(steps, device, dtype, num_layers=3, H=8, KVH=2, D=64, bs=1
 def test_direct_calls_over_steps(device, monkeypatch):
     """One full check and one plan per step (shared by the step's layers);
     every call equals the checked launcher and the reference; padding rows 0."""
-    ua = importlib.import_module("kernels.unified_attention")  # the package exports a function so named
+    ua = importlib.import_module("compile_backend.kernels.unified_attention")  # the package exports a function so named
     checks = []
     real_check = ua._check
     monkeypatch.setattr(ua, "_check", lambda *a, **k: (checks.append(1), real_check(*a, **k)))
@@ -284,7 +284,7 @@ def test_direct_call_checks_misuse(device):
     """The first call of a step runs the launcher's checks: a bad output
     raises naming it, and so does one whose shape differs from a plan's."""
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.unified_attention import unified_attention_direct
+    from compile_backend.kernels.unified_attention import unified_attention_direct
 
     g = gen(3)
     batch = paged_batch([1, 1], [20, 9], 16, device, g)
@@ -304,9 +304,9 @@ def test_direct_call_checks_misuse(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_calls_under_debug_checks(device, monkeypatch):
     """With debug_checks on, every direct call runs the full checks."""
-    from kernels import debug_checks
+    from compile_backend.kernels import debug_checks
 
-    ua = importlib.import_module("kernels.unified_attention")
+    ua = importlib.import_module("compile_backend.kernels.unified_attention")
     checks = []
     real_check = ua._check
     monkeypatch.setattr(ua, "_check", lambda *a, **k: (checks.append(1), real_check(*a, **k)))
@@ -342,8 +342,8 @@ def test_direct_calls_bind_gpu():
     """On the GPU the direct path launches through bound launchers (Note
     [bound launch] in kernels/_launch.py): after a decode and a prefill step,
     each of the three kernels has one bound, none that failed to bind."""
-    from kernels import _launch
-    from kernels.unified_attention import (_decode_reduce_kernel, _decode_split_kernel,
+    from compile_backend.kernels import _launch
+    from compile_backend.kernels.unified_attention import (_decode_reduce_kernel, _decode_split_kernel,
                                            _prefill_kernel)
 
     _run_direct_steps(STEPS_GPU[:3], "cuda", torch.bfloat16)
@@ -372,7 +372,7 @@ def test_direct_call_in_cuda_graph():
     is captured: the captured call allocates its own scratch in the graph's
     pool, and the replay on new values equals the reference."""
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
-    from kernels.unified_attention import unified_attention_direct
+    from compile_backend.kernels.unified_attention import unified_attention_direct
 
     g, batch, kc, vc, q = _gpu_decode(seed=12, seq_len=2000)
     out = torch.full_like(q, float("nan"))

@@ -122,7 +122,7 @@ def test_draft_loop_captured_as_one_full_graph_equals_eager():
 def test_random_schedules_equal_eager(mode):
     """Random mixed batches, small ones included (a FULL mixed graph of T
     tokens over T requests must not take the decode path), fp32."""
-    from test_runtime import _copy, _random_schedule
+    from runtime_helpers import copy_batch as _copy, random_schedule as _random_schedule
 
     torch._dynamo.reset()
     with torch.no_grad():

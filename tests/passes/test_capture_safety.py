@@ -13,10 +13,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compile_backend as cb
 import pass_ops  # noqa: F401  (registers passtest::*)
-import passes
+from compile_backend import passes
 import toy_ops  # noqa: F401
 from compile_backend.compile.split import EAGER_REASON
-from passes import CaptureSafetyError, CaptureSafetyPass
+from compile_backend.passes import CaptureSafetyError, CaptureSafetyPass
 
 T, D = 6, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -54,7 +54,7 @@ def test_item_is_a_host_sync_and_its_consumer_follows_it():
     assert [p.captured for p in step.pieces] == [True, False]
     assert step.pieces[1].ops == ["method::item", "_operator.mul"]
     item_reason, mul_reason = step.pieces[1].eager_reasons
-    assert item_reason.startswith("`Tensor.item` at test_passes_capture_safety.py:")
+    assert item_reason.startswith("`Tensor.item` at test_capture_safety.py:")
     assert "s = h.sum().item()" in item_reason and "host sync" in item_reason
     assert "from `Tensor.item`" in mul_reason and "h * s" in mul_reason
     assert cb.counters["pass_capture_unsafe_ops"] == 2
@@ -143,7 +143,7 @@ def test_each_reason_is_logged_once(caplog):
             x = torch.ops.passtest.host_read(x) + 1
         return x
 
-    with caplog.at_level(logging.WARNING, logger="passes"):
+    with caplog.at_level(logging.WARNING, logger="compile_backend.passes"):
         step = run(fn, [torch.randn(T, D) * 0.1])
     assert len(fallbacks(step)) == 3
     logged = [r for r in caplog.records if "capture fallback" in r.getMessage()]

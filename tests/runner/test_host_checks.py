@@ -27,7 +27,7 @@ from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.runtime.cuda_graph import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config, make_engine
-from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
+from runtime_helpers import _torch_reference_kernels  # noqa: F401 (autouse fixture)
 
 # runtime_helpers.kv_config: num_blocks=64, block_size=16, max_model_len=64
 # (4 blocks per row), max_num_reqs=4, max_num_tokens=64; the tiny models'

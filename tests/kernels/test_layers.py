@@ -9,7 +9,7 @@ from torch import nn
 from compile_backend.runner.attention_metadata import AttentionMetadata, CompressorMetadata, SConvMetadata
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from kernel_cases import DEVICES, assert_close_rel, gen, paged_batch, randn
-from kernels import (KVCompressor, PagedAttention, ShortConv, kv_compress_ref, reshape_and_cache_ref,
+from compile_backend.kernels import (KVCompressor, PagedAttention, ShortConv, kv_compress_ref, reshape_and_cache_ref,
                      sconv_ref, unified_attention_ref)
 
 H, KVH, D, C, K, RATIO, BS = 4, 2, 64, 32, 4, 4, 16
@@ -158,7 +158,7 @@ def test_torch_compile_eager_backend(device):
 
 
 def test_fake_tensor_shapes():
-    import kernels  # noqa: F401
+    from compile_backend import kernels  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -17,9 +17,9 @@ import torch
 from compile_backend.runner.attention_metadata import AttentionMetadata
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from kernel_cases import assert_close_rel, gen, paged_batch, randn, state_batch
-from kernels import (debug_checks, kv_compress, reshape_and_cache, set_debug_checks, sconv,
+from compile_backend.kernels import (debug_checks, kv_compress, reshape_and_cache, set_debug_checks, sconv,
                      unified_attention, unified_attention_ref)
-from kernels._common import index_checks_on
+from compile_backend.kernels._common import index_checks_on
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interp = pytest.mark.skipif(not INTERP, reason="CPU kernels need TRITON_INTERPRET=1")

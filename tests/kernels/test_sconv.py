@@ -7,7 +7,7 @@ import torch
 
 from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, randn,
                           search_in_steps, state_batch)
-from kernels.sconv import sconv, sconv_ref
+from compile_backend.kernels.sconv import sconv, sconv_ref
 
 # name: (q_lens, state_indices, has_initial_state, padding tokens)
 CASES = {
@@ -70,7 +70,7 @@ def test_padded_bound_and_search(case, device, monkeypatch):
     """max_query_len = the padded token count (what PIECEWISE passes): the
     grid scales with T (Note [request tiles]); a search chunk of 2 requests
     makes each program scan query_start_loc in several steps."""
-    search_in_steps(monkeypatch, "kernels.sconv")
+    search_in_steps(monkeypatch, "compile_backend.kernels.sconv")
     q_lens, _, _, pad = CASES[case]
     test_matches_reference(case, 80, 4, torch.float32, device, max_query_len=sum(q_lens) + pad)
 

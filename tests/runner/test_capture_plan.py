@@ -18,7 +18,7 @@ from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.demo.models import build_model, preset
 from runtime_helpers import kv_config
-from test_runtime import _torch_reference_kernels  # noqa: F401 (autouse fixture)
+from runtime_helpers import _torch_reference_kernels  # noqa: F401 (autouse fixture)
 
 Mode = cb.CUDAGraphMode
 

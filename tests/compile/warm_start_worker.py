@@ -1,4 +1,4 @@
-"""One process of the warm-start checks (tests/test_warm_start.py starts it
+"""One process of the warm-start checks (tests/compile/test_warm_start.py starts it
 twice or more with one cache folder).
 
 It builds a seeded 4-layer llama, serves a fixed schedule through a
@@ -8,7 +8,7 @@ and of `convert_frame._compile`, the frame callback's). Then it serves the
 same schedule through an uncompiled runner and compares every step's logits
 and, at the end, every KV cache. One JSON line on stdout.
 
-    python tests/warm_start_worker.py --cache DIR [--mode piecewise] [--device cpu|cuda]
+    python tests/compile/warm_start_worker.py --cache DIR [--mode piecewise] [--device cpu|cuda]
         [--compiler eager|inductor] [--capture-sizes 1,4,8]
 """
 
@@ -29,7 +29,7 @@ ap.add_argument("--debug-checks", action="store_true")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import contextlib  # noqa: E402
 

@@ -4,7 +4,7 @@ raises with the fix, the weights are TP=1's slices, and the all-reduce is a
 node inside a piece to capture (never a split point), which falls back with a
 counted reason only where it cannot be captured (a gloo group in a CUDA graph).
 
-The multi-process checks run tests/tp_worker.py under
+The multi-process checks run tests/runner/tp_worker.py under
 `python -m torch.distributed.run` on localhost (a free port); the GPU one on
 two GPUs with NCCL, in the modes that capture."""
 
@@ -28,9 +28,9 @@ import toy_ops  # noqa: F401  (registers toy::attn)
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, OpRole
 from compile_backend.core.parallel import TensorParallel
 from compile_backend.demo.models import build_model, preset
-from passes import CaptureSafetyPass
+from compile_backend.passes import CaptureSafetyPass
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off in every process these tests start.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -84,7 +84,7 @@ def test_tp2_logits_equal_tp1_on_gloo(tmp_path):
     then prefills mixed with decodes, over fresh random token ids."""
     out = tmp_path / "tp.json"
     seed = random.randrange(1 << 30)
-    proc = _torchrun(["tests/tp_worker.py", "--device", "cpu", "--models", "llama,hybrid",
+    proc = _torchrun(["tests/runner/tp_worker.py", "--device", "cpu", "--models", "llama,hybrid",
                       "--steps", "6", "--data-seed", str(seed), "--tol", "1e-4",
                       "--out", str(out)])
     assert proc.returncode == 0, f"data seed {seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -106,7 +106,7 @@ def test_tp2_in_every_graph_mode_with_the_cpu_stand_in(tmp_path):
     with decodes, then uniform decodes (FULL decode graphs)."""
     out = tmp_path / "tp.json"
     seed = random.randrange(1 << 30)
-    proc = _torchrun(["tests/tp_worker.py", "--device", "cpu", "--standin", "--models", "hybrid",
+    proc = _torchrun(["tests/runner/tp_worker.py", "--device", "cpu", "--standin", "--models", "hybrid",
                       "--modes", "piecewise,full,full_and_piecewise", "--steps", "16",
                       "--data-seed", str(seed), "--tol", "1e-4", "--out", str(out)])
     assert proc.returncode == 0, f"data seed {seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -143,7 +143,7 @@ def test_tp2_on_two_gpus_captures_the_all_reduce(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "tp_gpu.json"
-    proc = _torchrun(["tests/tp_worker.py", "--device", "cuda", "--dtype", "bfloat16",
+    proc = _torchrun(["tests/runner/tp_worker.py", "--device", "cuda", "--dtype", "bfloat16",
                       "--compiler", "inductor", "--modes", "piecewise,full,full_and_piecewise",
                       "--steps", "16", "--data-seed", str(random.randrange(1 << 30)),
                       "--tol", "5e-2", "--out", str(out)], timeout=300, cpu=False)
@@ -275,7 +275,7 @@ def _all_reduce_graph(device, group_name):
 
 def test_a_gloo_collective_in_a_cuda_graph_falls_back_with_a_counted_reason(one_rank_gloo,
                                                                            monkeypatch):
-    import passes.capture_safety as cs
+    import compile_backend.passes.capture_safety as cs
 
     g, ar, wait, out = _all_reduce_graph("cuda", one_rank_gloo.group_name)
     report = CaptureSafetyPass(OpRegistry())(g)

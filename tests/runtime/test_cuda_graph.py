@@ -11,17 +11,10 @@ from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backe
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.core.graph_mode import CaptureSupport, StepGraph, lower_graph_mode
 from compile_backend.runtime.graph_standin import StandInGraphs
-from runtime_helpers import CAPTURE_SIZES, generate, make_engine, random_prompts
+from runtime_helpers import (CAPTURE_SIZES, _torch_reference_kernels, copy_batch, generate,  # noqa: F401 (fixture)
+                             make_engine, random_prompts, random_schedule)
 
 Mode = cb.CUDAGraphMode
-
-
-@pytest.fixture(autouse=True)
-def _torch_reference_kernels(request, monkeypatch):
-    """On the CPU, ops run their plain-torch references here (the interpreter
-    is slow); tests marked `interpreted_kernels` keep Triton's interpreter."""
-    if not torch.cuda.is_available() and "interpreted_kernels" not in request.keywords:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 # ---- dummy batches -----------------------------------------------------------
@@ -343,29 +336,6 @@ def test_debug_checks_through_the_backend_name_a_moved_parameter():
             f(x)
 
 
-def _random_schedule(seed, steps=10, slots=4, max_len=60):
-    """Random mixed prefill/decode batches over `slots` requests, state carried;
-    a request that would pass max_len starts over as a new request."""
-    import random
-
-    rng = random.Random(seed)
-    lens = [0] * slots
-    for _ in range(steps):
-        chosen = sorted(rng.sample(range(slots), rng.randint(1, slots)))
-        qlens, slens = [], []
-        for s in chosen:
-            q = 1 if lens[s] and rng.random() < 0.6 else rng.randint(1, 8)
-            if lens[s] + q > max_len:
-                lens[s] = 0
-            lens[s] += q
-            qlens.append(q)
-            slens.append(lens[s])
-        yield InputBatch(
-            [rng.randrange(256) for _ in range(sum(qlens))], qlens, slens, chosen,
-            block_ids=[[1 + 4 * s + i for i in range(4)] for s in chosen],
-            compressed_block_ids=[[1 + s] for s in chosen])
-
-
 @pytest.mark.parametrize("seed", [
     pytest.param(0, marks=[pytest.mark.interpreted_kernels, pytest.mark.slow]),  # the Triton kernels, interpreted
     1, pytest.param(2, marks=pytest.mark.slow)])
@@ -381,19 +351,13 @@ def test_random_schedules_replay_equal_eager_in_every_mode(seed):
         engines = {m: make_engine(m) for m in ["none"] + modes}
         for e in engines.values():
             e.runner.capture()
-        for step, batch in enumerate(_random_schedule(seed)):
-            ref = engines["none"].runner.execute(_copy(batch)).clone()
+        for step, batch in enumerate(random_schedule(seed)):
+            ref = engines["none"].runner.execute(copy_batch(batch)).clone()
             for m in modes:
-                out = engines[m].runner.execute(_copy(batch))
+                out = engines[m].runner.execute(copy_batch(batch))
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
                                            msg=lambda s: f"{m}, step {step}: {s}")
     assert cb.counters["cudagraph_replays"] > 10
-
-
-def _copy(batch):
-    return InputBatch(list(batch.token_ids), list(batch.query_lens), list(batch.seq_lens),
-                      list(batch.req_slots), block_ids=batch.block_ids,
-                      compressed_block_ids=batch.compressed_block_ids)
 
 
 @pytest.mark.parametrize("uniform, expected", [(True, 1), (False, 4)])

@@ -27,8 +27,8 @@ import compile_backend as cb
 import pass_ops  # noqa: F401  (registers passtest::*)
 import toy_ops  # noqa: F401
 from compile_backend.compile.split import split_graph
-from passes import PassManager
-from passes.segment_attention_like import SegmentAttentionLikePass
+from compile_backend.passes import PassManager
+from compile_backend.passes.segment_attention_like import SegmentAttentionLikePass
 
 N = 4  # T == D, so transposes keep the [N, N] shape
 MAX_NODES = 8

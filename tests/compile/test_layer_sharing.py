@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import compile_backend as cb
-import passes
+from compile_backend import passes
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.core.op_registry import _LAYER_KEYED_OPS, register_layer_keyed_op
 from compile_backend.demo.engine import Engine

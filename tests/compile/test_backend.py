@@ -234,10 +234,10 @@ def test_inductor_pieces_compile_once_and_match_eager():
 def test_no_cuda_runs_mode_none_and_says_why(caplog, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    import compile_backend.compile.backend as backend
+    import compile_backend.runtime.machine as machine
 
-    monkeypatch.setattr(backend, "_warned_no_cuda", False)
-    with caplog.at_level(logging.WARNING, logger="compile_backend.compile.backend"):
+    monkeypatch.setattr(machine, "_warned_no_cuda", False)
+    with caplog.at_level(logging.WARNING, logger="compile_backend.runtime.machine"):
         check_against_eager(MLP(), {"cudagraph_mode": "full"}, [3])
         check_against_eager(MLP(), {"cudagraph_mode": "piecewise"}, [3])
     step = cb.compiled_steps()[-1]

@@ -110,7 +110,7 @@ def test_python_dash_m_subprocess(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "compile_backend", "demo", "--mode", "none", *FAST],
         capture_output=True, text=True, env=env, timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "equal to eager" in proc.stdout
 

@@ -8,7 +8,7 @@ import torch
 
 import compile_backend as cb
 import toy_ops  # noqa: F401
-from passes import CaptureSafetyPass, PassManager, SegmentAttentionLikePass
+from compile_backend.passes import CaptureSafetyPass, PassManager, SegmentAttentionLikePass
 
 OPTIONS = {"splitting_ops": ["toy::attn"], "attention_like_ops": ["toy::state_mix"],
            "piece_compiler": "eager"}
