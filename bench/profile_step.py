@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode as bench  # noqa: E402
+from workload import decode_batch  # noqa: E402
 
 import compile_backend as cb  # noqa: E402
 
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         runner, model, kv, _ = bench.build(args.model, variant, setup, sizes, max(batches),
                                            max(sizes), blocks)
         for b in batches:
-            batch = bench.decode_batch(b, setup.context, kv, model.cfg.vocab_size)
+            batch = decode_batch(b, setup.context, kv, model.cfg.vocab_size)
 
             def step():
                 return runner.execute(batch)
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                     f"host {host_ms(step):.3f} ms, back-to-back {bench.back_to_back_ms(step, setup):.3f} ms")
             step_graph = runner.dispatch(batch)
             if step_graph.mode is cb.CUDAGraphMode.FULL:
-                graph = runner.full_graph.entries[step_graph.descriptor].graph
+                graph = runner.full_graph.entries[step_graph.key].graph
                 line += f", replay {bench.median_ms(graph.replay, setup):.3f} ms"
                 target = graph.replay
             else:

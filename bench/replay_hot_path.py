@@ -24,7 +24,8 @@ sys.path.insert(0, os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
                 or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_backend as cb  # noqa: E402
-from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend  # noqa: E402
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper  # noqa: E402
+from compile_backend.runtime.graph_pool import use_graph_backend  # noqa: E402
 
 
 class _NoOpGraph:
@@ -58,8 +59,7 @@ def time_replays(num_inputs: int, calls: int) -> tuple[float, float]:
     args = [torch.randn(8) for _ in range(num_inputs)]  # at fixed addresses, as a runner's
     with use_graph_backend(_NoOpGraphs()):
         w = CUDAGraphWrapper(lambda *a: a[0] * 2, cb.CUDAGraphMode.PIECEWISE, name="piece")
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(8),
-                                cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 8, 8))
         with cb.set_forward_context(ctx):
             w(*args)  # capture
             rounds = []

@@ -3,6 +3,9 @@ piecewise and full CUDA graphs.
 
     torch.compile(model, backend="mrv2", options={"cudagraph_mode": "piecewise"})
 
+Without CUDA, graph modes run as `none`; `with compile_backend.standin_graphs():`
+captures and replays with a CPU stand-in instead (`mrv2 demo --standin`).
+
 The backend is found by name through the `torch_dynamo_backends` entry point;
 importing this package is not needed and registers nothing. Names load on
 first use (PEP 562): importing the package, a kernel or the pytest plugin does
@@ -21,15 +24,16 @@ _EXPORTS = {
     "Metadata": "runner.attention_metadata",
     "SConvMetadata": "runner.attention_metadata",
     "backend": "compile.backend",
-    "CompiledStep": "compile.backend",
-    "clear_compiled_steps": "compile.backend",
-    "compiled_steps": "compile.backend",
-    "release_graphs": "runtime.cuda_graph",
+    "CompiledStep": "compile.compiled_step",
+    "clear_compiled_steps": "compile.compiled_step",
+    "compiled_steps": "compile.compiled_step",
+    "release_graphs": "runtime.graph_pool",
     "mrv2_backend": "compile.backend",
-    "BatchDescriptor": "core.graph_mode",
+    "Mrv2Backend": "compile.backend",
     "CompilationConfig": "core.config",
     "CUDAGraphMode": "core.graph_mode",
     "StepGraph": "core.graph_mode",
+    "GraphPlan": "core.graph_plan",
     "ForwardContext": "core.forward_context",
     "get_forward_context": "core.forward_context",
     "has_forward_context": "core.forward_context",
@@ -52,12 +56,16 @@ _EXPORTS = {
     "OpRegistry": "core.op_registry",
     "OpRole": "core.op_registry",
     "qualified_name": "core.op_registry",
+    "register_op": "core.op_registry",
+    "unregister_op": "core.op_registry",
     "register_op_role": "core.op_registry",
     "register_layer_keyed_op": "core.op_registry",
+    "register_capture_safe": "core.op_registry",
     "Piece": "compile.split",
     "split_graph": "compile.split",
     "mark_token_dim": "core.symbolic",
     "symbolic_tokens": "core.symbolic",
+    "standin_graphs": "runtime.graph_standin",
 }
 
 # Loaded now: light (no torch), and read on every step.

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.demo.engine import Engine
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.kv_cache_config import KVCacheConfig

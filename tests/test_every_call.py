@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.testing import EagerMismatch, check_against_eager
 
@@ -116,8 +117,7 @@ def test_a_moved_written_input_is_captured_again_and_named_under_debug_checks(ca
     with use_graph_backend(StandInGraphs()), caplog.at_level(logging.WARNING):
         w = CUDAGraphWrapper(step, cb.CUDAGraphMode.PIECEWISE, name="piece", debug_checks=True,
                              input_names=["x", "cache"], written_inputs=[1])
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4))
         with cb.set_forward_context(ctx):
             x, c1 = torch.randn(4), torch.randn(4)
             want1 = c1 + x
@@ -146,15 +146,14 @@ def test_graphs_per_shape_bounds_the_graphs_of_one_shape():
     with use_graph_backend(StandInGraphs()):
         w = CUDAGraphWrapper(step, cb.CUDAGraphMode.PIECEWISE, name="piece", written_inputs=[0],
                              graphs_per_shape=2)
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4))
         with cb.set_forward_context(ctx):
             caches = [torch.randn(4) for _ in range(4)]
             for c in caches:
                 want = c * 2
                 w(c)
                 torch.testing.assert_close(c, want)
-    assert len(w.variants[w.key_of(cb.BatchDescriptor(4))]) == 2
+    assert len(w.variants[cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4).key]) == 2
     assert cb.counters["graph_evictions"] == 2
 
 
@@ -164,8 +163,7 @@ def test_an_output_aliasing_an_input_is_a_view_of_the_callers_tensor():
 
     with use_graph_backend(StandInGraphs()):
         w = CUDAGraphWrapper(step, cb.CUDAGraphMode.PIECEWISE, name="piece", written_inputs=())
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4))
         with cb.set_forward_context(ctx):
             for _ in range(4):  # capture, then a private buffer for the moving input, then copies
                 x = torch.randn(4)
@@ -202,7 +200,7 @@ def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
 
     from backend_models import TOY_OPTIONS, ToyHybrid
 
-    from compile_backend.runtime import cuda_graph
+    from compile_backend.runtime import graph_pool
 
     model = ToyHybrid()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
@@ -214,11 +212,10 @@ def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
             # graphs of their own: the stand-in keeps every graph it made
             w = CUDAGraphWrapper(lambda x: x + 1, cb.CUDAGraphMode.PIECEWISE, name="runner_piece",
                                  graphs=StandInGraphs())
-            ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                    cudagraph_runtime_mode=cb.CUDAGraphMode.PIECEWISE)
+            ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4))
             with cb.set_forward_context(ctx):
                 w(torch.randn(4))
-            return cuda_graph._shared_pool
+            return graph_pool._shared_pool
 
         first = shared_capture()  # its wrapper and graph die on return
         gc.collect()

@@ -1,136 +1,34 @@
-"""The `mrv2` Dynamo backend: `(gm, example_inputs, mode=, options=) -> callable`.
+"""The `mrv2` Dynamo backend: `(gm, example_inputs) -> CompiledStep`.
 
-Found by name through the `torch_dynamo_backends` entry point (pyproject.toml);
-nothing here registers it at import time, because PyTorch registers entry
-points itself and rejects a second registration of the same name.
+`Mrv2Backend(config)` is the backend as an object: its configuration (and,
+from a runner, the graph mode already lowered) is held, never re-parsed.
+`mrv2_backend(gm, example_inputs, mode=, options=)` is the entry point torch
+finds by name (the `torch_dynamo_backends` entry point, pyproject.toml): it
+builds the config from torch.compile's options and calls one. Nothing here
+registers the backend at import time: PyTorch registers entry points itself
+and rejects a second registration of the same name.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
+from compile_backend.compile.compiled_step import CompiledStep, assemble_step
+from compile_backend.compile.piece_compiler import compile_pieces
+from compile_backend.compile.split import split_graph
 from compile_backend.core.config import CompilationConfig
-from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters
-from compile_backend.core.direct_calls import rewrite_direct_calls
-from compile_backend.core.forward_context import has_forward_context
-from compile_backend.core.op_registry import OpRegistry, OpRole
-from compile_backend.compile.piece_compiler import (call_pieces_directly, compile_pieces,
-                                                    install_pieces)
-from compile_backend.compile.split import Piece, split_graph
-from compile_backend.runtime.cuda_graph import own_outputs
+from compile_backend.core.graph_mode import CUDAGraphMode
+from compile_backend.core.op_registry import OpRegistry
 from compile_backend.runtime.machine import graph_mode_on_this_machine
 
 logger = logging.getLogger(__name__)
-
-try:  # torch's interface for what an AOT-compiled function saves (torch >= 2.10)
-    from torch._dynamo.aot_compile_types import SerializableCallable as _Saveable
-except ImportError:  # pragma: no cover - older torch: no warm start
-    _Saveable = object
-
-
-@dataclass
-class CompiledStep(_Saveable):
-    """What the backend returns for one Dynamo graph. It can be saved with
-    the Dynamo output around it (torch's AOT compile): see
-    compile/step_artifacts.py for what it saves and how it is loaded."""
-
-    config: CompilationConfig
-    roles: OpRegistry
-    graph_mode: CUDAGraphMode  # after lowering to what this machine supports
-    mode_reason: str | None
-    original_code: str  # the Dynamo graph before passes
-    passed_code: str  # after passes
-    split_gm: torch.fx.GraphModule
-    pieces: list[Piece]
-    pass_log: list[dict[str, Any]] = field(default_factory=list)
-    passes_uuid: str | None = None
-    compile_seconds: float = 0.0
-    # Saved with the step (compile/step_artifacts.py): each captured piece's
-    # input names and stable (parameter, buffer) inputs, the whole graph's,
-    # the graph inputs it writes, and the compiled callables of pieces that
-    # compiled on their own.
-    piece_inputs: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
-    graph_inputs: tuple[list[str], list[int]] = ((), ())
-    written_inputs: frozenset[int] = frozenset()
-    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)  # set by assemble_step
-    wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
-    # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
-    # graph captured lazily, or why it cannot be (then pieces run PIECEWISE).
-    full_graph: Any = None
-    full_blocker: str | None = None
-    _blocker_logged: bool = field(default=False, repr=False)
-    _values_by_shapes: dict = field(default_factory=dict, repr=False)
-
-    def __call__(self, *args: Any) -> Any:
-        if has_forward_context():  # a runner's step: outputs valid until its next step
-            return self.split_gm.forward(*args)  # no module hooks on it: skip Module.__call__
-        if self.graph_mode is CUDAGraphMode.NONE:
-            return self.split_gm.forward(*args)
-        # Plain use: the caller owns what it gets (a replay rewrites graph memory).
-        if self.graph_mode.has_full:
-            if self.full_graph is not None and self._fits_one_graph(args):
-                return own_outputs(self.full_graph(*args))
-            if not self._blocker_logged:
-                self._blocker_logged = True
-                counters["full_graph_fallbacks"] += 1
-                logger.warning("mrv2: %s", self.full_blocker)
-        return own_outputs(self.split_gm.forward(*args))
-
-    def _fits_one_graph(self, args: Sequence[Any]) -> bool:
-        """A graph bakes in the Python values it is called with (Dynamo passes
-        an int that changed, such as a decode position, as an input). Values
-        that change between calls of one input shape would need a graph per
-        call: then the whole graph is given up for PIECEWISE pieces."""
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        values = tuple(a for a in args if not isinstance(a, torch.Tensor))
-        first = self._values_by_shapes.setdefault(shapes, values)
-        if first == values:
-            return True
-        self.full_graph = None  # its graphs go with it
-        self.full_blocker = (
-            "no FULL graph without a runner: the graph takes Python values that change "
-            f"between calls of one input shape ({list(first)}, then {list(values)}), which "
-            f"a graph would bake in; {_instead(self.graph_mode)}")
-        return False
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: "CompiledStep") -> bytes:
-        from compile_backend.compile.step_artifacts import serialize_step
-
-        return serialize_step(fn)
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> "CompiledStep":
-        from compile_backend.compile.step_artifacts import deserialize_step
-
-        return deserialize_step(data)
-
-    @property
-    def __code__(self):
-        """The code of `__call__`: tools that decompile what a backend returned
-        (depyf, on leaving `prepare_debug`) read the callable's `__code__`."""
-        return type(self).__call__.__code__
-
-
-_compiled: list[CompiledStep] = []
-
-
-def compiled_steps() -> list[CompiledStep]:
-    """Every graph this process compiled with mrv2, oldest first."""
-    return list(_compiled)
-
-
-def clear_compiled_steps() -> None:
-    _compiled.clear()
 
 
 def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRegistry):
@@ -149,36 +47,6 @@ def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str],
     address must never change between capture and replay)."""
     call = next(n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name)
     return _names_and_stable(call.args)
-
-
-def _uses_no_runner_metadata(op: str, roles: OpRegistry) -> bool:
-    """Can `op` run without the runner's forward context? Attention-like ops
-    index their state by metadata; breakpoints outside aten and higher_order
-    (paged attention, users' own) are assumed to read it too."""
-    role = roles.role_of_name(op)
-    if role is OpRole.ATTENTION_LIKE:
-        return False
-    return role is not OpRole.BREAKPOINT or op.split("::")[0] in ("aten", "higher_order")
-
-
-def _instead(mode: CUDAGraphMode) -> str:
-    return ("its pieces run as PIECEWISE graphs" if mode is not CUDAGraphMode.FULL_DECODE_ONLY
-            else "it runs eagerly")
-
-
-def full_capture_blocker(pieces: Sequence[Piece], roles: OpRegistry, mode: CUDAGraphMode) -> str | None:
-    """Why the whole graph cannot be one lazily captured FULL graph without a
-    runner (None: it can), and what runs instead."""
-    instead = _instead(mode)
-    for p in pieces:
-        if p.eager_reasons:
-            return (f"no FULL graph without a runner: piece {p.name} cannot be captured "
-                    f"({p.eager_reasons[0]}); {instead}")
-        for op in p.breakpoints + p.attention_like:
-            if not _uses_no_runner_metadata(op, roles):
-                return (f"no FULL graph without a runner: {op} reads attention metadata "
-                        f"that only a runner (compile_backend.ModelRunner) builds; {instead}")
-    return None
 
 
 def _names_and_stable(args: Sequence[Any]) -> tuple[list[str], list[int]]:
@@ -202,113 +70,96 @@ def _inputs_needing_grad(example_inputs: Sequence[Any]) -> int:
     return sum(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
+class Mrv2Backend:
+    """The backend, configured once. `graph_mode`: the mode the pieces get,
+    already lowered by the caller (a ModelRunner lowers for the machine and
+    its metadata builders, and says why in `mode_reason`); None: lowered
+    here, for this machine (plain torch.compile use)."""
+
+    def __init__(self, config: CompilationConfig, graph_mode: CUDAGraphMode | None = None,
+                 mode_reason: str | None = None) -> None:
+        assert isinstance(config, CompilationConfig), type(config)
+        self.config = config
+        self.graph_mode = graph_mode
+        self.mode_reason = mode_reason
+
+    def __call__(self, gm: torch.fx.GraphModule,
+                 example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        t0 = time.perf_counter()
+        config = self.config
+        import compile_backend.kernels  # noqa: F401  (registers the mrv2 ops' facts: their names resolve)
+
+        roles = OpRegistry.from_config(config)  # misspelled op names raise, grad or not
+        needs_grad = _inputs_needing_grad(example_inputs)
+        if needs_grad:
+            counters["grad_fallbacks"] += 1
+            warnings.warn(
+                f"mrv2 compiles for inference, but grad is enabled and {needs_grad} of this "
+                "graph's inputs (parameters included) require grad: this graph runs "
+                "uncompiled and without CUDA graphs, so that autograd still works. For "
+                "graphs, call the compiled model under torch.no_grad() or "
+                "torch.inference_mode().", stacklevel=2)
+            return gm.forward
+        counters["dynamo_graphs"] += 1
+        if self.graph_mode is None:
+            graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
+        else:
+            graph_mode, mode_reason = self.graph_mode, self.mode_reason
+        original_code = gm.code
+        pass_log, passes_uuid = _run_passes(gm, config, roles)
+        passed_code = gm.code
+
+        split_gm, pieces = split_graph(gm, roles)
+        counters["pieces"] += len(pieces)
+        counters["eager_pieces"] += sum(not p.captured for p in pieces)
+        for p in pieces:
+            if p.eager_reasons:
+                counters["capture_fallbacks"] += 1
+        piece_inputs = {p.name: _piece_inputs(split_gm, p.name) for p in pieces if p.captured}
+        graph_inputs = _names_and_stable([n for n in split_gm.graph.nodes
+                                          if n.op == "placeholder"])
+        fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
+                                      serializable=config.serializable)
+        step = CompiledStep(
+            config=config,
+            roles=roles,
+            graph_mode=graph_mode,
+            mode_reason=mode_reason,
+            original_code=original_code,
+            passed_code=passed_code,
+            split_gm=split_gm,
+            pieces=pieces,
+            pass_log=pass_log,
+            passes_uuid=passes_uuid,
+            piece_inputs=piece_inputs,
+            graph_inputs=graph_inputs,
+            written_inputs=written,
+        )
+        assemble_step(step, fns)
+        step.compile_seconds = time.perf_counter() - t0
+        logger.info(
+            "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",
+            len(pieces), sum(not p.captured for p in pieces), graph_mode.value,
+            step.compile_seconds,
+        )
+        if config.debug_dump_path:
+            from compile_backend.debug.dump import write_compile_dump
+
+            write_compile_dump(config.debug_dump_path, step)
+        return step
+
+
 def mrv2_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    t0 = time.perf_counter()
-    config = CompilationConfig.from_options(options, mode)
-    roles = OpRegistry.from_config(config)  # misspelled op names raise, grad or not
-    needs_grad = _inputs_needing_grad(example_inputs)
-    if needs_grad:
-        counters["grad_fallbacks"] += 1
-        warnings.warn(
-            f"mrv2 compiles for inference, but grad is enabled and {needs_grad} of this graph's "
-            "inputs (parameters included) require grad: this graph runs uncompiled and without "
-            "CUDA graphs, so that autograd still works. For graphs, call the compiled model "
-            "under torch.no_grad() or torch.inference_mode().", stacklevel=2)
-        return gm.forward
-    counters["dynamo_graphs"] += 1
-    graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
-    original_code = gm.code
-    pass_log, passes_uuid = _run_passes(gm, config, roles)
-    passed_code = gm.code
-
-    split_gm, pieces = split_graph(gm, roles)
-    counters["pieces"] += len(pieces)
-    counters["eager_pieces"] += sum(not p.captured for p in pieces)
-    for p in pieces:
-        if p.eager_reasons:
-            counters["capture_fallbacks"] += 1
-    piece_inputs = {p.name: _piece_inputs(split_gm, p.name) for p in pieces if p.captured}
-    graph_inputs = _names_and_stable([n for n in split_gm.graph.nodes if n.op == "placeholder"])
-    fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
-                                  serializable=config.serializable)
-    step = CompiledStep(
-        config=config,
-        roles=roles,
-        graph_mode=graph_mode,
-        mode_reason=mode_reason,
-        original_code=original_code,
-        passed_code=passed_code,
-        split_gm=split_gm,
-        pieces=pieces,
-        pass_log=pass_log,
-        passes_uuid=passes_uuid,
-        piece_inputs=piece_inputs,
-        graph_inputs=graph_inputs,
-        written_inputs=written,
-    )
-    assemble_step(step, fns)
-    step.compile_seconds = time.perf_counter() - t0
-    logger.info(
-        "mrv2: %d pieces (%d eager), mode %s, compiled in %.2fs",
-        len(pieces), sum(not p.captured for p in pieces), graph_mode.value,
-        step.compile_seconds,
-    )
-    if config.debug_dump_path:
-        from compile_backend.debug.dump import write_compile_dump
-
-        write_compile_dump(config.debug_dump_path, step)
-    return step
+    """The entry point torch.compile(backend="mrv2", mode=..., options=...) calls."""
+    return Mrv2Backend(CompilationConfig.from_options(options, mode))(gm, example_inputs)
 
 
-def assemble_step(step: CompiledStep, fns: dict[str, Callable[..., Any]]) -> None:
-    """Make `step` callable from its pieces' callables (compiled now, or
-    loaded): CUDA-graph wrappers, direct op calls in eager pieces, the lazily
-    captured whole graph of plain use. Everything here comes from `step`'s
-    saved fields, so a loaded step runs as the one compiled."""
-    config, graph_mode, split_gm = step.config, step.graph_mode, step.split_gm
-    step.artifacts = {p.name: fns[p.name] for p in step.pieces
-                      if p.captured and p.compiled_as is None}
-    # Pieces get PIECEWISE wrappers in modes with piecewise graphs, and in FULL
-    # for plain use when the whole graph cannot be one graph (known now, or at
-    # a call). Under a FULL graph or a runner's FULL step they run their callables.
-    piecewise = graph_mode.has_piecewise or graph_mode is CUDAGraphMode.FULL
-    from compile_backend.runtime.cuda_graph import CUDAGraphWrapper  # the runtime's seam
-
-    installed = {}
-    for piece in step.pieces:
-        fn = fns[piece.name]
-        if piece.captured and piecewise:
-            names, stable = step.piece_inputs[piece.name]
-            fn = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
-                                  debug_checks=config.debug_checks, stable_inputs=stable,
-                                  input_names=names, written_inputs=piece.written_inputs,
-                                  graphs_per_shape=config.graphs_per_shape)
-            step.wrappers.append(fn)
-        elif not piece.captured and config.direct_op_calls:
-            # On a copy: the piece's own module stays as traced (it is what a
-            # saved step holds). After compiling: the fake run needs the real ops.
-            fn = copy.deepcopy(fn)
-            counters["direct_calls"] += rewrite_direct_calls(fn)
-        installed[piece.name] = fn
-    install_pieces(split_gm, installed)
-    call_pieces_directly(split_gm, [p.name for p in step.pieces])
-    step.full_blocker = (full_capture_blocker(step.pieces, step.roles, graph_mode)
-                         if graph_mode.has_full else None)
-    if graph_mode.has_full and step.full_blocker is None:
-        names, stable = step.graph_inputs
-        step.full_graph = CUDAGraphWrapper(
-            split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
-            stable_inputs=stable, input_names=names, written_inputs=step.written_inputs,
-            graphs_per_shape=config.graphs_per_shape)
-    _compiled.append(step)
-
-
-def backend(**options: Any) -> Callable[..., Any]:
+def backend(**options: Any) -> Mrv2Backend:
     """The mrv2 backend with `options` bound and checked now, so that misuse
     fails at `torch.compile` time with its own message (not at the first call,
     inside Dynamo's error), and so that a graph mode combines with other
@@ -318,9 +169,7 @@ def backend(**options: Any) -> Callable[..., Any]:
             cudagraph_mode="full", piece_compiler="eager"))
     """
     config = CompilationConfig.from_options(options)
+    import compile_backend.kernels  # noqa: F401  (registers the mrv2 ops' facts: their names resolve)
+
     OpRegistry.from_config(config)  # op names resolve now
-
-    def mrv2_configured(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return mrv2_backend(gm, example_inputs, options=dict(options))
-
-    return mrv2_configured
+    return Mrv2Backend(config)

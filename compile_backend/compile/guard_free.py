@@ -127,7 +127,7 @@ class GuardFreeModel:
         as a compiled one does."""
         import dataclasses
 
-        from compile_backend.compile.backend import CompiledStep
+        from compile_backend.compile.compiled_step import CompiledStep
 
         if not isinstance(step, CompiledStep):
             return

@@ -125,7 +125,7 @@ def serialize_step(step: Any) -> bytes:
 
 
 def deserialize_step(data: bytes) -> Any:
-    from compile_backend.compile.backend import CompiledStep, assemble_step
+    from compile_backend.compile.compiled_step import CompiledStep, assemble_step
     from compile_backend.compile.layer_sharing import AsLayer
 
     from torch._subclasses.fake_tensor import FakeTensorMode

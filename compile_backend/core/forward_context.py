@@ -15,29 +15,22 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from compile_backend.core.graph_mode import BatchDescriptor, CUDAGraphMode, StepGraph
+from compile_backend.core.graph_mode import StepGraph
 
 
 @dataclass
 class ForwardContext:
     # layer name -> that layer's metadata (AttentionMetadata, SConvMetadata, ...)
     attn_metadata: dict[str, Any] = field(default_factory=dict)
-    # Which graph to use for this step (None: no runner, plain torch.compile use).
-    batch_descriptor: BatchDescriptor | None = None
-    # The graph mode this step runs in: NONE (eager pieces), PIECEWISE or FULL.
-    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    # The graph this step runs in (its mode and padded sizes), as the runner
+    # decided it. None: no runner decided (plain torch.compile use, or inside
+    # a whole graph captured without one): wrappers run their callables.
+    graph: StepGraph | None = None
     # True while a CUDA graph is being captured (warm-up runs are False).
     capturing: bool = False
     # Ops append here what they saw at run time (debug and tests: proves an
     # attention-like op ran during capture with real metadata).
     trace: list[tuple[str, str]] | None = None
-
-    @classmethod
-    def for_step(cls, step: StepGraph, attn_metadata: dict[str, Any],
-                 trace: list[tuple[str, str]] | None = None) -> "ForwardContext":
-        """The context of a step that runs in `step`'s graph (its mode and key)."""
-        return cls(attn_metadata=attn_metadata, batch_descriptor=step.descriptor,
-                   cudagraph_runtime_mode=step.mode, trace=trace)
 
     def metadata(self, layer_name: str) -> Any:
         if _layer_alias is not None:  # resolve_layer, inlined: every op call reads it

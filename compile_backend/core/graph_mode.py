@@ -1,7 +1,9 @@
 """Graph modes in one place: the modes a user asks for (CUDAGraphMode), what
 a metadata builder can be captured in (CaptureSupport), how the two meet
 (lower_graph_mode), and the graph one step runs in, decided once per step
-and once per capture (StepGraph, with its BatchDescriptor key).
+and once per capture (StepGraph: the one value of "which graph" that the
+forward context carries, builders read, wrappers and the draft loop key
+their graphs by, and capture records keep).
 
 Torch-free: the config and the CLI read it without loading torch.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Hashable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +100,17 @@ def lower_graph_mode(
     return lowered, reason
 
 
-class BatchDescriptor(NamedTuple):
-    """The small hashable key that picks a CUDA graph."""
-
-    num_tokens: int  # padded token count (a capture size)
-    num_reqs: int | None = None  # FULL graphs only: padded request count
-    uniform_decode: bool = False  # every request has exactly one query token
-
-    def relaxed(self) -> "BatchDescriptor":
-        """The key a PIECEWISE graph is stored under: token count alone."""
-        return BatchDescriptor(self.num_tokens)
-
-
 RUNTIME_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
 
 
 @dataclass(frozen=True)
 class StepGraph:
     """The graph one step runs in (or one capture records), decided once:
-    by `ModelRunner.dispatch` for a step, by the capture plan for a capture.
-    The batch is padded to it, builders read it (through `InputBatch.graph`),
-    the forward context and the draft loop key their graphs by it.
+    by the dispatch rule for a step, by the capture plan for a capture
+    (core/graph_plan.py). The batch is padded to it, builders read it
+    (through `InputBatch.graph`: `for_capture` is its `for_capture`), the
+    forward context carries it, CUDA-graph wrappers and the draft loop hold
+    their graphs under its `key`, and capture records keep it.
 
     mode: NONE (eager pieces), PIECEWISE or FULL.
     uniform_decode: a FULL graph that serves one-token-per-request batches
@@ -144,24 +136,34 @@ class StepGraph:
             raise ValueError(
                 f"a uniform-decode graph holds one token per request, got "
                 f"{self.num_tokens} tokens over {self.num_reqs} requests")
+        # The key a wrapper holds this step's graph under, computed once (a
+        # wrapper reads it on every call of every piece): PIECEWISE graphs by
+        # token count alone (pieces see tokens, not requests), FULL graphs by
+        # (tokens, requests, uniform decode), no graph: None.
+        key: Hashable = None
+        if self.mode is CUDAGraphMode.FULL:
+            key = (self.num_tokens, self.num_reqs, self.uniform_decode)
+        elif self.mode is CUDAGraphMode.PIECEWISE:
+            key = self.num_tokens
+        object.__setattr__(self, "key", key)
 
     @classmethod
     def eager(cls, num_tokens: int, num_reqs: int) -> "StepGraph":
         """A step without a graph (mode NONE) at these padded sizes."""
         return cls(CUDAGraphMode.NONE, num_tokens, num_reqs)
 
-    @property
-    def for_capture(self) -> bool:
-        """Metadata must hold for any batch of this size (docs/design_notes.md,
-        "Metadata builders"): the attention kernels are inside the graph."""
-        return self.mode is CUDAGraphMode.FULL
+    @classmethod
+    def full_decode(cls, num_reqs: int) -> "StepGraph":
+        """The FULL graph of `num_reqs` one-token requests."""
+        return cls(CUDAGraphMode.FULL, num_reqs, num_reqs, uniform_decode=True)
 
     @property
-    def descriptor(self) -> BatchDescriptor | None:
-        """The graph's key: FULL graphs by (tokens, requests, uniform decode),
-        PIECEWISE by tokens alone, none without a graph."""
-        if self.mode is CUDAGraphMode.FULL:
-            return BatchDescriptor(self.num_tokens, self.num_reqs, self.uniform_decode)
-        if self.mode is CUDAGraphMode.PIECEWISE:
-            return BatchDescriptor(self.num_tokens)
-        return None
+    def for_capture(self) -> bool:
+        """Metadata must hold for any batch of this size (docs/design.md,
+        "The metadata contract"): the attention kernels are inside the graph."""
+        return self.mode is CUDAGraphMode.FULL
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly view (capture records, the debug manifest)."""
+        return {"mode": self.mode.value, "num_tokens": self.num_tokens,
+                "num_reqs": self.num_reqs, "uniform_decode": self.uniform_decode}

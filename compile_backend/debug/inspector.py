@@ -1,10 +1,13 @@
 """Read a debug dump back: a text summary, one piece's code, and a picture of
 the step as a row of segments (one row per Dynamo graph).
 
-    mrv2 inspect DIR [--piece N] [--svg OUT.svg]
+    mrv2 inspect DIR [--piece N] [--svg [OUT.svg]]
 
-The picture is hand-written SVG: each piece is a `<rect class="segment
-captured|eager">`, its width proportional to the piece's op count.
+How a piece runs depends on the graph mode and on who drove the step (a
+ModelRunner, or plain `torch.compile` use): `piece_role` says. The picture
+is hand-written SVG: each piece is a `<rect class="segment
+captured|eager|full">` (full: inside a FULL graph that holds the whole
+step), its width proportional to the piece's op count.
 """
 
 from __future__ import annotations
@@ -38,14 +41,59 @@ def load_dump(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _role(piece: dict[str, Any], graph_mode: str) -> str:
-    """captured | eager: in mode none nothing is captured, whatever the piece."""
-    return "captured" if piece["captured"] and graph_mode != "none" else "eager"
+FULL_MODES = ("full", "full_decode_only", "full_and_piecewise")
 
 
-def _label(piece: dict[str, Any], graph_mode: str) -> str:
-    role = _role(piece, graph_mode)
-    return f"{role} (mode none)" if graph_mode == "none" else role
+def ran_with_runner(manifest: dict[str, Any]) -> bool | None:
+    """True: a ModelRunner reported the runtime; False: plain torch.compile
+    use (recorded at exit or by update_manifest_runtime); None: not recorded."""
+    rt = manifest.get("runtime")
+    if not rt:
+        return None
+    return bool(rt.get("runner", True))  # runtime sections before "runner" were a runner's
+
+
+def _whole_graph(manifest: dict[str, Any], graph: dict[str, Any]) -> tuple[bool | None, str | None]:
+    """Plain use in a FULL mode: (is the whole graph one FULL graph, why not),
+    as recorded at runtime when it was (a call can give the FULL graph up).
+    (None, None) in modes without FULL graphs."""
+    if graph["graph_mode"] not in FULL_MODES:
+        return None, None
+    rt = manifest.get("runtime") or {}
+    for held in rt.get("graphs_held") or []:
+        if held.get("graph") == graph["index"] and "full_blocker" in held:
+            return held["full_blocker"] is None, held["full_blocker"]
+    return graph.get("full_graph_without_runner"), graph.get("full_blocker")
+
+
+def piece_role(piece: dict[str, Any], graph: dict[str, Any],
+               manifest: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(role, label) of a piece: role `captured` (a PIECEWISE graph of its
+    own), `eager` or `full` (inside a FULL graph of the whole step); the
+    label says it in words."""
+    mode = graph["graph_mode"]
+    own = ("captured", "captured") if piece["captured"] else ("eager", "eager")
+    if mode == "none":
+        return "eager", "eager (mode none)"
+    if mode == "piecewise":
+        return own
+    manifest = manifest or {}
+    if ran_with_runner(manifest):
+        if mode == "full":
+            return "full", "in FULL graph"
+        if mode == "full_decode_only":
+            return "full", "in FULL graph at decode, else eager"
+        return own if piece["captured"] else ("eager", "eager; in FULL graph at decode")
+    whole, _ = _whole_graph(manifest, graph)
+    if whole:
+        return "full", "in FULL graph"
+    if whole is False and mode == "full_decode_only":
+        return "eager", "eager (no FULL graph)"
+    return own  # the FULL graph given up: pieces run PIECEWISE (or an old manifest)
+
+
+def _label(piece: dict[str, Any], graph: dict[str, Any], manifest: dict[str, Any]) -> str:
+    return piece_role(piece, graph, manifest)[1]
 
 
 # FX targets of torch functions that are aten ops under another Python name.
@@ -78,20 +126,37 @@ def summary(manifest: dict[str, Any]) -> str:
     out.append(f"mrv2 dump: torch {v.get('torch')}, triton {v.get('triton')}, python {v.get('python')}")
     out.append(f"config: mode {cfg.get('cudagraph_mode')}, piece compiler {cfg.get('piece_compiler')}, "
                f"capture sizes {cfg.get('capture_sizes')}")
+    runner = ran_with_runner(manifest)
     if rt:
-        out.append(f"runtime mode: {rt['mode']} (requested {rt['requested_mode']})"
+        who = ("ModelRunner" if runner else
+               f"plain torch.compile, no runner (recorded {rt.get('recorded', '?')})")
+        out.append(f"runtime: {who}: mode {rt['mode']} (requested {rt['requested_mode']})"
                    + (f": {rt['mode_reason']}" if rt.get("mode_reason") else ""))
+    else:
+        out.append("runtime: not recorded. The dump is written when a graph compiles, before "
+                   "any call, so it holds no captures or replays; a plain torch.compile run "
+                   "records them when its process exits (or call "
+                   "compile_backend.update_manifest_runtime(DIR)), a runner's owner calls "
+                   "update_manifest_runtime(DIR, runner)")
     for g in manifest["graphs"]:
         pieces = g["pieces"]
-        n_eager = sum(not p["captured"] for p in pieces)
+        roles = collections.Counter(piece_role(p, g, manifest)[0] for p in pieces)
+        how = ", ".join(f"{roles[r]} {'in FULL graph' if r == 'full' else r}"
+                        for r in ("captured", "eager", "full") if roles[r])
         out.append("")
-        out.append(f"graph {g['index']} ({g['dir']}): {len(pieces)} pieces, {n_eager} eager, "
+        out.append(f"graph {g['index']} ({g['dir']}): {len(pieces)} pieces ({how}), "
                    f"mode {g['graph_mode']}, compiled in {g['compile_seconds']:.2f}s")
+        whole, blocker = _whole_graph(manifest, g)
+        if not runner and whole:
+            out.append("  no runner: the whole graph is one FULL graph, captured lazily per "
+                       "input shape (its pieces run inside it)")
+        elif not runner and blocker:
+            out.append(f"  {blocker}")
         for ps in g["passes"]:
             out.append(f"  pass {ps['name']}: {'changed' if ps['changed'] else 'unchanged'} "
                        f"(uuid {str(ps['uuid'])[:12]})")
         for p in pieces:
-            out.append(f"  piece {p['index']:<3} {_label(p, g['graph_mode']):<8} {len(p['ops']):>4} ops  "
+            out.append(f"  piece {p['index']:<3} {_label(p, g, manifest):<8} {len(p['ops']):>4} ops  "
                        f"{_op_counts(p['ops'])}")
             if p.get("collectives"):  # across ranks: inside the graph unless a fallback says why
                 out.append(f"        collectives: {_op_counts(p['collectives'])}")
@@ -103,17 +168,32 @@ def summary(manifest: dict[str, Any]) -> str:
         out.append(f"captures ({len(captures)}):")
         by_mode: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for c in captures:
-            by_mode[c["mode"]].append(c)
+            by_mode[c["graph"]["mode"]].append(c)
         for mode, cs in by_mode.items():
             for c in cs:
-                d = c["descriptor"]
+                d = c["graph"]
                 flags = ", ".join(f"{k}={'capture' if f else 'exact'}"
                                   for k, f in c["for_capture"].items())
                 out.append(f"  {mode:<10} tokens={d['num_tokens']:<4} reqs={d.get('num_reqs')} "
                            f"uniform_decode={d.get('uniform_decode')}  {c['seconds'] * 1e3:.1f} ms  "
                            f"{c['pool_bytes']} B  metadata: {flags}")
+    elif runner is False and rt["mode"] != "none":
+        n = manifest.get("counters") or {}
+        held = "; ".join(
+            f"graph {h['graph']}: " + ", ".join(
+                f"{h[k]} {what}" for k, what in (("full", "FULL"), ("pieces", "of pieces")) if h[k])
+            for h in rt.get("graphs_held") or [] if h["full"] or h["pieces"])
+        out.append(f"captures (no runner: lazily, at the second call of each input shape; "
+                   f"counters of the process): {n.get('cudagraph_captures', 0)} captured, "
+                   f"{n.get('cudagraph_replays', 0)} replays, {n.get('lazy_warmups', 0)} warm-up "
+                   f"calls" + (f"; graphs held {rt.get('recorded', '')}: {held}" if held else ""))
+    elif runner is not None:
+        out.append(f"captures: none (mode {rt['mode']})")
     else:
-        out.append("captures: none" + (f" (mode {rt['mode']})" if rt else " (no runtime recorded)"))
+        out.append("captures: not recorded (see runtime above)")
+    if runner and captures:
+        out.append(f"replays: {(manifest.get('counters') or {}).get('cudagraph_replays', 0)} "
+                   "(counters at the last update_manifest_runtime)")
     fallbacks = manifest.get("fallbacks") or []
     out.append(f"fallbacks ({len(fallbacks)}):" if fallbacks else "fallbacks: none")
     for f in fallbacks:
@@ -134,19 +214,24 @@ def piece_code(path: str | Path, manifest: dict[str, Any], index: int, graph: in
     if not match:
         raise DumpError(f"no piece {index} in graph {graph}: it has pieces 0..{len(pieces) - 1}")
     p = match[0]
-    header = f"# graph {graph} piece {index}: {_label(p, graphs[graph]['graph_mode'])}, {len(p['ops'])} ops\n"
+    header = f"# graph {graph} piece {index}: {_label(p, graphs[graph], manifest)}, {len(p['ops'])} ops\n"
     return header + (Path(path) / p["file"]).read_text()
 
 
 # ---- picture ------------------------------------------------------------------------
 
-COLOURS = {"captured": ("#4c9a5b", "#ffffff"), "eager": ("#e9a23b", "#1a1a1a")}
+COLOURS = {"captured": ("#4c9a5b", "#ffffff"), "eager": ("#e9a23b", "#1a1a1a"),
+           "full": ("#3b6ea8", "#ffffff")}
+LETTERS = {"captured": "C", "eager": "E", "full": "F"}
+LEGEND = {"captured": "C = captured (graph of the piece)",
+          "eager": "E = eager (breakpoint, fallback, mode none)",
+          "full": "F = in a FULL graph of the whole step"}
 ROW_H, PAD, WIDTH, MIN_W = 56, 16, 960, 36
 
 
 def svg(manifest: dict[str, Any]) -> str:
     graphs = manifest["graphs"]
-    height = PAD * 3 + 24 + len(graphs) * (ROW_H + PAD + 18) + 24
+    height = PAD * 3 + 24 + len(graphs) * (ROW_H + PAD + 18) + 44
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="monospace" font-size="11">',
@@ -164,9 +249,9 @@ def svg(manifest: dict[str, Any]) -> str:
         x = float(PAD)
         for p, w in zip(pieces, weights):
             width = MIN_W + max(room, 0) * w / sum(weights)
-            role = _role(p, g["graph_mode"])
+            role, label = piece_role(p, g, manifest)
             fill, ink = COLOURS[role]
-            title = f"piece {p['index']}: {_label(p, g['graph_mode'])}, {len(p['ops'])} ops"
+            title = f"piece {p['index']}: {label}, {len(p['ops'])} ops"
             if p["eager_reasons"]:
                 title += "; " + "; ".join(p["eager_reasons"])
             parts.append(
@@ -175,19 +260,21 @@ def svg(manifest: dict[str, Any]) -> str:
                 f'<title>{escape(title)}</title></rect>')
             cx = x + (width - 2) / 2
             parts.append(f'<text x="{cx:.1f}" y="{y + 22}" text-anchor="middle" fill="{ink}">'
-                         f'{p["index"]}:{"C" if p["captured"] else "E"}</text>')
+                         f'{p["index"]}:{LETTERS[role]}</text>')
             parts.append(f'<text x="{cx:.1f}" y="{y + 40}" text-anchor="middle" fill="{ink}">'
                          f'{len(p["ops"])}</text>')
             x += width
         y += ROW_H + PAD
     lx = PAD
+    roles = {piece_role(p, g, manifest)[0] for g in graphs for p in g["pieces"]}
     for role, (fill, _) in COLOURS.items():
-        label = "C = captured (CUDA graph)" if role == "captured" else "E = eager (breakpoint or fallback)"
+        if role not in roles and role == "full":
+            continue
         parts.append(f'<rect class="legend {role}" x="{lx}" y="{y}" width="14" height="14" '
                      f'fill="{fill}" stroke="#333"/>')
-        parts.append(f'<text x="{lx + 20}" y="{y + 11}">{escape(label)}</text>')
-        lx += 300
-    parts.append(f'<text x="{lx}" y="{y + 11}">number = ops in the piece</text>')
+        parts.append(f'<text x="{lx + 20}" y="{y + 11}">{escape(LEGEND[role])}</text>')
+        lx += 44 + int(len(LEGEND[role]) * 6.7)  # 11px monospace: about 6.7px a character
+    parts.append(f'<text x="{PAD}" y="{y + 30}">number = ops in the piece</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 

@@ -2,6 +2,7 @@
 machine supports and check each mode's tokens against an eager reference.
 
     python -m compile_backend demo --model hybrid --preset tiny --batch 4 --steps 8
+    python -m compile_backend demo --standin   # on a CPU: capture with the stand-in
     torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   # tensor parallel
 
 The reference runs mode NONE with eager pieces and no passes; every measured
@@ -9,6 +10,11 @@ mode gets a fresh model with the same seeded weights and a fresh Dynamo.
 With `--tp N` (N processes started by torchrun) every rank runs every mode
 on its shard of the model, and the reference is the whole model (TP=1) on
 each rank, so "equal to eager" means equal to TP=1's tokens.
+
+Without CUDA only mode none runs (it says so, and how to see capture), and a
+graph mode asked for by name is refused (ValueError naming the fix), unless
+`standin=True` (`--standin`): then every mode captures and replays with the
+CPU stand-in for CUDA graphs, and the run says so.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from compile_backend.compile.backend import clear_compiled_steps, compiled_steps
+from compile_backend.compile.compiled_step import clear_compiled_steps, compiled_steps
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.core.counters import counters, reset_counters
@@ -32,12 +38,15 @@ from compile_backend.demo.engine import Engine
 from compile_backend.demo.names import DTYPE_NAMES
 from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.demo.models import build_model, preset
+from compile_backend.core.progress import progress as progress_bar
+from compile_backend.runtime.graph_standin import STANDIN_NOTE, standin_graphs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert sorted(DTYPES) == list(DTYPE_NAMES)
 ALL_MODES = [m.value for m in CUDAGraphMode]
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-NO_CUDA = "CUDA graphs are off: no CUDA device"
+NO_CUDA = ("no CUDA device: the demo runs mode none only (eager pieces, no graph captured); "
+           "to see capture on this CPU: mrv2 demo --standin (a CPU stand-in for CUDA graphs)")
 
 
 @dataclass
@@ -54,8 +63,11 @@ class DemoOptions:
     seed: int = 0
     progress: bool = True
     tp: int = 1  # tensor-parallel ranks: processes started by torchrun
+    standin: bool = False  # capture with the CPU stand-in for CUDA graphs (STANDIN_NOTE)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.standin, bool):
+            raise ValueError(f"standin must be True or False, got {self.standin!r}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be a positive int, got {self.tp!r}")
         for name in ("batch", "steps", "prompt_len"):
@@ -82,14 +94,26 @@ class ModeResult:
     dump: str | None = None
 
 
-def modes_to_run(requested: list[str], cuda: bool) -> tuple[list[str], str | None]:
-    """Modes this machine runs, in order, and why some were dropped."""
-    wanted = ALL_MODES if "all" in requested else [CUDAGraphMode.parse(m).value for m in requested]
-    wanted = list(dict.fromkeys(wanted))
-    if cuda:
+def modes_to_run(requested: list[str], graphs: bool) -> tuple[list[str], str | None]:
+    """The modes to run, in order, and a line to print about those left out.
+    `graphs`: this machine captures graphs (CUDA, or the stand-in). Without
+    graphs, `all` runs mode none and says so; a graph mode asked for by name
+    raises ValueError naming the fix (never a silent mode none)."""
+    named = [CUDAGraphMode.parse(m).value for m in requested if m != "all"]
+    wanted = list(dict.fromkeys(ALL_MODES if "all" in requested else named))
+    if graphs:
         return wanted, None
-    dropped = [m for m in wanted if m != "none"]
-    return ["none"], (NO_CUDA if dropped or "all" in requested else None)
+    refused = [m for m in dict.fromkeys(named) if m != "none"]
+    if refused:
+        raise ValueError(
+            f"mode {', '.join(refused)} needs CUDA graphs and this machine has no CUDA device: "
+            "run on a GPU, or pass --standin to capture with the CPU stand-in")
+    return ["none"], (NO_CUDA if "all" in requested else None)
+
+
+def plan_modes(opts: DemoOptions) -> tuple[list[str], str | None]:
+    """`modes_to_run` for this machine and `opts` (ValueError: see there)."""
+    return modes_to_run(opts.modes, graphs=torch.cuda.is_available() or opts.standin)
 
 
 def _kv_config(opts: DemoOptions) -> KVCacheConfig:
@@ -126,9 +150,15 @@ def start_tensor_parallel(opts: DemoOptions) -> TensorParallel:
 
 def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dtype,
              reference: bool = False, dump: str | None = None,
-             tp: int | None = None) -> ModeResult:
+             tp: int | None = None, bar: Any = None) -> ModeResult:
     """Generate once in `mode` with a fresh model and a fresh Dynamo, split
-    over `tp` ranks (default `opts.tp`)."""
+    over `tp` ranks (default `opts.tp`). `bar`: the demo's progress bar, told
+    of each phase (compile + capture, generate; one step each)."""
+    name = "eager reference" if reference else mode
+
+    def phase(note: str, done: int = 0) -> None:
+        if bar is not None:
+            bar.update(done, note=f"{name}: {note}")
     from compile_backend.debug import dump as debug_dump
 
     torch._dynamo.reset()
@@ -150,12 +180,17 @@ def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dt
     with torch.no_grad(), depyf:
         engine = Engine(model, kv, compilation, device,
                         progress=opts.progress and not reference)
+        phase("compiling" if engine.runner.mode is CUDAGraphMode.NONE else "compiling + capturing")
         t0 = time.perf_counter()
         engine.runner.capture()
         capture_seconds = time.perf_counter() - t0
         if dump:
             debug_dump.update_manifest_runtime(dump, engine.runner)
-        tokens = engine.generate(_prompts(opts, cfg.vocab_size), opts.steps)
+        phase("generating", done=1)
+        steps = iter(range(1, 1 << 30))
+        tokens = engine.generate(_prompts(opts, cfg.vocab_size), opts.steps,
+                                 on_step=lambda _: phase(f"generating, step {next(steps)}"))
+        phase("done", done=1)
         if dump:
             debug_dump.update_manifest_runtime(dump, engine.runner)
     secs = engine.stats.step_seconds
@@ -172,34 +207,43 @@ def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dt
 
 
 def run_demo(opts: DemoOptions, say: Callable[[str], Any] = print) -> list[ModeResult]:
+    """Raises ValueError for a graph mode this machine cannot run (plan_modes)."""
+    modes, why = plan_modes(opts)
     tp = start_tensor_parallel(opts)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")  # with TP: this rank's GPU (LOCAL_RANK)
     dtype = DTYPES[opts.dtype] if opts.dtype else (torch.bfloat16 if cuda else torch.float32)
-    modes, why = modes_to_run(opts.modes, cuda)
     if why:
         say(why)
     say(f"model {opts.model} ({opts.preset}), {opts.batch} prompts of {opts.prompt_len} tokens, "
         f"{opts.steps} new tokens, {str(dtype).replace('torch.', '')} on {device.type}, "
         f"pieces compiled with {opts.piece_compiler}")
+    if opts.standin:
+        say(STANDIN_NOTE)
     if tp.size > 1:
         say(f"tensor parallel: {tp.size} ranks; the reference is the whole model (TP=1) on each rank")
-    reference = run_mode(opts, "none", device, dtype, reference=True, tp=1)
-    results = []
-    for mode in modes:
-        dump = None
-        if opts.dump:
-            dump = opts.dump if len(modes) == 1 else str(Path(opts.dump) / mode)
-            if tp.size > 1:  # one dump per rank: each compiles and captures its own
-                dump = str(Path(dump) / f"rank{tp.rank}")
-        r = run_mode(opts, mode, device, dtype, dump=dump)
-        r.equal = r.tokens == reference.tokens
-        results.append(r)
+    graphs = standin_graphs() if opts.standin else contextlib.nullcontext()
+    # Phases: compile (+ capture) and generate, for the reference and each mode.
+    bar = progress_bar("demo", total=2 * (1 + len(modes)), unit="phase",
+                       enabled=None if opts.progress else False)  # None: MRV2_PROGRESS decides
+    with graphs, bar:
+        reference = run_mode(opts, "none", device, dtype, reference=True, tp=1, bar=bar)
+        results = []
+        for mode in modes:
+            dump = None
+            if opts.dump:
+                dump = opts.dump if len(modes) == 1 else str(Path(opts.dump) / mode)
+                if tp.size > 1:  # one dump per rank: each compiles and captures its own
+                    dump = str(Path(dump) / f"rank{tp.rank}")
+            r = run_mode(opts, mode, device, dtype, dump=dump, bar=bar)
+            r.equal = r.tokens == reference.tokens
+            results.append(r)
     torch._dynamo.reset()
     return results
 
 
-# What each column measures: pieces of the split graph; CUDA graphs captured;
+# What each column measures: pieces of the split graph; CUDA graphs (or
+# stand-in graphs, with --standin) captured;
 # runner.capture() wall time, which includes compiling (the first call
 # compiles) and, where graphs are on, capturing; median generation step;
 # generated tokens per second of step time; tokens equal to eager's.

@@ -1,33 +1,29 @@
 """The speculative-decoding draft path: an autoregressive draft model proposes
 `num_draft_tokens` tokens for every request, one uniform decode step at a time.
 
-Graphs are keyed by (requests, draft tokens). In FULL mode the whole k-step
+Graphs are keyed by their StepGraph (a FULL uniform-decode graph of n
+requests); a DraftRunner drafts a fixed k, so the loop graphs it holds are
+all k-step loops. In FULL mode the whole k-step
 loop is one graph: each step's argmax becomes the next step's input, and
 positions, seq_lens and slot mappings advance on the device, in the
 persistent buffers the metadata views read, so nothing leaves the graph. In
 PIECEWISE mode the loop runs in Python over the model's piecewise graphs, and
 metadata is rebuilt each step (the attention breakpoint runs eagerly with
-exact bounds). Capture goes through the same
-`prepare_inputs_to_capture(..., full_cudagraph=mode is FULL)` as the main model.
+exact bounds). Capture goes through the same `prepare_inputs_to_capture(step, ...)`
+as the main model.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
-from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, current_graph_backend
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime.graph_pool import current_graph_backend
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.model_runner import ModelRunner
-
-
-class DraftDescriptor(NamedTuple):
-    num_reqs: int  # padded requests (= tokens per step)
-    num_draft_tokens: int
 
 
 class DraftRunner:
@@ -41,7 +37,7 @@ class DraftRunner:
         self.loop_graph = CUDAGraphWrapper(
             self._loop, CUDAGraphMode.FULL, name="draft_loop",
             debug_checks=runner.config.debug_checks, graphs=current_graph_backend())
-        self.captured: list[DraftDescriptor] = []
+        self.captured: list[StepGraph] = []  # the loop graphs captured, largest first
 
     # ---- the k-step loop (device only) ----------------------------------------
 
@@ -75,7 +71,7 @@ class DraftRunner:
 
     # ---- capture and propose --------------------------------------------------
 
-    def capture(self, sizes: list[int] | None = None) -> list[DraftDescriptor]:
+    def capture(self, sizes: list[int] | None = None) -> list[StepGraph]:
         """One graph per (requests, k), largest first, for `sizes` (default:
         every decode size of the runner). PIECEWISE needs nothing beyond the
         main runner's piecewise graphs."""
@@ -88,24 +84,21 @@ class DraftRunner:
             raise ValueError(f"draft sizes {unknown} are not decode sizes of the runner "
                              f"({r.decode_sizes}); a batch is padded to one of those")
         for n in sorted(sizes, reverse=True):
-            step = StepGraph(CUDAGraphMode.FULL, n, n, uniform_decode=True)
+            step = StepGraph.full_decode(n)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            meta, _ = prepare_inputs_to_capture(n, n, r.model_state, full_cudagraph=True,
-                                                uniform_decode=True)
-            with set_forward_context(ForwardContext.for_step(StepGraph.eager(n, n), meta)):
+            meta, _ = prepare_inputs_to_capture(step, r.model_state)
+            with set_forward_context(ForwardContext(meta, StepGraph.eager(n, n))):
                 self._loop(ids, pos)  # warm-up
             # Re-prepare: the warm-up advanced the (dummy) buffers.
-            meta, _ = prepare_inputs_to_capture(n, n, r.model_state, full_cudagraph=True,
-                                                uniform_decode=True)
+            meta, _ = prepare_inputs_to_capture(step, r.model_state)
             self._run_loop(step, meta, ids, pos)
-            self.captured.append(DraftDescriptor(n, self.k))
+            self.captured.append(step)
         return self.captured
 
     def _run_loop(self, step: StepGraph, meta: dict, ids: torch.Tensor,
                   pos: torch.Tensor) -> torch.Tensor:
         """The k-step loop's graph for `step` (captured on its first call)."""
-        key = DraftDescriptor(step.num_reqs, self.k)  # loop graphs are keyed by k as well
-        with set_forward_context(ForwardContext(meta, key, step.mode)):
+        with set_forward_context(ForwardContext(meta, step)):
             return self.loop_graph(ids, pos)
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
@@ -121,14 +114,14 @@ class DraftRunner:
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
-            desc = DraftDescriptor(n, self.k)
-            if not self.loop_graph.is_captured(desc):  # checked before anything is written
+            step = StepGraph.full_decode(n)
+            if not self.loop_graph.is_captured(step):  # checked before anything is written
                 raise RuntimeError(
                     f"no draft graph for {n} requests x {self.k} draft tokens (the padded size "
                     f"of this {batch.num_reqs}-request batch); captured: "
-                    f"{[tuple(d) for d in self.captured] or 'none'}. Call DraftRunner.capture() "
-                    "before propose(): the draft loop is not captured on demand")
-            step = StepGraph(CUDAGraphMode.FULL, n, n, uniform_decode=True)
+                    f"{[s.num_reqs for s in self.captured] or 'none'} requests. Call "
+                    "DraftRunner.capture() before propose(): the draft loop is not captured "
+                    "on demand")
             meta = r._write_step(batch, step)  # checked above
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
             return self._run_loop(step, meta, ids, pos)[: batch.num_reqs].clone()

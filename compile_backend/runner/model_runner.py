@@ -14,8 +14,8 @@ model's vocabulary size (`model.vocab_size`, `get_input_embeddings()` or
 
 from __future__ import annotations
 
-import bisect
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,16 +23,16 @@ from typing import Any, Callable
 
 import torch
 
-from compile_backend.compile.backend import mrv2_backend
+from compile_backend.compile.backend import Mrv2Backend
 from compile_backend.runtime.machine import graph_mode_on_this_machine
 from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
-from compile_backend.core.graph_mode import (BatchDescriptor, CUDAGraphMode, StepGraph,
-                                             lower_graph_mode)
-from compile_backend.runtime.cuda_graph import (CUDAGraphWrapper, current_graph_backend,
-                                                plan_capture)
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
+from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.kv_cache_config import KVCacheConfig
@@ -45,16 +45,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CaptureRecord:
-    mode: str
-    descriptor: BatchDescriptor
+    graph: StepGraph  # the graph captured
     seconds: float
     pool_bytes: int
     for_capture: dict[str, bool] = field(default_factory=dict)  # builder kind -> flag
 
     def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "descriptor": self.descriptor._asdict(),
-                "seconds": round(self.seconds, 6), "pool_bytes": self.pool_bytes,
-                "for_capture": self.for_capture}
+        return {"graph": self.graph.summary(), "seconds": round(self.seconds, 6),
+                "pool_bytes": self.pool_bytes, "for_capture": self.for_capture}
 
 
 def fit_capture_sizes(sizes: list[int], kv: KVCacheConfig) -> list[int]:
@@ -97,7 +95,9 @@ class ModelRunner:
         compare Inductor's own modes, or the model uncompiled, this way)."""
         self.config = config or CompilationConfig()
         self.kv_cache_config = kv_cache_config
-        self.device = torch.device(device)
+        from compile_backend.runtime.machine import check_device  # a missing GPU: a clear error
+
+        self.device = check_device(device)
         self.progress = progress
         self.model = model
         self.model_state = ModelState.for_model(model, kv_cache_config, self.device)
@@ -110,22 +110,24 @@ class ModelRunner:
         here, self.mode_reason = graph_mode_on_this_machine(self.config.cudagraph_mode)
         self.mode, lowered_reason = lower_graph_mode(here, builders)
         self.mode_reason = lowered_reason or self.mode_reason
-        self.capture_sizes = fit_capture_sizes(self.config.capture_sizes, kv_cache_config)
-        # Uniform-decode graphs: one token per request.
-        self.decode_sizes = [s for s in self.capture_sizes if s <= kv_cache_config.max_num_reqs]
-        if self.mode is not CUDAGraphMode.NONE and not self.capture_plan():
+        # Which graphs to capture and which one a batch runs in (pure rules).
+        self.plan = GraphPlan(self.mode, tuple(fit_capture_sizes(self.config.capture_sizes,
+                                                                 kv_cache_config)),
+                              kv_cache_config.max_num_reqs)
+        if self.mode is not CUDAGraphMode.NONE and not self.plan.captures():
             raise ValueError(_empty_plan_message(self.mode, self.config.capture_sizes,
                                                  kv_cache_config))
-        options = self.config.summary()
-        options["cudagraph_mode"] = self.mode.value
-        # Pieces an entry of the warm-start cache can hold.
-        options["serializable"] = self.config.cache_dir is not None
         if compile_fn is None:
+            # The backend gets this config and the lowered mode as objects:
+            # nothing is parsed or lowered again. Its pieces are ones an entry
+            # of the warm-start cache can hold when there is a cache.
+            step_config = dataclasses.replace(self.config, cudagraph_mode=self.mode,
+                                              serializable=self.config.cache_dir is not None)
             # Compiled (or loaded) at the first step, then called without
             # Dynamo's guards (compile/guard_free.py says what that promises).
             self.compiled = GuardFreeModel(
-                model, CompilationConfig.from_options(options),
-                lambda gm, example_inputs: mrv2_backend(gm, example_inputs, options=options))
+                model, step_config,
+                Mrv2Backend(step_config, graph_mode=self.mode, mode_reason=self.mode_reason))
         else:
             self.compiled = compile_fn(model)
         # Outputs held weakly, as every piece's are: a step's logits live in the
@@ -138,6 +140,16 @@ class ModelRunner:
         self.captured = False
         # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
         self.parallel = RankAgreement.for_runner(self)
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        """Token counts with graphs (those a batch can reach), ascending."""
+        return list(self.plan.capture_sizes)
+
+    @property
+    def decode_sizes(self) -> list[int]:
+        """Sizes of the uniform-decode FULL graphs (one token per request)."""
+        return list(self.plan.decode_sizes)
 
     # ---- one forward ---------------------------------------------------------
 
@@ -156,7 +168,7 @@ class ModelRunner:
         buffers in `step`'s graph."""
         T = step.num_tokens
         ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
-        with set_forward_context(ForwardContext.for_step(step, metadata, trace)), \
+        with set_forward_context(ForwardContext(metadata, step, trace=trace)), \
                 self._kernel_checks():
             if step.mode is CUDAGraphMode.FULL:
                 return self.full_graph(ids, pos)
@@ -175,17 +187,7 @@ class ModelRunner:
 
     def capture_plan(self) -> list[StepGraph]:
         """The graphs to capture: piecewise before full, each largest first."""
-        plan: list[StepGraph] = []
-        max_reqs = self.kv_cache_config.max_num_reqs
-        sizes = sorted(self.capture_sizes, reverse=True)
-        if self.mode.has_piecewise:
-            plan += [StepGraph(CUDAGraphMode.PIECEWISE, s, min(s, max_reqs)) for s in sizes]
-        if self.mode is CUDAGraphMode.FULL:
-            plan += [StepGraph(CUDAGraphMode.FULL, s, min(s, max_reqs)) for s in sizes]
-        if self.mode.has_full:
-            plan += [StepGraph(CUDAGraphMode.FULL, s, s, uniform_decode=True)
-                     for s in sorted(self.decode_sizes, reverse=True)]
-        return plan
+        return self.plan.captures()
 
     def capture(self, trace: list | None = None) -> list[CaptureRecord]:
         """Capture every graph the mode needs. With mode NONE this only warms
@@ -214,9 +216,9 @@ class ModelRunner:
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
         """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
-        meta, _ = prepare_inputs_to_capture(num_reqs, num_tokens, self.model_state,
-                                            full_cudagraph=False)
-        self._forward(StepGraph.eager(num_tokens, num_reqs), meta, trace)
+        step = StepGraph.eager(num_tokens, num_reqs)
+        meta, _ = prepare_inputs_to_capture(step, self.model_state)
+        self._forward(step, meta, trace)
 
     def _capture_one(self, step: StepGraph, trace: list | None) -> None:
         """Warm up and capture one graph of the plan. No synchronize around it
@@ -228,40 +230,30 @@ class ModelRunner:
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
-        meta, _ = prepare_inputs_to_capture(
-            step.num_reqs, step.num_tokens, self.model_state,
-            full_cudagraph=step.mode is CUDAGraphMode.FULL, uniform_decode=step.uniform_decode)
+        meta, _ = prepare_inputs_to_capture(step, self.model_state)
         self._forward(StepGraph.eager(step.num_tokens, step.num_reqs), meta, trace)  # warm-up
         self._forward(step, meta, trace)  # capture
         builds = self.model_state.build_log[builds_before:]
         self.captures.append(CaptureRecord(
-            mode=step.mode.value, descriptor=step.descriptor, seconds=time.perf_counter() - t0,
+            graph=step, seconds=time.perf_counter() - t0,
             pool_bytes=graphs.memory_allocated() - before,
             for_capture={b["kind"]: b["for_capture"] for b in builds}))
 
     # ---- serving ---------------------------------------------------------------
 
     def dispatch(self, batch: InputBatch) -> StepGraph:
-        """The graph a batch runs in, with its padded sizes."""
-        T, B = batch.num_tokens, batch.num_reqs
-        max_reqs = self.kv_cache_config.max_num_reqs
-        if self.mode is CUDAGraphMode.NONE or not self.captured:
-            return StepGraph.eager(T, B)
-        i = bisect.bisect_left(self.capture_sizes, T)
-        if i == len(self.capture_sizes):
-            counters["eager_no_graph"] += 1
-            logger.info("batch of %d tokens is larger than every capture size (%d): eager",
-                        T, self.capture_sizes[-1])
-            return StepGraph.eager(T, B)
-        Tp = self.capture_sizes[i]
-        if self.mode.has_full and batch.uniform_decode and Tp in self.decode_sizes:
-            return StepGraph(CUDAGraphMode.FULL, Tp, Tp, uniform_decode=True)
-        if self.mode is CUDAGraphMode.FULL:
-            return StepGraph(CUDAGraphMode.FULL, Tp, min(Tp, max_reqs))
-        if self.mode.has_piecewise:
-            return StepGraph(CUDAGraphMode.PIECEWISE, Tp, min(Tp, max_reqs))
-        counters["eager_mixed_batch"] += 1  # FULL_DECODE_ONLY and a batch that is not decode
-        return StepGraph.eager(T, B)
+        """The graph a batch runs in, with its padded sizes (GraphPlan.dispatch;
+        eager until capture() ran)."""
+        if not self.captured:
+            return StepGraph.eager(batch.num_tokens, batch.num_reqs)
+        step, no_graph = self.plan.dispatch(batch.num_tokens, batch.num_reqs,
+                                            batch.uniform_decode)
+        if no_graph is not None:
+            counters[no_graph] += 1
+            if no_graph == NO_GRAPH_TOO_LARGE:
+                logger.info("batch of %d tokens is larger than every capture size (%d): eager",
+                            batch.num_tokens, self.capture_sizes[-1])
+        return step
 
     def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
         """Run one step; returns the rows of the real tokens ([T, ...]), valid

@@ -138,7 +138,7 @@ def end_tensor_parallel(timeout_s: float = 120.0) -> int:
 
     import torch.distributed as dist
 
-    from compile_backend.runtime.cuda_graph import release_graphs
+    from compile_backend.runtime.graph_pool import release_graphs
 
     if not (dist.is_available() and dist.is_initialized()):
         return 0

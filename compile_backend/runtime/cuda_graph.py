@@ -1,14 +1,15 @@
 """The CUDA-graph wrapper. It knows nothing of compilation: it wraps a callable
-and, per batch descriptor, captures it once and replays it after.
+and, per step graph (core/graph_mode.py: StepGraph), captures it once and
+replays it after.
 
 Which graph a call uses comes from the forward context the runner sets:
-  runtime mode == wrapper's mode and a batch descriptor  -> capture or replay
-  anything else (NONE, or FULL around a PIECEWISE piece) -> run the callable
+  the context's graph has the wrapper's mode  -> capture or replay, keyed by graph.key
+  anything else (NONE, no graph, FULL around a PIECEWISE piece) -> run the callable
 Without a forward context (plain torch.compile use, no runner), a wrapper keys
 graphs by its inputs' shapes: the first call of a shape runs eagerly as
 warm-up, the second captures, later ones replay. A FULL wrapper runs its
-callable under a FULL forward context without a descriptor, so PIECEWISE
-wrappers inside it run their callables (one graph, not nested captures).
+callable under a forward context without a graph, so PIECEWISE wrappers
+inside it run their callables (one graph, not nested captures).
 
 Capture never hands out what it recorded. Capturing records kernels and runs
 none: the capturing call's outputs are uninitialised memory and its writes
@@ -37,236 +38,22 @@ pool of their own. docs/design_notes.md says why each rule holds.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from compile_backend.core.graph_mode import CUDAGraphMode
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
 from compile_backend.core.counters import counters
+from compile_backend.runtime import graph_pool
 from compile_backend.core.forward_context import (
     ForwardContext, get_forward_context, has_forward_context, set_forward_context,
 )
 
 logger = logging.getLogger(__name__)
-
-
-# One side stream per device for every capture (as torch.cuda.graph keeps one).
-_capture_streams: dict[int, Any] = {}
-
-
-class TorchCUDAGraphs:
-    """The real thing; tests substitute a stand-in with the same methods
-    (new_graph, capture, pool, memory_allocated, synchronize, empty_cache)."""
-
-    def new_graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
-
-    @contextlib.contextmanager
-    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()):
-        """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing).
-
-        torch.cuda.graph without what it does before every capture: a device
-        synchronize, torch.cuda.empty_cache, the pinned host cache's emptying
-        and, with TORCH_CUDAGRAPH_GC set (always in old torch), gc.collect.
-        A runner's plan captures hundreds of graphs (1155 in PIECEWISE for
-        llama8b at 35 sizes), each paying for those; the wrapper does them
-        itself where they are wanted (once per plan, or per graph outside
-        one: `plan_capture`).
-        The rest is as torch.cuda.graph: a side stream (capture cannot run on
-        the default stream) that waits for the caller's stream before, and
-        the caller's stream waits for it after, so the capture is ordered
-        after the work queued before it without a host synchronize; same
-        capture_error_mode ("global") and pool."""
-        outer = torch.cuda.current_stream()
-        stream = _capture_streams.get(outer.device_index)
-        if stream is None:
-            stream = _capture_streams[outer.device_index] = torch.cuda.Stream(outer.device)
-        stream.wait_stream(outer)
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="global")
-            try:
-                yield
-            finally:
-                graph.capture_end()
-        outer.wait_stream(stream)
-
-    def pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
-
-    def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        """Return the allocator's cached free blocks to the device, so a
-        graph's pool can take that memory (what torch.cuda.graph did before
-        every capture: an allocation that fails during a capture cannot
-        free cached blocks then)."""
-        torch.cuda.empty_cache()
-
-
-_shared_pool: Any = None
-_graph_backend: Any = None  # a stand-in set by use_graph_backend (tests)
-
-
-def current_graph_backend() -> Any:
-    return _graph_backend if _graph_backend is not None else TorchCUDAGraphs()
-
-
-def graph_backend_overridden() -> bool:
-    return _graph_backend is not None
-
-
-@contextlib.contextmanager
-def use_graph_backend(graphs: Any):
-    """Capture with a stand-in graph object (new_graph/capture/pool/...) instead
-    of CUDA: lets CPU tests drive capture, dispatch and address checks. Graph
-    modes are not lowered to NONE while it is active."""
-    global _graph_backend, _shared_pool
-    previous, previous_pool = _graph_backend, _shared_pool
-    _graph_backend, _shared_pool = graphs, None
-    _pool_outputs.clear()
-    try:
-        yield graphs
-    finally:
-        _graph_backend, _shared_pool = previous, previous_pool
-
-
-_pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every live graph, for release_graphs
-_shared_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those in the shared pool
-_wrappers: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()  # every wrapper, for release_graphs
-# Storage addresses of graph outputs (any pool's): what `own_outputs` clones
-# for plain callers, and what a lazy capture does not take for a caller's
-# tensor. Cleared only when every graph is freed: a stale address costs a
-# clone or a capture at most, a missing one would hand out graph memory.
-_pool_outputs: set[int] = set()
-
-
-_plan_depth = 0  # > 0 while plan_capture is active
-
-
-@contextlib.contextmanager
-def plan_capture(graphs: Any):
-    """Scope of many captures in a row (a runner's capture plan).
-
-    Per graph, a capture outside a plan synchronizes the device before and
-    after (its `seconds` is then the device's time) and empties the
-    allocator's cache (as torch.cuda.graph did). Inside a plan these happen
-    once for the whole plan: the graphs are captured largest first into one
-    pool, so the cache emptied before the first (largest) one is what the
-    later ones need, and the host queues the next size's warm-up while the
-    device runs the previous one. Per-graph `seconds` are then host time
-    (the plan's end synchronizes); `pool_bytes` stay per graph (the
-    allocator counts on the host, without a synchronize).
-
-    The garbage collector is frozen meanwhile (vLLM does the same): one
-    collection first (a dead reference cycle holding device memory would
-    otherwise keep it out of the pool for good), then gc.freeze(), so the
-    collections that capture's allocations trigger no longer walk every
-    object the compile left behind (Dynamo's and Inductor's); gc.unfreeze()
-    after, also on error. Plans may nest; the outermost one does all this."""
-    global _plan_depth
-    outermost = _plan_depth == 0
-    # A caller that froze objects itself keeps them frozen: gc.unfreeze()
-    # would thaw its objects too, so the plan then freezes nothing.
-    freeze = outermost and gc.get_freeze_count() == 0
-    if outermost:
-        gc.collect()
-        graphs.synchronize()
-        graphs.empty_cache()
-    if freeze:
-        gc.freeze()
-    _plan_depth += 1
-    try:
-        yield
-    finally:
-        _plan_depth -= 1
-        if freeze:
-            gc.unfreeze()
-    if outermost:  # not after an error: a failed capture's error stays the one raised
-        graphs.synchronize()
-        # What the warm-ups cached is not the graphs': return it, as the
-        # per-graph empty_cache used to by the end of a plan.
-        graphs.empty_cache()
-
-
-def shared_graph_pool(graphs: Any) -> Any:
-    """One memory pool for the runner's graphs (captured largest first, so
-    smaller graphs reuse the blocks of larger ones). The allocator frees a
-    pool when its last graph dies, so a handle is reused only while a graph
-    captured into it lives (graphs in pools of their own do not count)."""
-    global _shared_pool
-    if _shared_pool is None or not _shared_graphs:
-        _shared_pool = graphs.pool()
-    return _shared_pool
-
-
-def release_graphs() -> int:
-    """Free every captured graph and the shared pool's memory; returns how
-    many graphs were freed. Each wrapper forgets its graphs, so a later call
-    of a compiled model or runner captures again (on demand) into a new pool.
-
-    Needed because graphs outlive their runner and `torch._dynamo.reset()`:
-    Dynamo keeps each compiled step in the traced module's globals
-    (`__compiled_fn_*`). Without this, switching models keeps the old
-    model's graphs (and pool) alive, and the new model's graphs share that
-    pool. Call it when no graph is in flight on another stream."""
-    global _shared_pool
-    graphs = list(_pool_graphs)
-    wrappers = list(_wrappers)
-    _shared_pool = None
-    if not graphs and not wrappers:
-        return 0
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:  # no replay in flight (stand-in graphs need nothing)
-        torch.cuda.synchronize()
-    for wrapper in wrappers:
-        wrapper.entries.clear()
-        wrapper.variants.clear()
-        wrapper._keys.clear()
-    for graph in graphs:
-        reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
-        if reset is not None:
-            reset()
-    _pool_graphs.clear()
-    _shared_graphs.clear()
-    _pool_outputs.clear()
-    if cuda:
-        torch.cuda.synchronize()
-    return len(graphs)
-
-
-def _is_pool_output(t: torch.Tensor) -> bool:
-    """Is `t` memory a graph wrote as an output (the pool's, not a caller's)?"""
-    return bool(_pool_outputs) and t.untyped_storage().data_ptr() in _pool_outputs
-
-
-def own_outputs(out: Any) -> Any:
-    """`out` with every tensor that lives in graph memory cloned: for callers
-    outside a runner, whose outputs must not change when a graph replays."""
-    if not _pool_outputs:
-        return out
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone() if _is_pool_output(t) else t, out)
-
-
-def weak_ref(t: Any) -> Any:
-    """A tensor aliasing `t`'s memory without owning it."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-        return t
-    s = t.untyped_storage()
-    storage = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        storage, t.storage_offset(), t.shape, t.stride()
-    )
 
 
 @dataclass
@@ -323,8 +110,8 @@ def _output_aliases(outputs: Any, args: Sequence[Any]):
 
 
 class CUDAGraphWrapper:
-    """Captures `fn` per key (batch descriptor, or input shapes without a
-    runner) and replays it.
+    """Captures `fn` per key (the step graph's `key`, or input shapes without
+    a runner) and replays it.
 
     Addresses (docs/design_notes.md, "A replay never writes into a private
     copy"): an input the graph writes (`written_inputs`; None: unknown, so
@@ -354,19 +141,23 @@ class CUDAGraphWrapper:
         self.debug_checks = debug_checks
         self.stable_inputs = set(stable_inputs)
         self.input_names = list(input_names) if input_names else None
-        self.graphs = graphs or current_graph_backend()
+        self.graphs = graphs or graph_pool.current_graph_backend()
         self.written_inputs = None if written_inputs is None else frozenset(written_inputs)
         self.graphs_per_shape = graphs_per_shape
         self.entries: dict[Hashable, CapturedGraph] = {}  # key -> most recently used graph
         self.variants: dict[Hashable, list[CapturedGraph]] = {}  # key -> its graphs, LRU last
         self.moving: set[int] = set()  # read-only inputs seen at a new address
         self._said: set[tuple[int, str]] = set()  # (input, reason) logged once
-        self._keys: dict[Hashable, Hashable] = {}  # descriptor -> key_of(descriptor), memoized
         self._warmed_shapes: set[Hashable] = set()
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
-        # inside it see a FULL context without a descriptor and run their callables.
-        self._lazy_ctx = ForwardContext(cudagraph_runtime_mode=mode) if mode is CUDAGraphMode.FULL else None
-        _wrappers.add(self)
+        # inside it see a context without a graph and run their callables.
+        self._lazy_ctx = ForwardContext() if mode is CUDAGraphMode.FULL else None
+        graph_pool.register_wrapper(self)
+
+    def forget_graphs(self) -> None:
+        """Drop every graph (release_graphs freed them): calls capture again."""
+        self.entries.clear()
+        self.variants.clear()
 
     def writes(self, i: int) -> bool:
         return self.written_inputs is None or i in self.written_inputs
@@ -378,23 +169,18 @@ class CUDAGraphWrapper:
         if not has_forward_context():
             return self._lazy(args)
         ctx = get_forward_context()
-        desc = ctx.batch_descriptor
-        if ctx.cudagraph_runtime_mode is not self.mode or desc is None:
+        step = ctx.graph
+        if step is None or step.mode is not self.mode:
             return self.fn(*args)
-        key = self._keys.get(desc)
-        if key is None:
-            key = self._keys[desc] = self.key_of(desc)
+        key = step.key
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
         return self._replay(key, entry, args, ctx)
 
-    def key_of(self, desc: Hashable) -> Hashable:
-        """The key a descriptor's graph is held under."""
-        return desc.relaxed() if self.mode is CUDAGraphMode.PIECEWISE else desc
-
-    def is_captured(self, desc: Hashable) -> bool:
-        return self.key_of(desc) in self.entries
+    def is_captured(self, step: StepGraph) -> bool:
+        """Has `step`'s graph been captured (a step of another mode: never)?"""
+        return step.mode is self.mode and step.key in self.entries
 
     def _lazy(self, args: Sequence[Any]) -> Any:
         """No runner: graphs keyed by input shapes, captured on the second call."""
@@ -415,7 +201,7 @@ class CUDAGraphWrapper:
             self.moving.update(
                 i for i, a in enumerate(args)
                 if isinstance(a, torch.Tensor) and not self.writes(i)
-                and i not in self.stable_inputs and not _is_pool_output(a))
+                and i not in self.stable_inputs and not graph_pool.is_pool_output(a))
             return self._capture(key, args, ctx, own_pool=True)
 
     # ---- capture and replay -------------------------------------------------
@@ -438,14 +224,12 @@ class CUDAGraphWrapper:
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
         graph = self.graphs.new_graph()
-        pool = self.graphs.pool() if own_pool else shared_graph_pool(self.graphs)
-        _pool_graphs.add(graph)
-        if not own_pool:
-            _shared_graphs.add(graph)
+        pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
+        graph_pool.register_graph(graph, shared=not own_pool)
         # Alone (lazily, late, or for a new address), a capture settles the
         # device and empties the allocator's cache first, as torch.cuda.graph
         # did; in a plan that is done once for all graphs (plan_capture).
-        alone = _plan_depth == 0
+        alone = not graph_pool.in_capture_plan()
         if alone:
             self.graphs.synchronize()
             self.graphs.empty_cache()
@@ -465,13 +249,13 @@ class CUDAGraphWrapper:
         aliased = {leaf for leaf, *_ in aliases}
         for leaf, t in enumerate(pytree.tree_leaves(outputs)):
             if type(t) is torch.Tensor and leaf not in aliased:
-                _pool_outputs.add(t.untyped_storage().data_ptr())
+                graph_pool.register_output(t)
         entry = CapturedGraph(
             graph=graph,
-            inputs=[a if i in copy_ins else weak_ref(a) for i, a in enumerate(capture_args)],
+            inputs=[a if i in copy_ins else graph_pool.weak_ref(a) for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and i not in copy_ins),
-            outputs=pytree.tree_map(weak_ref, outputs),
+            outputs=pytree.tree_map(graph_pool.weak_ref, outputs),
             copy_ins=copy_ins,
             output_aliases=aliases,
             # read only by debug_checks' replays (a walk of every layer's
@@ -502,8 +286,7 @@ class CUDAGraphWrapper:
             if reset is not None:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
-            _pool_graphs.discard(old.graph)
-            _shared_graphs.discard(old.graph)
+            graph_pool.forget_graph(old.graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "

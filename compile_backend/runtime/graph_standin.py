@@ -23,12 +23,16 @@ The contract (what a CUDA graph does, and so what this does):
   the metadata tensor objects are the capture-time ones, and only what was
   copied into the held input and persistent buffers is new, as on a GPU.
   Results are copied into the capture-time output tensors.
+
+`compile_backend.standin_graphs()` is the public switch (`mrv2 demo
+--standin` and `check_against_eager(..., standin=True)` use it): graph modes
+then capture and replay on the CPU instead of running as `none`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -176,5 +180,26 @@ class StandInGraphs:
         graph.preexisting = set()
         if ctx is not None:  # frozen copy: same metadata objects, capture-time ints
             graph.ctx = ForwardContext(
-                attn_metadata=dict(ctx.attn_metadata), batch_descriptor=ctx.batch_descriptor,
-                cudagraph_runtime_mode=ctx.cudagraph_runtime_mode, trace=ctx.trace)
+                attn_metadata=dict(ctx.attn_metadata), graph=ctx.graph, trace=ctx.trace)
+
+
+# What a run that captures with the stand-in says (the demo, check_against_eager).
+STANDIN_NOTE = "graphs: CPU stand-in (replays with capture-time state; not a CUDA graph)"
+
+
+@contextlib.contextmanager
+def standin_graphs() -> Iterator[StandInGraphs]:
+    """Capture and replay with the CPU stand-in while active, CUDA or not:
+    graph modes are not lowered to `none`, and every capture and replay runs
+    through `StandInGraphs` (the module docstring says how strict it is).
+    Shows on a CPU what a graph mode does; it is no speed-up (a replay runs
+    the captured code again).
+
+        with compile_backend.standin_graphs():
+            runner.capture()
+            logits = runner.execute(batch)
+    """
+    from compile_backend.runtime.graph_pool import use_graph_backend
+
+    with use_graph_backend(StandInGraphs()) as graphs:
+        yield graphs

@@ -11,7 +11,7 @@ from compile_backend.core.forward_context import ForwardContext, set_forward_con
 from compile_backend.core.op_registry import _LAYER_KEYED_OPS, register_layer_keyed_op
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.models import build_model, preset
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config, random_prompts
 

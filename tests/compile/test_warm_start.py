@@ -18,7 +18,7 @@ from compile_backend.compile import step_cache
 from compile_backend.demo.cli import main as cli_main
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.models import build_model, preset
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config, random_prompts
 

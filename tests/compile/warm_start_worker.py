@@ -87,7 +87,7 @@ def serve(runner):
 
 graphs = contextlib.nullcontext()
 if args.device == "cpu" and args.mode != "none":
-    from compile_backend.runtime.cuda_graph import use_graph_backend
+    from compile_backend.runtime.graph_pool import use_graph_backend
     from compile_backend.runtime.graph_standin import StandInGraphs
 
     graphs = use_graph_backend(StandInGraphs())

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.core.direct_calls import direct_call, register_direct_impl
 from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.runner.input_batch import InputBatch

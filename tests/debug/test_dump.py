@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import compile_backend as cb
 from compile_backend.demo.cli import main
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.debug.dump import (
     DumpPathError,
     depyf_dump,
@@ -33,7 +33,7 @@ GRAPH = {"index": int, "dir": str, "graph_mode": str, "mode_reason": (str, type(
 PIECE = {"index": int, "name": str, "captured": bool, "ops": list, "breakpoints": list,
          "attention_like": list, "eager_reasons": list, "inputs": list, "file": str}
 PASS = {"name": str, "uuid": str, "changed": bool, "details": dict}
-CAPTURE = {"mode": str, "descriptor": dict, "seconds": float, "pool_bytes": int,
+CAPTURE = {"graph": dict, "seconds": float, "pool_bytes": int,
            "for_capture": dict}
 BUILD = {"kind": str, "for_capture": bool, "mode": str, "dummy": bool, "num_tokens": int,
          "num_reqs": int}
@@ -188,7 +188,7 @@ def test_runtime_captures_builds_and_fallbacks_merged(runtime_dump):
     m = check_schema(dump)
     assert m["runtime"]["mode"] == "piecewise"
     assert len(m["captures"]) == len(engine.runner.captures) == 6
-    assert {c["descriptor"]["num_tokens"] for c in m["captures"]} == {1, 2, 4, 8, 16, 32}
+    assert {c["graph"]["num_tokens"] for c in m["captures"]} == {1, 2, 4, 8, 16, 32}
     # Note [why PIECEWISE still builds metadata]: built at every capture, not for_capture
     assert all(c["for_capture"] and not any(c["for_capture"].values()) for c in m["captures"])
     assert len(m["metadata_builds"]) == len(engine.runner.model_state.build_log)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.debug.dump import DumpPathError
 from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.runner.input_batch import InputBatch
@@ -143,8 +144,7 @@ def test_a_plan_synchronizes_and_empties_the_cache_once_with_the_collector_froze
 
         graphs.syncs = graphs.empties = 0
         w = CUDAGraphWrapper(lambda x: x * 2, Mode.PIECEWISE, name="alone")
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                cudagraph_runtime_mode=Mode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(Mode.PIECEWISE, 4, 4))
         with cb.set_forward_context(ctx):
             w(torch.randn(4))  # a capture outside a plan
         assert (graphs.syncs, graphs.empties) == (2, 1)

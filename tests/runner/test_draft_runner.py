@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import use_graph_backend
-from compile_backend.runner.draft_runner import DraftDescriptor, DraftRunner
+from compile_backend.runtime.graph_pool import use_graph_backend
+from compile_backend.core.graph_mode import StepGraph
+from compile_backend.runner.draft_runner import DraftRunner
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import make_engine, random_prompts
@@ -55,8 +56,8 @@ def test_draft_tokens_equal_an_eager_autoregressive_loop(mode):
         assert captured == []  # the main runner's piecewise graphs serve the loop
     else:
         sizes = [s for s in engine.runner.decode_sizes]
-        assert captured == [DraftDescriptor(n, K) for n in sorted(sizes, reverse=True)]
-        # captured through prepare_inputs_to_capture with full_cudagraph=True:
+        assert captured == [StepGraph.full_decode(n) for n in sorted(sizes, reverse=True)]
+        # captured through prepare_inputs_to_capture with a FULL step (for_capture):
         # every build the draft's capture made (warm-up and capture alike)
         assert engine.draft_builds and all(b["dummy"] for b in engine.draft_builds)
         assert all(b["for_capture"] and b["mode"] == "full" for b in engine.draft_builds)

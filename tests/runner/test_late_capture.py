@@ -17,6 +17,8 @@ sizes [2, 8] over 4 requests, so a decode batch of 3 requests pads to 8 tokens
 prefills of 8 tokens replay. Captured from exact metadata (max_query_len 1),
 that graph replays a prefill through the decode kernel."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ from compile_backend.demo.models import build_model, preset
 from compile_backend.runner.attention_metadata import AttentionMetadata
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.model_runner import ModelRunner
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config
 
@@ -35,9 +37,9 @@ MAX_MODEL_LEN = 64
 BLOCKS_PER_REQ = 4  # 4 blocks of 16 tokens: max_model_len
 # Small enough for the interpreter: one layer, one KV head.
 SMALL = dict(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
-MIXED_8 = StepGraph(CUDAGraphMode.FULL, 8, 4).descriptor
-DECODE_2 = StepGraph(CUDAGraphMode.FULL, 2, 2, uniform_decode=True).descriptor
-MIXED_2 = StepGraph(CUDAGraphMode.FULL, 2, 2).descriptor
+MIXED_8 = StepGraph(CUDAGraphMode.FULL, 8, 4).key
+DECODE_2 = StepGraph.full_decode(2).key
+MIXED_2 = StepGraph(CUDAGraphMode.FULL, 2, 2).key
 
 
 def _runner(model, mode, device="cpu"):
@@ -131,15 +133,17 @@ def _check_for_capture(runner, steps):
     """_late_captures, and every FULL graph holds its padded size's bounds
     (the stand-in replays with the metadata its capture saw)."""
     late = _late_captures(steps)
-    for desc, entry in runner.full_graph.entries.items():
+    for key, entry in runner.full_graph.entries.items():
+        step = entry.graph.ctx.graph  # the graph the stand-in captured under
+        assert step.key == key, (step, key)
         baked = entry.graph.ctx.attn_metadata
-        assert baked, desc
+        assert baked, step
         for layer, meta in baked.items():
-            assert meta.for_capture, (desc, layer)
-            bound = 1 if desc.uniform_decode else desc.num_tokens
-            assert meta.max_query_len == bound, (desc, layer, meta.max_query_len)
+            assert meta.for_capture, (step, layer)
+            bound = 1 if step.uniform_decode else step.num_tokens
+            assert meta.max_query_len == bound, (step, layer, meta.max_query_len)
             if isinstance(meta, AttentionMetadata):
-                assert meta.max_seq_len == MAX_MODEL_LEN, (desc, layer, meta.max_seq_len)
+                assert meta.max_seq_len == MAX_MODEL_LEN, (step, layer, meta.max_seq_len)
     return late
 
 
@@ -154,7 +158,7 @@ def test_graphs_captured_after_release_graphs_serve_every_later_batch(model, mod
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         runner, reference = _runner(model, mode), _runner(model, "none")
         runner.capture()
-        assert all(c.for_capture["attention"] == (c.mode == "full") for c in runner.captures)
+        assert all(c.for_capture["attention"] == (c.graph.mode is cb.CUDAGraphMode.FULL) for c in runner.captures)
         _serve(runner, reference, batches[:len(WARM)], f"{mode}, before release")
         captures = cb.counters["cudagraph_captures"]
         assert cb.release_graphs() > 0 and not runner.full_graph.entries
@@ -171,13 +175,9 @@ def test_graphs_captured_after_release_graphs_serve_every_later_batch(model, mod
 def _capture_only(runner, sizes):
     """capture() with its plan narrowed to `sizes`: the runner's other sizes
     stay in dispatch, without a graph until a step meets them."""
-    kept = runner.capture_sizes, runner.decode_sizes
-    runner.capture_sizes = [s for s in kept[0] if s in sizes]
-    runner.decode_sizes = [s for s in kept[1] if s in sizes]
-    try:
+    plan = [step for step in runner.capture_plan() if step.num_tokens in sizes]
+    with mock.patch.object(runner, "capture_plan", lambda: plan):
         runner.capture()
-    finally:
-        runner.capture_sizes, runner.decode_sizes = kept
 
 
 @pytest.mark.parametrize("model, mode, captured, late", [
@@ -194,7 +194,7 @@ def test_sizes_first_met_while_serving_capture_for_every_later_batch(model, mode
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         runner, reference = _runner(model, mode), _runner(model, "none")
         _capture_only(runner, captured)
-        assert {c.descriptor.num_tokens for c in runner.captures} == set(captured)
+        assert {c.graph.num_tokens for c in runner.captures} == set(captured)
         steps = _serve(runner, reference, batches, f"{mode}, captured {captured}")
         assert _check_for_capture(runner, steps) == late
 
@@ -219,7 +219,7 @@ def test_piecewise_graphs_still_replay_after_a_full_capture():
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         runner = _runner("llama", "full_and_piecewise")
         runner.capture()
-        assert runner.captures[-1].mode == "full"
+        assert runner.captures[-1].graph.mode is cb.CUDAGraphMode.FULL
         replays = cb.counters["cudagraph_replays"]
         runner.execute(_schedule(WARM)[0]())
         assert runner.dispatch(_schedule(WARM)[0]()).mode is CUDAGraphMode.PIECEWISE

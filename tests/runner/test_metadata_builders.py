@@ -17,7 +17,7 @@ from torch import nn
 
 import compile_backend as cb
 from compile_backend.runner.block_tables import BlockTables
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.examples import running_state
 from compile_backend.examples.running_state import RunningSum, RunningSumMetadata
 from compile_backend.runtime.graph_standin import StandInGraphs
@@ -107,7 +107,7 @@ def test_user_op_with_its_own_metadata_equals_eager_in_every_mode():
     assert [p.attention_like.count(OP) for p in piecewise.pieces] == [1, 0, 1]
     for mode in MODES[1:]:  # built at every capture, with the mode's for_capture
         for rec in runners[mode].captures:
-            assert rec.for_capture["running_sum"] == (rec.mode == "full"), (mode, rec)
+            assert rec.for_capture["running_sum"] == (rec.graph.mode is cb.CUDAGraphMode.FULL), (mode, rec)
 
 
 def _reference(x, state, qsl, slots, has_init):

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from compile_backend.compile.backend import clear_compiled_steps, compiled_steps  # noqa: E402
+from compile_backend.compile.compiled_step import clear_compiled_steps, compiled_steps  # noqa: E402
 from compile_backend.core.config import CompilationConfig  # noqa: E402
 from compile_backend.core.counters import counters, reset_counters  # noqa: E402
 from compile_backend.core.graph_mode import StepGraph  # noqa: E402
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
 def _graphs(standin: bool) -> contextlib.AbstractContextManager:
     if not standin:
         return contextlib.nullcontext()
-    from compile_backend.runtime.cuda_graph import use_graph_backend
+    from compile_backend.runtime.graph_pool import use_graph_backend
     from compile_backend.runtime.graph_standin import StandInGraphs
 
     return use_graph_backend(StandInGraphs())

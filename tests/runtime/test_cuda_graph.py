@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import compile_backend as cb
-from compile_backend.runtime.cuda_graph import CUDAGraphWrapper, use_graph_backend
+from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.core.graph_mode import CaptureSupport, StepGraph, lower_graph_mode
 from compile_backend.runtime.graph_standin import StandInGraphs
@@ -56,12 +57,12 @@ def test_metadata_is_built_at_every_capture_with_the_right_for_capture(mode):
         captures = engine.runner.capture(trace)
     assert captures, "nothing captured"
     for rec in captures:
-        want = rec.mode == "full"
+        want = rec.graph.mode is cb.CUDAGraphMode.FULL
         assert rec.for_capture == {"attention": want, "sconv": want, "compressor": want}, rec
     # attention-like ops ran *during* capture (piecewise and full) with metadata
     captured_events = {e for _, e in trace if e.endswith("@capture")}
     assert {"sconv@capture", "kv_compress@capture"} <= captured_events
-    full = [r for r in captures if r.mode == "full"]
+    full = [r for r in captures if r.graph.mode is cb.CUDAGraphMode.FULL]
     if full:  # in FULL graphs the attention breakpoint is captured too
         assert "unified_attention@capture" in captured_events
     else:
@@ -150,8 +151,7 @@ def test_dispatch_pads_to_the_nearest_capture_size(mode, qlens, expected):
     with use_graph_backend(StandInGraphs()):
         engine = make_engine(mode, max_num_tokens=40)
         runner = engine.runner
-        runner.capture_sizes = [s for s in CAPTURE_SIZES if s <= 32]
-        runner.decode_sizes = [s for s in runner.capture_sizes if s <= 4]
+        runner.plan = cb.GraphPlan(runner.mode, [s for s in CAPTURE_SIZES if s <= 32], 4)
         runner.captured = True
         assert runner.dispatch(_batch(qlens)) == expected
     if expected.mode is Mode.NONE and sum(qlens) > 32:
@@ -246,8 +246,7 @@ def test_debug_checks_catch_a_moved_stable_input_and_copy_others():
         w = CUDAGraphWrapper(lambda x, wt: x * wt, Mode.PIECEWISE, name="piece",
                              debug_checks=True, stable_inputs=[1], input_names=["x", "weight"],
                              written_inputs=())
-        ctx = cb.ForwardContext(batch_descriptor=cb.BatchDescriptor(4),
-                                cudagraph_runtime_mode=Mode.PIECEWISE)
+        ctx = cb.ForwardContext(graph=cb.StepGraph(Mode.PIECEWISE, 4, 4))
         with cb.set_forward_context(ctx):
             x0 = torch.randn(4)
             x0_before = x0.clone()
@@ -295,7 +294,7 @@ def test_released_graphs_are_captured_again_on_the_next_call():
 
     from backend_models import TOY_OPTIONS, ToyHybrid
 
-    from compile_backend.runtime import cuda_graph
+    from compile_backend.runtime import graph_pool
 
     cb.release_graphs()  # earlier tests' graphs
     model = ToyHybrid()
@@ -309,7 +308,7 @@ def test_released_graphs_are_captured_again_on_the_next_call():
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
         assert cb.counters["cudagraph_captures"] == 2
         assert cb.release_graphs() == 2
-        assert not cuda_graph._pool_graphs and cuda_graph._shared_pool is None
+        assert not graph_pool._pool_graphs and graph_pool._shared_pool is None
         for _ in range(2):  # the shape is warm: capture, then replay
             x = torch.randn(6, 16)
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
@@ -370,15 +369,15 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()):
         r = make_engine("full").runner
-    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=True,
-                                        uniform_decode=uniform)
+    meta, _ = prepare_inputs_to_capture(StepGraph(Mode.FULL, 4, 4, uniform_decode=uniform),
+                                        r.model_state)
     assert meta["layers.0.attn"].max_query_len == expected
     assert meta["layers.0.attn"].max_seq_len == r.kv_cache_config.max_model_len
     # attention-like: the padded bound, except in uniform-decode graphs (one token
     # per request by construction; the padded T would size their grids by T)
     assert meta["layers.0.conv"].max_query_len == expected
     assert meta["layers.0.compress"].max_query_len == expected
-    meta, _ = prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=False)
+    meta, _ = prepare_inputs_to_capture(StepGraph(Mode.PIECEWISE, 4, 4), r.model_state)
     assert meta["layers.0.conv"].max_query_len == 4  # PIECEWISE: serves any 4-token batch
     assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4)) == 1
     assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4, uniform_decode=True)) == 1
@@ -392,15 +391,13 @@ def test_a_step_graph_is_decided_once_and_refuses_a_piecewise_uniform_decode():
     step = StepGraph(Mode.FULL, 8, 8, uniform_decode=True)
     with pytest.raises(AttributeError):
         step.uniform_decode = False  # frozen
-    assert step.for_capture and step.descriptor == cb.BatchDescriptor(8, 8, True)
-    assert StepGraph(Mode.PIECEWISE, 8, 4).descriptor == cb.BatchDescriptor(8)
-    assert StepGraph.eager(3, 2).descriptor is None
+    assert step.for_capture and step.key == (8, 8, True) and step == StepGraph.full_decode(8)
+    # PIECEWISE graphs are held by token count alone: pieces see no request count
+    assert StepGraph(Mode.PIECEWISE, 8, 4).key == StepGraph(Mode.PIECEWISE, 8, 8).key == 8
+    assert not StepGraph(Mode.PIECEWISE, 8, 4).for_capture
+    assert StepGraph.eager(3, 2).key is None
     with pytest.raises(ValueError, match="serves any batch of its size"):
         StepGraph(Mode.PIECEWISE, 8, 8, uniform_decode=True)
     with pytest.raises(ValueError, match="one token per request"):
         StepGraph(Mode.FULL, 8, 4, uniform_decode=True)
-    torch._dynamo.reset()
-    with use_graph_backend(StandInGraphs()):
-        r = make_engine("full_and_piecewise").runner
-    with pytest.raises(ValueError, match="serves any batch of its size"):
-        prepare_inputs_to_capture(4, 4, r.model_state, full_cudagraph=False, uniform_decode=True)
+

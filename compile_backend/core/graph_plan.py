@@ -1,0 +1,71 @@
+"""Which graphs a runner captures and which one a batch runs in: pure rules
+over a lowered graph mode and the capture sizes (no torch, no state), so
+the runner, the draft loop and tests read one definition.
+
+    plan = GraphPlan(CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 2, 4, 8),
+                     max_num_reqs=4)
+    plan.captures()                 # PIECEWISE 8, 4, 2, 1; FULL decode 4, 2, 1
+    plan.dispatch(3, 3, uniform_decode=True)   # (StepGraph FULL 4x4 decode, None)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
+
+# Why dispatch gave a batch no graph (the runner counts these).
+NO_GRAPH_TOO_LARGE = "eager_no_graph"  # more tokens than every capture size
+NO_GRAPH_MIXED = "eager_mixed_batch"  # FULL_DECODE_ONLY and a batch that is not decode
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """mode: the lowered mode (what the machine and the builders allow).
+    capture_sizes: token counts a batch can reach, sorted ascending.
+    max_num_reqs: the most requests a batch holds."""
+
+    mode: CUDAGraphMode
+    capture_sizes: tuple[int, ...]
+    max_num_reqs: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capture_sizes", tuple(sorted(self.capture_sizes)))
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """Sizes of the uniform-decode FULL graphs: one token per request."""
+        return tuple(s for s in self.capture_sizes if s <= self.max_num_reqs)
+
+    def captures(self) -> list[StepGraph]:
+        """The graphs to capture: PIECEWISE before FULL, each largest first
+        (smaller graphs then reuse the larger ones' pool blocks)."""
+        plan: list[StepGraph] = []
+        sizes = sorted(self.capture_sizes, reverse=True)
+        if self.mode.has_piecewise:
+            plan += [StepGraph(CUDAGraphMode.PIECEWISE, s, min(s, self.max_num_reqs))
+                     for s in sizes]
+        if self.mode is CUDAGraphMode.FULL:
+            plan += [StepGraph(CUDAGraphMode.FULL, s, min(s, self.max_num_reqs)) for s in sizes]
+        if self.mode.has_full:
+            plan += [StepGraph.full_decode(s) for s in sorted(self.decode_sizes, reverse=True)]
+        return plan
+
+    def dispatch(self, num_tokens: int, num_reqs: int,
+                 uniform_decode: bool) -> tuple[StepGraph, str | None]:
+        """The graph a batch of these sizes runs in (padded), and why it got
+        none (NO_GRAPH_*) where a graph mode gave it none."""
+        if self.mode is CUDAGraphMode.NONE:
+            return StepGraph.eager(num_tokens, num_reqs), None
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        if i == len(self.capture_sizes):
+            return StepGraph.eager(num_tokens, num_reqs), NO_GRAPH_TOO_LARGE
+        padded = self.capture_sizes[i]
+        if self.mode.has_full and uniform_decode and padded <= self.max_num_reqs:
+            return StepGraph.full_decode(padded), None
+        if self.mode is CUDAGraphMode.FULL:
+            return StepGraph(CUDAGraphMode.FULL, padded, min(padded, self.max_num_reqs)), None
+        if self.mode.has_piecewise:
+            return StepGraph(CUDAGraphMode.PIECEWISE, padded, min(padded, self.max_num_reqs)), None
+        return StepGraph.eager(num_tokens, num_reqs), NO_GRAPH_MIXED

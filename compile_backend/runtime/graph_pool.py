@@ -1,0 +1,256 @@
+"""The graph memory's lifecycle: which graph implementation captures (CUDA,
+or a stand-in for CPU tests), the shared pool the runner's graphs are
+captured into, a capture plan's scope (one collection, freeze, synchronize
+and cache emptying for a whole plan), the outputs that live in graph memory,
+and `release_graphs`, which frees all of it. The wrapper that captures and
+replays (runtime/cuda_graph.py) asks this module for pools and registers its
+graphs and outputs here."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+
+# One side stream per device for every capture (as torch.cuda.graph keeps one).
+_capture_streams: dict[int, Any] = {}
+
+
+class TorchCUDAGraphs:
+    """The real thing; tests substitute a stand-in with the same methods
+    (new_graph, capture, pool, memory_allocated, synchronize, empty_cache)."""
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()):
+        """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing).
+
+        torch.cuda.graph without what it does before every capture: a device
+        synchronize, torch.cuda.empty_cache, the pinned host cache's emptying
+        and, with TORCH_CUDAGRAPH_GC set (always in old torch), gc.collect.
+        A runner's plan captures hundreds of graphs (1155 in PIECEWISE for
+        llama8b at 35 sizes), each paying for those; the wrapper does them
+        itself where they are wanted (once per plan, or per graph outside
+        one: `plan_capture`).
+        The rest is as torch.cuda.graph: a side stream (capture cannot run on
+        the default stream) that waits for the caller's stream before, and
+        the caller's stream waits for it after, so the capture is ordered
+        after the work queued before it without a host synchronize; same
+        capture_error_mode ("global") and pool."""
+        outer = torch.cuda.current_stream()
+        stream = _capture_streams.get(outer.device_index)
+        if stream is None:
+            stream = _capture_streams[outer.device_index] = torch.cuda.Stream(outer.device)
+        stream.wait_stream(outer)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="global")
+            try:
+                yield
+            finally:
+                graph.capture_end()
+        outer.wait_stream(stream)
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        """Return the allocator's cached free blocks to the device, so a
+        graph's pool can take that memory (what torch.cuda.graph did before
+        every capture: an allocation that fails during a capture cannot
+        free cached blocks then)."""
+        torch.cuda.empty_cache()
+
+
+_shared_pool: Any = None
+_graph_backend: Any = None  # a stand-in set by use_graph_backend (tests)
+
+
+def current_graph_backend() -> Any:
+    return _graph_backend if _graph_backend is not None else TorchCUDAGraphs()
+
+
+def graph_backend_overridden() -> bool:
+    return _graph_backend is not None
+
+
+@contextlib.contextmanager
+def use_graph_backend(graphs: Any):
+    """Capture with a stand-in graph object (new_graph/capture/pool/...) instead
+    of CUDA: lets CPU tests drive capture, dispatch and address checks. Graph
+    modes are not lowered to NONE while it is active."""
+    global _graph_backend, _shared_pool
+    previous, previous_pool = _graph_backend, _shared_pool
+    _graph_backend, _shared_pool = graphs, None
+    _pool_outputs.clear()
+    try:
+        yield graphs
+    finally:
+        _graph_backend, _shared_pool = previous, previous_pool
+
+
+_pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every live graph, for release_graphs
+_shared_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those in the shared pool
+_wrappers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper, for release_graphs
+# Storage addresses of graph outputs (any pool's): what `own_outputs` clones
+# for plain callers, and what a lazy capture does not take for a caller's
+# tensor. Cleared only when every graph is freed: a stale address costs a
+# clone or a capture at most, a missing one would hand out graph memory.
+_pool_outputs: set[int] = set()
+
+
+_plan_depth = 0  # > 0 while plan_capture is active
+
+
+@contextlib.contextmanager
+def plan_capture(graphs: Any):
+    """Scope of many captures in a row (a runner's capture plan).
+
+    Per graph, a capture outside a plan synchronizes the device before and
+    after (its `seconds` is then the device's time) and empties the
+    allocator's cache (as torch.cuda.graph did). Inside a plan these happen
+    once for the whole plan: the graphs are captured largest first into one
+    pool, so the cache emptied before the first (largest) one is what the
+    later ones need, and the host queues the next size's warm-up while the
+    device runs the previous one. Per-graph `seconds` are then host time
+    (the plan's end synchronizes); `pool_bytes` stay per graph (the
+    allocator counts on the host, without a synchronize).
+
+    The garbage collector is frozen meanwhile (vLLM does the same): one
+    collection first (a dead reference cycle holding device memory would
+    otherwise keep it out of the pool for good), then gc.freeze(), so the
+    collections that capture's allocations trigger no longer walk every
+    object the compile left behind (Dynamo's and Inductor's); gc.unfreeze()
+    after, also on error. Plans may nest; the outermost one does all this."""
+    global _plan_depth
+    outermost = _plan_depth == 0
+    # A caller that froze objects itself keeps them frozen: gc.unfreeze()
+    # would thaw its objects too, so the plan then freezes nothing.
+    freeze = outermost and gc.get_freeze_count() == 0
+    if outermost:
+        gc.collect()
+        graphs.synchronize()
+        graphs.empty_cache()
+    if freeze:
+        gc.freeze()
+    _plan_depth += 1
+    try:
+        yield
+    finally:
+        _plan_depth -= 1
+        if freeze:
+            gc.unfreeze()
+    if outermost:  # not after an error: a failed capture's error stays the one raised
+        graphs.synchronize()
+        # What the warm-ups cached is not the graphs': return it, as the
+        # per-graph empty_cache used to by the end of a plan.
+        graphs.empty_cache()
+
+
+def shared_graph_pool(graphs: Any) -> Any:
+    """One memory pool for the runner's graphs (captured largest first, so
+    smaller graphs reuse the blocks of larger ones). The allocator frees a
+    pool when its last graph dies, so a handle is reused only while a graph
+    captured into it lives (graphs in pools of their own do not count)."""
+    global _shared_pool
+    if _shared_pool is None or not _shared_graphs:
+        _shared_pool = graphs.pool()
+    return _shared_pool
+
+
+def release_graphs() -> int:
+    """Free every captured graph and the shared pool's memory; returns how
+    many graphs were freed. Each wrapper forgets its graphs, so a later call
+    of a compiled model or runner captures again (on demand) into a new pool.
+
+    Needed because graphs outlive their runner and `torch._dynamo.reset()`:
+    Dynamo keeps each compiled step in the traced module's globals
+    (`__compiled_fn_*`). Without this, switching models keeps the old
+    model's graphs (and pool) alive, and the new model's graphs share that
+    pool. Call it when no graph is in flight on another stream."""
+    global _shared_pool
+    graphs = list(_pool_graphs)
+    wrappers = list(_wrappers)
+    _shared_pool = None
+    if not graphs and not wrappers:
+        return 0
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:  # no replay in flight (stand-in graphs need nothing)
+        torch.cuda.synchronize()
+    for wrapper in wrappers:
+        wrapper.forget_graphs()
+    for graph in graphs:
+        reset = getattr(graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+        if reset is not None:
+            reset()
+    _pool_graphs.clear()
+    _shared_graphs.clear()
+    _pool_outputs.clear()
+    if cuda:
+        torch.cuda.synchronize()
+    return len(graphs)
+
+
+def is_pool_output(t: torch.Tensor) -> bool:
+    """Is `t` memory a graph wrote as an output (the pool's, not a caller's)?"""
+    return bool(_pool_outputs) and t.untyped_storage().data_ptr() in _pool_outputs
+
+
+def own_outputs(out: Any) -> Any:
+    """`out` with every tensor that lives in graph memory cloned: for callers
+    outside a runner, whose outputs must not change when a graph replays."""
+    if not _pool_outputs:
+        return out
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone() if is_pool_output(t) else t, out)
+
+
+def weak_ref(t: Any) -> Any:
+    """A tensor aliasing `t`'s memory without owning it."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        return t
+    s = t.untyped_storage()
+    storage = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride()
+    )
+
+
+def register_wrapper(wrapper: Any) -> None:
+    """`release_graphs` makes every registered wrapper forget its graphs."""
+    _wrappers.add(wrapper)
+
+
+def register_graph(graph: Any, shared: bool) -> None:
+    """A captured graph (in the shared pool when `shared`)."""
+    _pool_graphs.add(graph)
+    if shared:
+        _shared_graphs.add(graph)
+
+
+def forget_graph(graph: Any) -> None:
+    """A graph its wrapper evicted (its pool frees with its last graph)."""
+    _pool_graphs.discard(graph)
+    _shared_graphs.discard(graph)
+
+
+def register_output(t: torch.Tensor) -> None:
+    """`t` lives in graph memory: own_outputs clones it for plain callers."""
+    _pool_outputs.add(t.untyped_storage().data_ptr())
+
+
+def in_capture_plan() -> bool:
+    """Inside plan_capture (a runner's plan): no per-graph synchronize."""
+    return _plan_depth > 0
