@@ -1,6 +1,8 @@
 """The house: sub-packages by stage, imports only downward (read from the
-source, function-local imports included), and a package import that loads
-neither Dynamo nor Triton."""
+source, function-local imports included), a package import that loads
+neither Dynamo nor Triton, one value for "which graph" (StepGraph), op facts
+in one registry that core fills with no kernel's name, and the kernels and
+passes installed inside the package."""
 
 import ast
 import pathlib
@@ -102,3 +104,51 @@ def test_the_public_api_imports_from_the_package():
                  "write_compile_dump", "depyf_dump", "read_manifest", "backend"]:
         assert getattr(cb, name) is not None, name
     assert sorted(cb.__all__) == cb.__all__
+
+
+# Names of the forms "which graph" had before StepGraph became the one value.
+RETIRED = ["BatchDescriptor", "DraftDescriptor", "batch_descriptor", "cudagraph_runtime_mode",
+           "full_cudagraph", "relaxed()", "key_of("]
+
+
+def _sources():
+    for folder in ("compile_backend", "kernels", "passes", "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "test_layout.py":
+                yield path
+
+
+def test_one_value_says_which_graph_a_step_runs_in():
+    import dataclasses
+    import inspect
+
+    from compile_backend.core.forward_context import ForwardContext
+    from compile_backend.core.graph_mode import StepGraph
+    from compile_backend.runner.capture import prepare_inputs_to_capture
+    from compile_backend.runner.model_runner import CaptureRecord
+
+    found = [f"{p.relative_to(ROOT)}: {name}" for p in _sources() for name in RETIRED
+             if name in p.read_text()]
+    assert found == []
+    fields = {f.name: f.type for f in dataclasses.fields(ForwardContext)}
+    assert set(fields) == {"attn_metadata", "graph", "capturing", "trace"}
+    assert "StepGraph" in str(fields["graph"])
+    assert list(inspect.signature(prepare_inputs_to_capture).parameters) == ["step", "model_state"]
+    assert "StepGraph" in str({f.name: f.type for f in dataclasses.fields(CaptureRecord)}["graph"])
+    assert dataclasses.is_dataclass(StepGraph) and StepGraph.__dataclass_params__.frozen
+
+
+def test_core_names_no_kernel_op():
+    """Op facts live in the registry; each kernel registers its own ops when
+    imported, so no string constant in core names an `mrv2::` op."""
+    named = []
+    for path in (ROOT / "compile_backend" / "core").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and "mrv2::" in node.value and id(node) not in docstrings):
+                named.append(f"{path.name}: {node.value!r}")
+    assert named == []

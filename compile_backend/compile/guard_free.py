@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from compile_backend.core.counters import counters
+from compile_backend.core.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class GuardFreeModel:
                     self._bind(aot, "loaded", t0)
                     return
         try:
-            aot = aot_compile((args, {}))
+            with progress(f"compiling {type(self.model).__name__} (Dynamo trace, pieces)"):
+                aot = aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - any failure: the guarded path still serves
             self._guarded(f"aot_compile failed ({type(e).__name__}: {e})")
             return

@@ -20,6 +20,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
+from compile_backend.core.progress import progress
 from compile_backend.compile.layer_sharing import AsLayer, layer_alias_for, piece_key
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
@@ -52,12 +53,13 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
     fake (symbolic) arguments it receives. Version counters read around each
     piece's fake run tell which inputs it writes."""
 
-    def __init__(self, split_gm, pieces, compiler, cache, serializable):
+    def __init__(self, split_gm, pieces, compiler, cache, serializable, bar):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
         self.cache = cache
         self.serializable = serializable
+        self.bar = bar
         self.compiled: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target, args, kwargs):
@@ -81,6 +83,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
                 piece.layer_alias = layer_alias_for(compiled_names, names)
                 if piece.layer_alias is not None:
                     fn = AsLayer(fn, piece.layer_alias)
+            self.bar.update(note=f"{piece.name} {'shared' if hit else 'compiled'}")
         else:
             fn = submod  # breakpoints (and capture fallbacks) run eagerly
         self.compiled[target] = fn
@@ -109,13 +112,15 @@ def compile_pieces(
         if val is None:
             val = fake_mode.from_tensor(real) if isinstance(real, torch.Tensor) else real
         fake_args.append(val)
-    interp = _PieceCompileInterpreter(split_gm, pieces, compiler, cache={},
-                                      serializable=serializable)
-    before = versions(fake_args)
-    # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
-    # say) are Python registrations that only the Python dispatcher runs.
-    with fake_mode, enable_python_dispatcher():
-        interp.run(*fake_args)
+    with progress(f"compiling pieces ({compiler})", total=sum(p.captured for p in pieces),
+                  unit="piece") as bar:
+        interp = _PieceCompileInterpreter(split_gm, pieces, compiler, cache={},
+                                          serializable=serializable, bar=bar)
+        before = versions(fake_args)
+        # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
+        # say) are Python registrations that only the Python dispatcher runs.
+        with fake_mode, enable_python_dispatcher():
+            interp.run(*fake_args)
     return interp.compiled, written_inputs(fake_args, before)
 
 

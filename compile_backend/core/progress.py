@@ -7,20 +7,24 @@
             ...
             bar.update(note=f"{step.num_tokens} tokens")
 
-On a terminal this is a tqdm bar on stderr; elsewhere (logs, CI) tqdm writes
-plain lines. `MRV2_PROGRESS=0` turns it off; `MRV2_PROGRESS=1` shows it even
-for short waits. Torch-free.
+A wait without steps (Dynamo tracing a model) shows its line too: once
+`delay` has passed, a timer draws the bar (on a terminal it then ticks every
+half second, so the elapsed time moves; in a log it is drawn once more when
+the wait ends). On a terminal this is a tqdm bar on stderr; elsewhere (logs,
+CI) tqdm writes plain lines. `MRV2_PROGRESS=0` turns it off; `MRV2_PROGRESS=1`
+shows it even for short waits. Torch-free.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 
 class Progress:
-    """A tqdm bar that appears only after `delay` seconds (tqdm's own delay)."""
+    """A tqdm bar that appears only after `delay` seconds."""
 
     def __init__(self, desc: str, total: int | None = None, unit: str = "step",
                  delay: float = 3.0, enabled: bool | None = None) -> None:
@@ -30,24 +34,50 @@ class Progress:
         if env == "1":
             delay = 0.0
         self._bar: Any = None
-        if enabled:
-            from tqdm import tqdm
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._timer: threading.Timer | None = None
+        if not enabled:
+            return
+        from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=f"mrv2: {desc}", unit=unit, delay=delay,
-                             file=sys.stderr, leave=False, dynamic_ncols=True,
-                             mininterval=0.5)
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        # A wait without steps shows its elapsed time; a log keeps the last line.
+        fmt = "{desc}: {elapsed}" if total is None else None
+        self._bar = tqdm(total=total, desc=f"mrv2: {desc}", unit=unit, delay=delay,
+                         file=sys.stderr, leave=not tty, dynamic_ncols=True, mininterval=0.5,
+                         bar_format=fmt)
+        if delay > 0:  # a wait that never calls update still shows once delay passed
+            self._timer = threading.Timer(delay, self._show)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _show(self) -> None:
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        while True:
+            with self._lock:
+                if self._closed.is_set() or self._bar is None:
+                    return
+                self._bar.refresh()
+            if not tty or self._closed.wait(0.5):
+                return
 
     def update(self, n: int = 1, note: str | None = None) -> None:
         if self._bar is None:
             return
-        if note is not None:
-            self._bar.set_postfix_str(note, refresh=False)
-        self._bar.update(n)
+        with self._lock:
+            if note is not None:
+                self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(n)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._closed.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
 
     def __enter__(self) -> "Progress":
         return self

@@ -29,6 +29,7 @@ from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
+from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
@@ -199,17 +200,16 @@ class ModelRunner:
             self.warmup(sizes[-1] if sizes else self.kv_cache_config.max_batch_tokens, trace)
             self.captured = True
             return []
-        from tqdm import tqdm
-
-        bar = tqdm(plan, desc=f"capturing ({self.mode.value})", disable=not self.progress,
-                   unit="graph")
         # One plan: garbage collected once and then frozen, the allocator's
         # cache emptied and the device synchronized once at the start and
         # the end, not per graph (plan_capture says why: a plan has hundreds
         # of graphs, 1155 in PIECEWISE for llama8b at 35 sizes).
-        with plan_capture(current_graph_backend()):
-            for step in bar:
+        with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
+                      enabled=None if self.progress else False) as bar, \
+                plan_capture(current_graph_backend()):
+            for step in plan:
                 self._capture_one(step, trace)
+                bar.update(note=f"{step.mode.value} {step.num_tokens} tokens")
         self.captured = True
         return self.captures
 

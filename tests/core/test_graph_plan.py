@@ -1,0 +1,79 @@
+"""The capture plan and the dispatch rule (core/graph_plan.py), as pure
+functions of a lowered mode, the capture sizes and max_num_reqs; and the
+StepGraph they produce (core/graph_mode.py)."""
+
+import pytest
+
+from compile_backend.core.graph_mode import CUDAGraphMode as Mode
+from compile_backend.core.graph_mode import StepGraph
+from compile_backend.core.graph_plan import NO_GRAPH_MIXED, NO_GRAPH_TOO_LARGE, GraphPlan
+
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _plan(mode, max_num_reqs=4):
+    return GraphPlan(Mode.parse(mode), SIZES, max_num_reqs)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("none", []),
+    ("piecewise", [("piecewise", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]),
+    ("full", [("full", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]
+     + [("full", s, s, True) for s in (4, 2, 1)]),
+    ("full_decode_only", [("full", s, s, True) for s in (4, 2, 1)]),
+    ("full_and_piecewise", [("piecewise", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]
+     + [("full", s, s, True) for s in (4, 2, 1)]),
+])
+def test_capture_plan_is_piecewise_then_full_each_largest_first(mode, expected):
+    got = [(s.mode.value, s.num_tokens, s.num_reqs, s.uniform_decode)
+           for s in _plan(mode).captures()]
+    assert got == expected
+
+
+@pytest.mark.parametrize("mode, num_tokens, num_reqs, decode, expected, reason", [
+    ("piecewise", 3, 2, False, StepGraph(Mode.PIECEWISE, 4, 4), None),
+    ("piecewise", 3, 3, True, StepGraph(Mode.PIECEWISE, 4, 4), None),
+    ("full", 3, 3, True, StepGraph.full_decode(4), None),
+    ("full", 3, 2, False, StepGraph(Mode.FULL, 4, 4), None),
+    ("full", 12, 4, False, StepGraph(Mode.FULL, 16, 4), None),
+    ("full_and_piecewise", 6, 6, True, StepGraph(Mode.PIECEWISE, 8, 4), None),  # 8 > max reqs
+    ("full_and_piecewise", 2, 2, True, StepGraph.full_decode(2), None),
+    ("full_and_piecewise", 2, 1, False, StepGraph(Mode.PIECEWISE, 2, 2), None),
+    ("full_decode_only", 3, 2, False, StepGraph.eager(3, 2), NO_GRAPH_MIXED),
+    ("full_decode_only", 1, 1, True, StepGraph.full_decode(1), None),
+    ("piecewise", 40, 2, False, StepGraph.eager(40, 2), NO_GRAPH_TOO_LARGE),
+    ("none", 3, 2, False, StepGraph.eager(3, 2), None),
+])
+def test_dispatch_pads_to_the_nearest_graph_and_says_why_there_is_none(
+        mode, num_tokens, num_reqs, decode, expected, reason):
+    step, why = _plan(mode).dispatch(num_tokens, num_reqs, decode)
+    assert (step, why) == (expected, reason)
+
+
+def test_every_dispatched_graph_is_in_the_capture_plan():
+    """A step never asks for a graph the plan does not capture (PIECEWISE
+    graphs are held by token count alone)."""
+    for mode in ("piecewise", "full", "full_decode_only", "full_and_piecewise"):
+        plan = _plan(mode)
+        keys = {(s.mode, s.key) for s in plan.captures()}
+        for T in range(1, 33):
+            for B in range(1, min(T, 4) + 1):
+                step, _ = plan.dispatch(T, B, uniform_decode=(T == B))
+                if step.mode is not Mode.NONE:
+                    assert (step.mode, step.key) in keys, (mode, T, B, step)
+
+
+def test_decode_sizes_hold_one_token_per_request_and_the_plan_is_sorted():
+    plan = GraphPlan(Mode.FULL, [8, 1, 4, 2], 2)
+    assert plan.capture_sizes == (1, 2, 4, 8)
+    assert plan.decode_sizes == (1, 2)
+
+
+def test_a_step_graph_key_is_what_its_graph_is_held_under():
+    assert StepGraph(Mode.PIECEWISE, 8, 3).key == StepGraph(Mode.PIECEWISE, 8, 8).key == 8
+    assert StepGraph(Mode.FULL, 8, 3).key == (8, 3, False)
+    assert StepGraph.full_decode(4).key == (4, 4, True)
+    assert StepGraph.eager(5, 2).key is None
+    assert StepGraph.full_decode(4).for_capture and not StepGraph(Mode.PIECEWISE, 4, 4).for_capture
+    assert StepGraph(Mode.FULL, 8, 3).summary() == {
+        "mode": "full", "num_tokens": 8, "num_reqs": 3, "uniform_decode": False}
