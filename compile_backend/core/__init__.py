@@ -1,4 +1,5 @@
-"""The shared vocabulary at the bottom: op roles, graph modes and the
-compilation config, counters, the forward context, batch descriptors, the
-direct-call registry, symbolic token counts. `passes/` and `kernels/` import
+"""The shared vocabulary at the bottom: the op registry, graph modes, the
+step graph (which graph a step runs in) and the rules that plan and pick
+graphs, the compilation config, counters, the forward context, the
+direct-call registry, symbolic token counts, progress on long waits. `passes/` and `kernels/` import
 only from here; this package imports nothing above it."""

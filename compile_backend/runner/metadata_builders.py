@@ -82,7 +82,7 @@ class AttentionMetadataBuilder(BaseMetadataBuilder):
     def build(self, batch: InputBatch, *, for_capture: bool) -> AttentionMetadata:
         B, T = batch.num_reqs_padded, batch.num_tokens_padded
         if for_capture:
-            # A graph replays any batch of its descriptor: bound, don't measure.
+            # A graph replays any batch of its StepGraph's sizes: bound, don't measure.
             # The single-token decode path only in uniform-decode graphs: a mixed
             # graph's dummy batch of T tokens over T requests looks like decode
             # but must serve prefills too (regression: tests/runtime/test_cuda_graph.py,
