@@ -4,7 +4,7 @@
                            [--context 500] [--variants a,b,...] [--out bench/results]
                            [--mixed 512,2048] [--startup | --only-startup] [--dry-run]
     python bench/decode.py --merge a/decode.json b/decode.json ... --out bench/results
-    torchrun --nproc-per-node 2 bench/decode.py --tp 2 --model llama --batches 64   (bench/tp.py)
+    torchrun --nproc-per-node 2 bench/decode.py --tp 2 --model llama --batches 64   (runs bench/tp.py)
 
 Per decode cell: median step time over CUDA events (warm-up excluded; a step is
 the runner's whole `execute` of a prepared batch: host-side buffer writes,
@@ -58,14 +58,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import compile_backend as cb  # noqa: E402
 from compile_backend.runtime.cuda_graph import use_graph_backend  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
-from compile_backend.runner.input_batch import InputBatch  # noqa: E402
 from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.demo.models import build_model, preset  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
+from workload import decode_batch, fill_caches, mixed_batch  # noqa: E402
+
 # Where mrv2 splits (the KV write runs inside mrv2's pieces, so not here either).
 ATTENTION_OPS = ["mrv2::unified_attention"]
 MATCH_TOL = 5e-2
+TP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp.py")  # runs --tp
 
 
 class _Partitioned:
@@ -175,37 +178,6 @@ def copy_bandwidth(setup: Setup) -> float:
     return 2 * n / (median_ms(lambda: b.copy_(a), setup, reps=20) / 1e3)
 
 
-def decode_batch(batch: int, context: int, kv: KVCacheConfig, vocab: int, seed: int = 0) -> InputBatch:
-    """`batch` requests each decoding one token after `context` cached tokens."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = math.ceil((context + 1) / kv.block_size)
-    cblocks = math.ceil(math.ceil((context + 1) / kv.compress_ratio) / kv.block_size)
-    return InputBatch(
-        token_ids=torch.randint(0, vocab, (batch,), generator=g).tolist(),
-        query_lens=[1] * batch, seq_lens=[context + 1] * batch, req_slots=list(range(batch)),
-        block_ids=[[1 + r * blocks + i for i in range(blocks)] for r in range(batch)],
-        compressed_block_ids=[[1 + r * cblocks + i for i in range(cblocks)] for r in range(batch)],
-    )
-
-
-def mixed_batch(num_tokens: int, num_decodes: int, context: int, kv: KVCacheConfig,
-                vocab: int) -> InputBatch:
-    """`num_decodes` decode requests plus one prefill of the remaining tokens."""
-    d = decode_batch(num_decodes, context, kv, vocab)
-    n = num_tokens - num_decodes
-    first = 1 + num_decodes * len(d.block_ids[0])
-    cfirst = 1 + num_decodes * len(d.compressed_block_ids[0])
-    g = torch.Generator().manual_seed(1)
-    return InputBatch(
-        token_ids=d.token_ids + torch.randint(0, vocab, (n,), generator=g).tolist(),
-        query_lens=d.query_lens + [n], seq_lens=d.seq_lens + [n],
-        req_slots=d.req_slots + [num_decodes],
-        block_ids=d.block_ids + [list(range(first, first + math.ceil(n / kv.block_size)))],
-        compressed_block_ids=d.compressed_block_ids + [list(range(
-            cfirst, cfirst + math.ceil(math.ceil(n / kv.compress_ratio) / kv.block_size)))],
-    )
-
-
 def floor_bytes(model: torch.nn.Module, tokens_read: int) -> int:
     cfg = model.cfg
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -235,10 +207,7 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
                        max_model_len=max_model_len or setup.context + 64,
                        max_num_reqs=max_reqs, max_num_tokens=max_tokens)
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, setup.device)
-    g = torch.Generator(device=setup.device).manual_seed(1)
-    for buf in model.buffers():  # random caches and state: never time zeros
-        if buf.dtype.is_floating_point and buf.dim() >= 2:
-            buf.normal_(generator=g)
+    fill_caches(model, setup.device)  # random caches and state: never time zeros
     cfg = cb.CompilationConfig(cudagraph_mode=spec.mode, capture_sizes=capture_sizes,
                                piece_compiler=setup.piece_compiler)
     runner = ModelRunner(model, kv, cfg, setup.device, progress=False, compile_fn=spec.compile_fn)
@@ -435,10 +404,11 @@ def plot(decode, out_dir) -> str | None:
 
 
 def main(argv=None) -> int:
-    if "--tp" in (sys.argv[1:] if argv is None else argv):  # tensor parallel, under torchrun
-        import tp
-
-        return tp.main(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if "--tp" in given:  # tensor parallel, under torchrun: this process becomes bench/tp.py
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, os.path.relpath(TP_SCRIPT), *given])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama", "hybrid", "both"], default="both")
     ap.add_argument("--batches", default="1,8,32,64,128,256")

@@ -48,7 +48,7 @@ def per_call_us(fn, calls: int) -> float:
 def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str, float]]:
     """Host us of ModelRunner.prepare_step for decode batches (hybrid model's
     three metadata groups, block size 16, max_model_len = context + 64)."""
-    import bench.decode as decode  # the benchmark's batch builder
+    from bench.workload import decode_batch  # the benchmarks' batch builder
     from compile_backend.core.config import CompilationConfig
     from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
     from compile_backend.runner.kv_cache_config import KVCacheConfig
@@ -64,7 +64,7 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
         model = build_model("hybrid", preset("tiny", num_layers=1))
         runner = ModelRunner(model, kv, CompilationConfig(cudagraph_mode="none"), dev,
                              progress=False, compile_fn=lambda m: m)
-        batch = decode.decode_batch(B, context, kv, model.cfg.vocab_size)
+        batch = decode_batch(B, context, kv, model.cfg.vocab_size)
         step = StepGraph(CUDAGraphMode.FULL, B, B, uniform_decode=True)
         rows.append((f"prepare_step, decode batch {B} ({dev})", per_call_us(
             lambda: runner.prepare_step(batch, step), calls)))

@@ -45,9 +45,10 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py, workload.py)
 
-from decode import Setup, build, decode_batch, sync  # noqa: E402  (puts the repo on sys.path)
+from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
+from workload import decode_batch  # noqa: E402
 from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 bench/tp.py [--model llama] [--preset bench] [--batches 64]
                                             [--context 500] [--modes full,piecewise] [--out DIR]
-    torchrun --nproc-per-node 2 bench/decode.py --tp 2 ...   (the same, through bench/decode.py)
+    torchrun --nproc-per-node 2 bench/decode.py --tp 2 ...   (the same: bench/decode.py execs this)
     torchrun --nproc-per-node 2 bench/tp.py --dry-run        (CPU, gloo: the plumbing only)
 
 One process per GPU (NCCL). Every rank runs every cell: first the whole
@@ -45,13 +45,10 @@ from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.runner.parallel import end_tensor_parallel  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode  # noqa: E402  (its decode batch)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
+from workload import decode_batch, fill_caches  # noqa: E402
 
 TARGET = 0.6  # TP=2 step time over TP=1's, at batch 64, FULL and PIECEWISE alike
-# Cache and state buffers: the dimension split across ranks (KV heads, channels).
-SHARDED_DIM = {"k_cache": 2, "v_cache": 2, "compressed_cache": 2, "state_max": 1,
-               "state_sum": 1, "state_acc": 1, "conv_state": 1}
 
 
 def _sync_ranks(tp: TensorParallel, cuda: bool) -> None:
@@ -82,25 +79,6 @@ def back_to_back_ms(fn: Callable[[], Any], tp: TensorParallel, cuda: bool, steps
     return step_ms(many, tp, cuda, reps) / steps
 
 
-def fill_caches(model: torch.nn.Module, tp: TensorParallel, device: str, seed: int = 1) -> None:
-    """Random caches and state (never time zeros), the same values at every
-    TP size: each buffer is drawn at its TP=1 shape and this rank keeps its slice."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            leaf = name.rsplit(".", 1)[-1]
-            if not buf.dtype.is_floating_point or buf.dim() < 2:
-                continue
-            dim = SHARDED_DIM.get(leaf)
-            if dim is None or tp.size == 1:
-                buf.normal_(generator=g)
-                continue
-            shape = list(buf.shape)
-            shape[dim] *= tp.size
-            full = torch.empty(shape, dtype=buf.dtype, device=buf.device).normal_(generator=g)
-            buf.copy_(full.chunk(tp.size, dim=dim)[tp.rank])
-
-
 @torch.no_grad()
 def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list[dict]:
     torch._dynamo.reset()
@@ -118,7 +96,7 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
                        block_size=16, max_model_len=args.context + 64, max_num_reqs=max(batches),
                        max_num_tokens=max(batches))
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, device)
-    fill_caches(model, tp, device)
+    fill_caches(model, device)
     config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=batches,
                                   piece_compiler="inductor" if cuda else "eager")
     t0 = time.perf_counter()
@@ -129,7 +107,7 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
     startup_s = time.perf_counter() - t0
     rows = []
     for b in batches:
-        batch = decode.decode_batch(b, args.context, kv, cfg.vocab_size)
+        batch = decode_batch(b, args.context, kv, cfg.vocab_size)
         first = runner.execute(batch).float().cpu().clone()  # a replay overwrites its output
         for _ in range(5):
             runner.execute(batch)

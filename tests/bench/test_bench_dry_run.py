@@ -123,3 +123,129 @@ def test_startup_smoke_measures_a_fresh_process_per_phase(startup, tmp_path):
     # the warm process loads cold's saved step: nothing traced, nothing compiled
     assert warm.get("dynamo_graphs", 0) == 0 and warm.get("piece_compiles", 0) == 0
     assert "| llama | tiny | piecewise | warm |" in out.read_text()
+
+
+# ---- the shared module and the scripts' imports ---------------------------------
+
+
+def _load(name, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, f"bench_{name}", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_imports():
+    """Which bench modules each bench/*.py imports (as `x` or `bench.x`), anywhere in it."""
+    import ast
+
+    folder = os.path.join(ROOT, "bench")
+    names = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+    edges = {}
+    for name in names:
+        with open(os.path.join(folder, f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for mod in mods:
+                parts = mod.split(".")
+                mod = parts[1] if parts[0] == "bench" and len(parts) > 1 else parts[0]
+                if mod in names and mod != name:
+                    found.add(mod)
+        edges[name] = found
+    return edges
+
+
+def test_no_two_bench_scripts_import_each_other():
+    """decode.py and tp.py share workload.py; decode.py hands --tp runs to tp.py
+    by exec, not import. No import cycle among the bench scripts."""
+    edges = _bench_imports()
+    assert edges["workload"] == set()
+    assert "tp" not in edges["decode"] and "decode" not in edges["tp"]
+    assert {"decode", "tp"} <= {n for n, e in edges.items() if "workload" in e}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in edges[start])
+    assert [n for n in edges if reaches(n, n)] == []
+
+
+def test_decode_hands_a_tp_run_to_tp_py(bench, monkeypatch):
+    class Exec(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Exec(path, argv)
+
+    monkeypatch.setattr(bench.os, "execv", execv)
+    with pytest.raises(Exec) as e:
+        bench.main(["--tp", "2", "--model", "llama", "--batches", "64"])
+    path, argv = e.value.args
+    assert path == sys.executable and argv[0] == sys.executable
+    assert os.path.samefile(argv[1], os.path.join(ROOT, "bench", "tp.py"))
+    assert argv[2:] == ["--tp", "2", "--model", "llama", "--batches", "64"]
+
+
+def test_caches_are_random_and_each_rank_holds_its_slice_of_the_tp1_values(monkeypatch):
+    from compile_backend.core.parallel import TensorParallel
+
+    workload = _load("workload", monkeypatch)
+
+    class Caches(torch.nn.Module):
+        def __init__(self, tp):
+            super().__init__()
+            self.tp = tp
+            heads, channels = 4 // tp.size, 6 // tp.size
+            self.register_buffer("k_cache", torch.zeros(3, 2, heads, 5))  # KV heads: dim 2
+            self.register_buffer("conv_state", torch.zeros(2, channels, 3))  # channels: dim 1
+            self.register_buffer("table", torch.zeros(2, 3))  # not sharded: whole on every rank
+            self.register_buffer("scale", torch.zeros(4))  # 1-d: left alone
+            self.register_buffer("slots", torch.zeros(2, 3, dtype=torch.long))  # ints: left alone
+
+    whole = Caches(TensorParallel())
+    workload.fill_caches(whole, "cpu")
+    assert all((getattr(whole, n) != 0).all() for n in ("k_cache", "conv_state", "table"))
+    assert not whole.scale.any() and not whole.slots.any()
+    for rank in range(2):
+        part = Caches(TensorParallel(size=2, rank=rank, group_name="tp"))
+        workload.fill_caches(part, "cpu")
+        torch.testing.assert_close(part.k_cache, whole.k_cache.chunk(2, dim=2)[rank], rtol=0, atol=0)
+        torch.testing.assert_close(part.conv_state, whole.conv_state.chunk(2, dim=1)[rank],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(part.table, whole.table, rtol=0, atol=0)
+        assert not part.scale.any() and not part.slots.any()
+
+
+def test_decode_and_mixed_batches_give_each_request_its_own_blocks(monkeypatch):
+    from compile_backend.runner.kv_cache_config import KVCacheConfig
+
+    workload = _load("workload", monkeypatch)
+    kv = KVCacheConfig(num_blocks=64, block_size=16, max_model_len=128)
+    d = workload.decode_batch(3, 40, kv, vocab=100)
+    assert d.query_lens == [1, 1, 1] and d.seq_lens == [41] * 3 and d.req_slots == [0, 1, 2]
+    assert all(len(b) == 3 for b in d.block_ids)  # ceil(41 / 16)
+    m = workload.mixed_batch(40, 3, 40, kv, vocab=100)
+    assert m.query_lens == [1, 1, 1, 37] and len(m.token_ids) == 40
+    assert m.block_ids[:3] == d.block_ids and len(m.block_ids[3]) == 3  # ceil(37 / 16)
+    for batch in (d, m):
+        for ids in (batch.block_ids, batch.compressed_block_ids):
+            flat = [i for blocks in ids for i in blocks]
+            assert len(set(flat)) == len(flat) and min(flat) >= 1  # block 0: the null block
+        assert all(0 <= t < 100 for t in batch.token_ids)
+
+
+@pytest.mark.slow  # full tier: a subprocess or a long run
+def test_tp_dry_run_on_one_process_writes_its_table(monkeypatch, tmp_path):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch references: fast
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tp = _load("tp", monkeypatch)
+    assert tp._main(["--dry-run", "--batches", "1,2", "--reps", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_tp.json").read_text())["rows"]
+    assert [(r["tp"], r["mode"], r["batch"], r["ran_as"]) for r in rows] == [
+        (1, "none", 1, "none"), (1, "none", 2, "none")]
+    assert all(r["rel_err"] == 0 and r["ms"] > 0 and r["b2b_ms"] > 0 for r in rows)
+    assert "| llama | 1 | none | 2 |" in (tmp_path / "decode_tp.md").read_text()

@@ -13,10 +13,7 @@ import compile_backend as cb
 from backend_models import (
     MLP,
     TOY_OPTIONS,
-    BufferMutation,
-    Layers,
     MultiSDPA,
-    TupleBreakpoint,
     ToyHybrid,
     check_against_eager,
 )
@@ -165,33 +162,6 @@ def test_custom_breakpoint_and_attention_like_op():
     ]
 
 
-def test_tuple_breakpoint_merges_with_next_breakpoint():
-    step = check_against_eager(TupleBreakpoint(), TOY_OPTIONS, SIZES)
-    assert _piece_table(step) == [
-        (True, [], []), (False, ["toy::attn_pair", "toy::attn"], []), (True, [], []),
-    ]
-
-
-def test_in_place_buffer_mutation_keeps_order():
-    step = check_against_eager(BufferMutation(), TOY_OPTIONS, SIZES)
-    assert len(step.pieces) == 3 and not step.pieces[1].captured
-    assert "method::add_" in step.pieces[0].ops
-
-
-def test_a_step_calls_its_pieces_without_module_calls():
-    """The split graph's piece attributes are the callables themselves: an
-    eager piece's generated forward (not the lazy one that recompiles and
-    goes through Module.__call__ every time), a captured piece's wrapper."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    step = check_against_eager(ToyHybrid(), TOY_OPTIONS, SIZES)
-    for p in step.pieces:
-        fn = getattr(step.split_gm, p.name)
-        assert not isinstance(fn, torch.nn.Module), p.name
-        assert getattr(fn, "__func__", None) is not _LazyGraphModule._lazy_forward, p.name
-        assert isinstance(step.split_gm._modules[p.name], torch.nn.Module)  # tools walk modules
-
-
 # ---- one trace, one compile per distinct piece --------------------------------
 
 
@@ -199,36 +169,7 @@ def test_one_trace_serves_every_token_count_including_one():
     check_against_eager(ToyHybrid(), TOY_OPTIONS, [7, 1, 3, 64, 2])
     assert cb.counters["dynamo_graphs"] == 1
     assert cb.counters["piece_compiles"] == 2  # two captured pieces, compiled once
-
-
-def test_identical_layers_share_one_compiled_piece():
-    step = check_against_eager(Layers(3), {}, [6, 3])
-    assert cb.counters["dynamo_graphs"] == 1
-    captured = [p for p in step.pieces if p.captured]
-    assert len(captured) == 4  # first MLP, two MLPs between SDPAs, trailing piece
-    assert cb.counters["piece_compile_reuses"] >= 1
-    assert cb.counters["piece_compiles"] + cb.counters["piece_compile_reuses"] == 4
-
-
-@pytest.mark.slow
-def test_inductor_pieces_compile_once_and_match_eager():
-    """Inductor: one compile per distinct piece, reused across layers and sizes."""
-    model = Layers(3)
-    torch.manual_seed(0)
-    import copy
-
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="mrv2")  # piece_compiler defaults to inductor
-    with torch.no_grad():
-        for t in [6, 3, 11]:
-            x = cb.mark_token_dim(torch.randn(t, 16))
-            with cb.symbolic_tokens():
-                out = compiled(x)
-            torch.testing.assert_close(out, eager(x), atol=1e-4, rtol=1e-4)
-    assert cb.counters["dynamo_graphs"] == 1
-    distinct = cb.counters["piece_compiles"]
-    assert cb.counters["inductor_compiles"] == distinct
-    assert distinct < 4 and cb.counters["piece_compile_reuses"] >= 1
+    # (identical pieces sharing one compile: tests/compile/test_piece_compiler.py)
 
 
 def test_no_cuda_runs_mode_none_and_says_why(caplog, monkeypatch):
