@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_backend as cb  # noqa: E402
-from compile_backend.runtime.cuda_graph import use_graph_backend  # noqa: E402
+from compile_backend.runtime.graph_pool import use_graph_backend  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
 from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
@@ -243,7 +243,7 @@ def run_decode(model_name, variant, setup, batches, bw):
         ms = median_ms(lambda: runner.execute(batch), setup)
         b2b_ms = back_to_back_ms(lambda: runner.execute(batch), setup)
         step = runner.dispatch(batch)
-        desc = step.descriptor
+        desc = step.key
         replay_ms = None
         if step.mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
             graph = runner.full_graph.entries[desc].graph

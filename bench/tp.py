@@ -115,7 +115,7 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
         b2b = back_to_back_ms(lambda: runner.execute(batch), tp, cuda)
         step = runner.dispatch(batch)
         replay_ms = None
-        entry = getattr(runner.full_graph, "entries", {}).get(step.descriptor)
+        entry = getattr(runner.full_graph, "entries", {}).get(step.key)
         if cuda and step.mode is cb.CUDAGraphMode.FULL and entry is not None:
             replay_ms = step_ms(entry.graph.replay, tp, cuda, args.reps)
         rows.append({"model": model_name, "tp": tp.size, "mode": mode, "batch": b, "ms": ms,
