@@ -1,28 +1,32 @@
 """Triton kernels of mrv2, each a `torch.library` custom op in namespace
 `mrv2` with a fake (meta) implementation and a plain-torch reference.
 
-Importing this package registers the ops:
+Importing this package registers the ops and their facts (role, layer-keyed,
+capture-safe: `register_op` beside each definition, README.md "Op roles"):
     mrv2::reshape_and_cache  (attention-like) kernels/reshape_and_cache.py
     mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
     mrv2::sconv              (attention-like) kernels/sconv.py
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
-Their roles live in compile_backend/core/op_registry.py. Models use the layers in
-kernels/layers.py, which read metadata from the forward context by layer name.
+Models use the layers in kernels/layers.py, which read metadata from the
+forward context by layer name (kernels/_metadata.py).
 unified_attention writes an out-parameter; eager pieces call it through
 `unified_attention_direct` (one checked call and one plan per step, then
-bound Triton launches: Note [attention plans], kernels/_launch.py).
+bound Triton launches: Note [attention plans] in kernels/attention_plan.py,
+kernels/_launch.py).
 
-Dispatch (kernels/_common.py): CUDA tensors, or any tensors with
+Dispatch (kernels/_device.py): CUDA tensors, or any tensors with
 TRITON_INTERPRET=1, run the Triton kernels; plain CPU tensors run the torch
-reference, so models built on these ops run on any CPU machine.
+reference, so models built on these ops run on any CPU machine. Argument
+checks: kernels/_checks.py.
 
 Index checks (block ids, slots, state indices; Note [index checks] in
-kernels/_common.py) run before every launch on CPU tensors; on CUDA they cost
+kernels/_checks.py) run before every launch on CPU tensors; on CUDA they cost
 a device sync and run only under `set_debug_checks(True)` or
-`with debug_checks():`, never while a CUDA graph is being captured.
+`with debug_checks():` (kernels/_debug.py), never while a CUDA graph is being
+captured.
 """
 
-from ._common import debug_checks, set_debug_checks
+from ._debug import debug_checks, set_debug_checks
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref

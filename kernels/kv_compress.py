@@ -16,7 +16,7 @@ out[t] is the running compressed value of t's group up to and including t
 (state index -1) touch no state or cache; their tokens' output, like that of
 any token outside a request, is 0, written by the kernel (no zeroing
 launch). The grid scales with the tokens present (Note [request tiles] in
-kernels/_common.py).
+kernels/_device.py).
 
 Within a group, tokens are folded in one at a time, always by the same code,
 and the state is stored in fp32 exactly as held in registers: a sequence run
@@ -30,11 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    FLOAT_DTYPES, SEARCH, check_device, check_ids, check_int, check_paged_metadata, check_tensor,
-    layer_metadata,
-    next_pow2, request_grid, request_tile, use_triton,
+from compile_backend.core.op_registry import OpRole, register_op
+
+from ._checks import (
+    FLOAT_DTYPES, check_device, check_ids, check_int, check_paged_metadata, check_tensor,
 )
+from ._device import SEARCH, next_pow2, request_grid, request_tile, use_triton
+from ._metadata import layer_metadata
 
 
 @triton.jit
@@ -48,7 +50,7 @@ def _kv_compress_kernel(
     BLOCK_SIZE: tl.constexpr, ONE_TOKEN: tl.constexpr, SEARCH: tl.constexpr,
 ):
     # Programs (tile j of request b, kv head h) over tiles of RATIO tokens
-    # (Note [request tiles] in _common.py): program j folds local group j of
+    # (Note [request tiles] in _device.py): program j folds local group j of
     # request b. Program j == 0 owns the state: it folds the first group
     # (which may continue the carried state) and, when the step spans several
     # groups, also the last one (whose end state is carried on), so reads and
@@ -86,7 +88,7 @@ def _kv_compress_kernel(
     m = tl.load(state_max_ptr + sm_off, mask=carry_in, other=float("-inf"))
     ssum = tl.load(state_sum_ptr + sm_off, mask=carry_in, other=0.0)
     sa_off = slot * stride_sa_slot + h * stride_sa_h + d
-    # Note [scalar masks] in _common.py: scalar conditions enter as bounds.
+    # Note [scalar masks] in _device.py: scalar conditions enter as bounds.
     acc = tl.load(state_acc_ptr + sa_off, mask=d < tl.where(carry_in, HEAD_DIM, 0), other=0.0)
 
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
@@ -155,7 +157,7 @@ def kv_compress(
     head size D >= 1 works (no tl.dot; one [BLOCK_D] vector per program).
     Writes every row of `out` ([T, KVH, D] like key; new when None), returns it.
 
-    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts query_start_loc to stay within the T tokens; each request with
     tokens and a state to have seq_len >= its token count, within its
@@ -265,6 +267,11 @@ def kv_compress_op(key, score, compressed_cache, state_max, state_sum, state_acc
     if use_triton(key):
         return kv_compress(*args, meta.max_query_len)
     return kv_compress_ref(*args)
+
+
+# Attention-like: its metadata is capturable for any batch (Note [attention-like
+# metadata is always capturable]), so it never splits a graph and runs captured.
+register_op("mrv2::kv_compress", role=OpRole.ATTENTION_LIKE, layer_keyed=True, capture_safe=True)
 
 
 @kv_compress_op.register_fake

@@ -12,11 +12,11 @@ import triton
 import triton.language as tl
 
 from compile_backend.core.direct_calls import direct_custom_op
+from compile_backend.core.op_registry import OpRole, register_op
 
-from ._common import (
-    FLOAT_DTYPES, check_device, check_ids, check_kv_caches, check_tensor, layer_metadata, next_pow2,
-    use_triton,
-)
+from ._checks import FLOAT_DTYPES, check_device, check_ids, check_kv_caches, check_tensor
+from ._device import next_pow2, use_triton
+from ._metadata import layer_metadata
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _reshape_and_cache_kernel(
     # One program per token: copies its [KVH, D] key and value rows.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    # Scalar conditions enter masks as bounds (Note [scalar masks] in _common.py).
+    # Scalar conditions enter masks as bounds (Note [scalar masks] in _device.py).
     h_lim = tl.where(slot >= 0, NUM_KV_HEADS, 0)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
@@ -56,7 +56,7 @@ def reshape_and_cache(
     [num_blocks, block_size, KVH, D] contiguous and of key's dtype,
     slot_mapping [T] int64. Checks everything before writing anything.
 
-    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts every slot to lie in [-1, num_blocks * block_size); any other
     slot writes outside the caches."""
@@ -113,6 +113,10 @@ reshape_and_cache_op = direct_custom_op(
     schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "str layer_name) -> ()",
 )(reshape_and_cache_impl)
+# Attention-like: the KV write needs only the slot mapping, a persistent buffer,
+# so it runs inside the piece before attention, off the eager region's host path.
+register_op("mrv2::reshape_and_cache", role=OpRole.ATTENTION_LIKE, layer_keyed=True,
+            capture_safe=True)
 
 
 @reshape_and_cache_op.register_fake

@@ -8,7 +8,7 @@ has_initial_state[b] is False). The op then stores the request's last K-1
 inputs back into that slot. state_indices[b] == -1 marks a padding row: no
 state read or written, its tokens' output (like any token outside a request)
 is 0, written by the kernel (the output needs no zeroing launch). The grid
-scales with the tokens present (Note [request tiles] in kernels/_common.py).
+scales with the tokens present (Note [request tiles] in kernels/_device.py).
 
 The state holds inputs, not partial sums, and every output is the same fixed
 sum order over the same values, so one step and the same tokens split over
@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    FLOAT_DTYPES, SEARCH, cdiv, check_device, check_ids, check_int, check_tensor, interpreting,
-    layer_metadata, next_pow2, request_grid, request_tile, use_triton,
-)
+from compile_backend.core.op_registry import OpRole, register_op
+
+from ._checks import FLOAT_DTYPES, check_device, check_ids, check_int, check_tensor
+from ._device import SEARCH, cdiv, interpreting, next_pow2, request_grid, request_tile, use_triton
+from ._metadata import layer_metadata
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _sconv_kernel(
     BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_TOKEN: tl.constexpr, SEARCH: tl.constexpr,
 ):
     # Program (tile of BLOCK_T tokens of one request, channel block): Note
-    # [request tiles] in _common.py; the tile's rows go in chunks of SUB_T,
+    # [request tiles] in _device.py; the tile's rows go in chunks of SUB_T,
     # only as many as the request has there. Tokens of requests without a
     # state (and of the padding pseudo-request) get output 0.
     c_blk = tl.program_id(1)
@@ -71,7 +72,7 @@ def _sconv_kernel(
     has_init = (tl.load(has_init_ptr + b, mask=b < num_reqs, other=0) != 0) & real
     c = c_blk * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    c_init = c < tl.where(has_init, C, 0)  # Note [scalar masks] in _common.py
+    c_init = c < tl.where(has_init, C, 0)  # Note [scalar masks] in _device.py
     state_row = state_ptr + slot * stride_s_slot + c[None, :] * stride_s_c  # [1, BLOCK_C]
     bias = tl.zeros([BLOCK_C], tl.float32)
     if HAS_BIAS:
@@ -145,7 +146,7 @@ def sconv(
     Any channel count C >= 1 and width K >= 2 work (channels are tiled).
     Writes every row of `out` ([T, C] like x; new when None) and returns it.
 
-    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts query_start_loc to stay within the T tokens and every state index
     to lie in [-1, num_slots); anything else reads and writes other memory."""
@@ -245,6 +246,11 @@ def sconv_op(
                      meta.has_initial_state, meta.max_query_len)
     return sconv_ref(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
                      meta.has_initial_state)
+
+
+# Attention-like: its metadata is capturable for any batch (Note [attention-like
+# metadata is always capturable]), so it never splits a graph and runs captured.
+register_op("mrv2::sconv", role=OpRole.ATTENTION_LIKE, layer_keyed=True, capture_safe=True)
 
 
 @sconv_op.register_fake

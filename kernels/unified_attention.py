@@ -10,7 +10,7 @@ head h // (H // KVH).
 Two paths, picked by the Python int `max_query_len`:
   * prefill / mixed (max_query_len != 1): one program per (query tile, kv
     head), the tiles laid over the flattened batch (Note [request tiles] in
-    kernels/_common.py); a tile's rows are BLOCK_Q tokens of one request x the
+    kernels/_device.py); a tile's rows are BLOCK_Q tokens of one request x the
     kv head's query heads.
   * decode (max_query_len == 1): split-KV ("flash decoding"): one program per
     (request, kv head, split) writes a partial result, a reduce kernel merges
@@ -24,7 +24,8 @@ pseudo-request's tiles; decode: the reduce kernel), so no zeroing launch is
 needed. Configs are chosen by functions, not autotuned: autotuning would
 benchmark during the first call, which may be a CUDA-graph capture.
 
-Eager pieces call `unified_attention_direct` (Note [attention plans]).
+Eager pieces call `unified_attention_direct`, which reuses a step's launch
+plan (Note [attention plans] in kernels/attention_plan.py, the plan cache).
 
 Note [dot tiles]: on the GPU, `tl.dot` needs every dimension >= 16 (the
 interpreter does not check). The head dimension of every tile (BLOCK_D) is
@@ -44,14 +45,20 @@ import triton.language as tl
 
 from compile_backend.core.direct_calls import register_direct_impl
 from compile_backend.core.forward_context import get_forward_context, resolve_layer
+from compile_backend.core.op_registry import OpRole, register_op
 
-from . import _common
-from ._common import (
-    FLOAT_DTYPES, SEARCH, cdiv, check_device, check_ids, check_int, check_kv_caches,
-    check_paged_metadata, check_tensor, dot_precision, interpreting, layer_metadata, next_pow2, request_grid, request_tile, upcast_dots,
+from ._checks import (
+    FLOAT_DTYPES, check_device, check_ids, check_int, check_kv_caches, check_paged_metadata,
+    check_tensor,
+)
+from ._debug import debug_checks_on
+from ._device import (
+    SEARCH, cdiv, dot_precision, interpreting, next_pow2, request_grid, request_tile, upcast_dots,
     use_triton,
 )
 from ._launch import Launch, current_device, current_stream, hooks_unset, stream_capturing
+from ._metadata import layer_metadata
+from .attention_plan import aligned, find_plan, keep_plan, plannable
 
 LOG2E = 1.4426950408889634
 # Smallest number of keys a split should own; below this the reduce costs more
@@ -303,42 +310,11 @@ def _check_output(query: torch.Tensor, output: object, device: torch.device) -> 
                  dtype_of="query", device=device, last_dim_contiguous=True)
 
 
-# Note [attention plans]: an eager piece calls `unified_attention_direct` once
-# per layer. All but the tensors' contents is the same for every layer of a
-# step with the same shapes: the checks, the path, the grid, the number of KV
-# splits, the strides, the split-KV scratch. The first such call of a step runs
-# the launcher's full checks and builds a `_Plan`, kept on the step's metadata
-# object (attribute `_mrv2_attention_plans`, keyed by `_plan_key`: shapes,
-# strides, dtypes and devices of query, caches and output); later calls find
-# it and launch its kernels through bound launchers (kernels/_launch.py).
-# A plan is used only where it does what the checked call would: the same
-# key, the same metadata tensors (identity) and Python ints, 16-byte aligned
-# tensors (what the bound kernels were specialised for), debug_checks off,
-# and on CUDA no graph capture, no Triton launch hooks, and the device and
-# stream the plan was built on. Anything else runs the checked path. Layers
-# share the plan's scratch: a later layer's split kernel overwrites it only
-# after the earlier layer's reduce (one stream, launch order). On CPU (the
-# interpreter) a plan launches normally and still checks the index values
-# every call (Note [index checks]).
-_PLANS = "_mrv2_attention_plans"
-
-
-def _plan_key(query, key_cache, value_cache, output) -> tuple:
-    return (query.shape, query.stride(), key_cache.shape, key_cache.stride(), value_cache.shape,
-            value_cache.stride(), output.shape, output.stride(), query.dtype, key_cache.dtype,
-            value_cache.dtype, output.dtype, query.device, key_cache.device, value_cache.device,
-            output.device)
-
-
-def _aligned(query, key_cache, value_cache, output) -> bool:
-    return not (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()
-                | output.data_ptr()) & 15
-
-
 class _Plan:
     """The launches of one attention call, all but query, caches, output and
     scale fixed: `run(query, key_cache, value_cache, output, scale_log2,
-    stream)`. Built from checked arguments (`_check`)."""
+    stream)`. Built from checked arguments (`_check`); the direct path keeps
+    one per step (Note [attention plans] in kernels/attention_plan.py)."""
 
     __slots__ = ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len",
                  "device_index", "stream", "run")
@@ -388,8 +364,8 @@ class _Plan:
         [attention plans]), else None."""
         if (meta.query_start_loc is not self.query_start_loc or meta.seq_lens is not self.seq_lens
                 or meta.block_table is not self.block_table or meta.max_query_len != self.max_query_len
-                or meta.max_seq_len != self.max_seq_len or _common._debug_checks
-                or not _aligned(query, key_cache, value_cache, output)):
+                or meta.max_seq_len != self.max_seq_len or debug_checks_on()
+                or not aligned(query, key_cache, value_cache, output)):
             return None
         if self.device_index < 0:
             check_ids("unified_attention", num_tokens=query.shape[0],
@@ -460,7 +436,7 @@ def unified_attention(
     given, else into a new tensor; returns it. Every row is written (rows of
     no request: 0).
 
-    Index checks (kernels/_common.py, Note [index checks]) run for CPU tensors,
+    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernels
     trust that query_start_loc stays within the T tokens, that each request
     with queries has seq_len >= its query count and within its block_table
@@ -536,43 +512,28 @@ def unified_attention_direct(
 ) -> None:
     """What eager pieces call instead of the op (compile_backend/core/
     direct_calls.py): the op's effect, through the step's plan where one
-    serves (Note [attention plans]), else through the checked path."""
+    serves (Note [attention plans] in kernels/attention_plan.py), else through
+    the checked path."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata.get(resolve_layer(layer_name))
-    plans = getattr(meta, _PLANS, None)
-    if plans is not None:
-        plan = plans.get(_plan_key(query, key_cache, value_cache, output))
-        if plan is not None:
-            stream = plan.ready(meta, query, key_cache, value_cache, output)
-            if stream is not None:
-                if ctx.trace is not None:
-                    ctx.record(layer_name, "unified_attention")
-                plan.run(query, key_cache, value_cache, output, scale * LOG2E, stream)
-                return
+    plan = find_plan(meta, query, key_cache, value_cache, output)
+    if plan is not None:
+        stream = plan.ready(meta, query, key_cache, value_cache, output)
+        if stream is not None:
+            if ctx.trace is not None:
+                ctx.record(layer_name, "unified_attention")
+            plan.run(query, key_cache, value_cache, output, scale * LOG2E, stream)
+            return
     meta = layer_metadata(layer_name, "unified_attention")  # AttentionMetadata
-    if not (use_triton(query) and _plannable(query, key_cache, value_cache, output)):
+    if not (use_triton(query) and plannable(query, key_cache, value_cache, output)):
         _attend_checked(meta, query, key_cache, value_cache, output, scale)
         return
     args = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_query_len,
             meta.max_seq_len)
     _check(query, key_cache, value_cache, output, *args)
     plan = _Plan(query, key_cache, output, *args, bind=query.is_cuda)
-    try:
-        vars(meta).setdefault(_PLANS, {})[_plan_key(query, key_cache, value_cache, output)] = plan
-    except TypeError:  # a metadata class without __dict__: no plans, checked calls
-        pass
+    keep_plan(meta, plan, query, key_cache, value_cache, output)
     plan.run(query, key_cache, value_cache, output, float(scale) * LOG2E, plan.stream)
-
-
-def _plannable(query, key_cache, value_cache, output) -> bool:
-    """May a plan be built for this call (Note [attention plans])?"""
-    if _common._debug_checks:
-        return False
-    if not all(isinstance(t, torch.Tensor) for t in (query, key_cache, value_cache, output)):
-        return False  # the checks name the argument
-    if not _aligned(query, key_cache, value_cache, output):
-        return False
-    return not query.is_cuda or (not stream_capturing() and hooks_unset())
 
 
 unified_attention_op = torch.library.custom_op(
@@ -582,6 +543,10 @@ unified_attention_op = torch.library.custom_op(
     "float scale) -> ()",
 )(unified_attention_impl)
 register_direct_impl("mrv2::unified_attention", unified_attention_direct)
+# A breakpoint: in PIECEWISE it runs eagerly, with the step's exact
+# max_query_len / max_seq_len (they shape its grid); FULL graphs capture it
+# with bounds (metadata built for_capture).
+register_op("mrv2::unified_attention", role=OpRole.BREAKPOINT, layer_keyed=True, capture_safe=True)
 
 
 @unified_attention_op.register_fake

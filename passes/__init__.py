@@ -5,13 +5,15 @@ capture safety, then segment ordering. Each pass is a class with
 `__call__(graph)` and `uuid()` (pass_base.py).
 """
 
-from .capture_safety import (
-    CaptureSafetyError,
-    CaptureSafetyPass,
+# The capture-safe facts live in the op registry (compile_backend/core/op_registry.py);
+# their registration functions are also here, where callers have found them.
+from compile_backend.core.op_registry import (
     capture_safe_ops,
     register_capture_safe,
     unregister_capture_safe,
 )
+
+from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .pass_base import Mrv2Pass, PassReport
 from .pass_manager import PassManager
 from .segment_attention_like import SegmentAttentionLikePass

@@ -31,15 +31,18 @@ once per compile and every finding is counted in
 `counters["pass_capture_unsafe_ops"]`. With `strict_capture` the pass raises
 `CaptureSafetyError` listing every finding with its fix instead.
 
-Which ops are trusted (the rule for ops the pass cannot look into):
-  - aten/prims ops and the python-level torch calls that run them (tensor
+Which ops are trusted (the rule for ops the pass cannot look into; the facts
+live in the op registry, compile_backend/core/op_registry.py, and the pass
+asks its `OpRegistry`):
+  - ops of the trusted namespaces (`roles.trusted_namespaces`: aten, prims,
+    `_c10d_functional`) and the python-level torch calls that run them (tensor
     methods, `torch.*`, `torch.nn.functional.*`, `operator.*`), subject to the
     checks above;
-  - custom ops of the namespaces `mrv2` (this project's kernels are written to
-    be captured) and `_c10d_functional` (functional collectives);
+  - ops declared capture-safe (`roles.is_capture_safe`): with
+    `register_op("ns::op", capture_safe=True)` (this project's kernels declare
+    theirs so) or `register_capture_safe("ns::op")`, or a whole `"ns::*"`;
   - ops whose role is attention-like (they must be captured: README.md, "Op
-    roles") and breakpoints (they run eagerly anyway);
-  - ops registered with `register_capture_safe("ns::op")` or `"ns::*"`.
+    roles") and breakpoints (they run eagerly anyway).
 Every other custom op, higher-order op, non-torch python function or
 user-defined module is unsafe: its effects cannot be seen, so it runs
 eagerly until someone vouches for it.
@@ -65,7 +68,7 @@ from torch.utils._pytree import tree_leaves
 from compile_backend.core.counters import counters
 from compile_backend.core.parallel import group_backend
 from compile_backend.core.op_registry import (
-    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name, resolve_op_name,
+    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
 )
 
 from .pass_base import (
@@ -83,26 +86,6 @@ from .pass_base import (
 )
 
 logger = logging.getLogger(__name__)
-
-TRUSTED_NAMESPACES = ("aten", "prims", "mrv2", "_c10d_functional")
-
-_capture_safe: set[str] = set()
-
-
-def register_capture_safe(name: str) -> None:
-    """Vouch that custom op `ns::op` (or every op of `ns::*`) can be captured:
-    no host syncs, no data-dependent shapes, no CPU work."""
-    resolve_op_name(name)  # raises with the fix if the name does not resolve
-    _capture_safe.add(name)
-
-
-def unregister_capture_safe(name: str) -> None:
-    _capture_safe.discard(name)
-
-
-def capture_safe_ops() -> list[str]:
-    return sorted(_capture_safe)
-
 
 class CaptureSafetyError(RuntimeError):
     """strict_capture is on and some op cannot be captured."""
@@ -207,8 +190,8 @@ class CaptureSafetyPass(Mrv2Pass):
         return {
             "strict": self.strict,
             "roles": self.roles.summary(),
-            "capture_safe": capture_safe_ops(),
-            "trusted_namespaces": list(TRUSTED_NAMESPACES),
+            "capture_safe": self.roles.capture_safe_ops(),
+            "trusted_namespaces": list(self.roles.trusted_namespaces),
         }
 
     def apply(self, graph: torch.fx.Graph) -> PassReport:
@@ -326,14 +309,11 @@ class CaptureSafetyPass(Mrv2Pass):
             return None
         target = node.target
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            name = node_op_name(node) or ""
-            ns = name.split("::")[0]
-            if ns in TRUSTED_NAMESPACES or name in _capture_safe or f"{ns}::*" in _capture_safe:
+            if self.roles.is_capture_safe(node_op_name(node)):
                 return None
             return "custom op not known to be capture-safe"
         if isinstance(target, torch._ops.HigherOrderOperator):
-            name = node_op_name(node) or ""
-            if name in _capture_safe:
+            if self.roles.is_capture_safe(node_op_name(node)):
                 return None
             return "higher-order op not known to be capture-safe"
         if is_torch_level(node) or is_python_builtin(node) or sets_global_state(node):

@@ -1,15 +1,35 @@
-"""The registry of op roles (README.md, "Op roles").
+"""The registry of op facts (README.md, "Op roles").
 
 Everything that asks "what is this op?" asks an `OpRegistry`: the splitter,
-the passes and the debug dump. Ops are named `namespace::name`
-(`aten::scaled_dot_product_attention`, `mrv2::unified_attention`,
+the passes, layer sharing and the debug dump. Ops are named `namespace::name`
+(`aten::scaled_dot_product_attention`, `mylib::my_attention`,
 `higher_order::flex_attention`); `namespace::*` names a whole namespace.
+
+The facts, and where each comes from:
+  role          breakpoint / attention-like / collective (OpRole). Process-wide
+                defaults (torch's attention ops, flex_attention, functional
+                collectives, plus every `register_op(name, role=...)`), copied
+                into each OpRegistry, which a config then edits for one compile
+                (`OpRegistry.from_config`).
+  layer-keyed   the op uses its `layer_name` argument only to find that layer's
+                metadata, so identical layers can share one compiled piece
+                (compile_backend/compile/layer_sharing.py). Process-wide.
+  capture-safe  a CUDA graph may capture the op (passes/capture_safety.py asks
+                `is_capture_safe`): every op of torch's own namespaces
+                (`TRUSTED_NAMESPACES`) and each op, or `ns::*`, declared so.
+                Process-wide.
+Process-wide facts are read when asked, so a registration made after an
+OpRegistry was built still counts.
+
+Whoever defines an op declares its facts, once, beside the definition:
+    register_op("mylib::attn", role="breakpoint", layer_keyed=True, capture_safe=True)
+This project's own kernels (compile_backend/kernels/) do so when imported; core
+names none of them and imports no kernel.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
 import logging
 import operator
 from typing import Any, Callable, Iterable
@@ -30,20 +50,15 @@ class OpRole(enum.Enum):
     ORDINARY = "ordinary"
 
 
-# Process-wide defaults. Strings only: resolving `mrv2::*` would import the
-# kernels, which the registry must not do at import time.
+# ---- process-wide facts ------------------------------------------------------
+
+# Default roles: torch's own ops here, every other op through register_op.
 _DEFAULT_ROLES: dict[str, OpRole] = {
     "aten::scaled_dot_product_attention": OpRole.BREAKPOINT,
     "aten::_scaled_dot_product_flash_attention": OpRole.BREAKPOINT,
     "aten::_scaled_dot_product_efficient_attention": OpRole.BREAKPOINT,
     "aten::_scaled_dot_product_flash_attention_for_cpu": OpRole.BREAKPOINT,
     "higher_order::flex_attention": OpRole.BREAKPOINT,
-    "mrv2::unified_attention": OpRole.BREAKPOINT,
-    # The KV write needs only the slot mapping, a persistent buffer: it runs
-    # inside the piece before attention, off the eager region's host path.
-    "mrv2::reshape_and_cache": OpRole.ATTENTION_LIKE,
-    "mrv2::sconv": OpRole.ATTENTION_LIKE,
-    "mrv2::kv_compress": OpRole.ATTENTION_LIKE,
     "_c10d_functional::*": OpRole.COLLECTIVE,  # functional collectives and their wait_tensor
 }
 
@@ -51,10 +66,17 @@ _DEFAULT_ROLES: dict[str, OpRole] = {
 # in the forward context (through ForwardContext.metadata, which follows layer
 # aliases). Pieces that differ only in these names are one piece: they share
 # one compiled artifact (compile_backend/compile/layer_sharing.py).
-_LAYER_KEYED_OPS: set[str] = {
-    "mrv2::reshape_and_cache", "mrv2::unified_attention", "mrv2::sconv", "mrv2::kv_compress",
-}
+_LAYER_KEYED_OPS: set[str] = set()
 LAYER_NAME_ARG = "layer_name"
+
+# Namespaces whose ops a CUDA graph may capture, subject to the capture-safety
+# pass's other checks (host syncs, dynamic shapes, CPU tensors): torch's own
+# ops and its functional collectives (NCCL ones are captured; the pass keeps
+# host ones out).
+TRUSTED_NAMESPACES = ("aten", "prims", "_c10d_functional")
+
+# Ops (`ns::op`) and namespaces (`ns::*`) declared capture-safe.
+_CAPTURE_SAFE_OPS: set[str] = set()
 
 # Python-level callables that Dynamo leaves in its graphs, by the op they are.
 _PYTHON_ALIASES: dict[Callable[..., Any], str] = {
@@ -63,28 +85,85 @@ _PYTHON_ALIASES: dict[Callable[..., Any], str] = {
     operator.getitem: "python::getitem",
 }
 
-# Namespaces whose ops live in this project's modules, imported on demand.
-_NAMESPACE_MODULES = {"mrv2": "compile_backend.kernels"}
+
+def register_op(name: str, *, role: "OpRole | str | None" = None, layer_keyed: bool = False,
+                capture_safe: bool = False) -> None:
+    """Declare process-wide facts about op `name` (one call, beside the op's
+    definition; the op must be registered already):
+      role          its default role in every compile: an OpRole or its value
+                    ("breakpoint", "attention_like", "collective", "ordinary");
+                    a config's splitting_ops / attention_like_ops /
+                    non_splitting_ops still edit it per compile;
+      layer_keyed   it uses its `layer_name` argument only to look up the
+                    layer's metadata (`get_forward_context().metadata(layer_name)`
+                    or `resolve_layer(layer_name)`): identical layers holding it
+                    then compile once. Without this a user's op keeps its
+                    per-layer name in the compiled code, and each layer's piece
+                    compiles on its own (correct, slower start). Exact names only;
+      capture_safe  a CUDA graph may capture it: no host syncs, no
+                    data-dependent shapes, no CPU work. `ns::*` vouches for a
+                    whole namespace.
+    Every fact is checked before any is recorded (ValueError naming the fix)."""
+    if role is None and not layer_keyed and not capture_safe:
+        raise ValueError(f"register_op({name!r}) declares nothing: pass role=..., "
+                         "layer_keyed=True and/or capture_safe=True")
+    resolve_op_name(name)
+    parsed = None if role is None else _parse_role(role)
+    if layer_keyed:
+        _check_layer_keyed(name)
+    if parsed is not None:
+        _DEFAULT_ROLES[name] = parsed
+    if layer_keyed:
+        _LAYER_KEYED_OPS.add(name)
+    if capture_safe:
+        _CAPTURE_SAFE_OPS.add(name)
+
+
+def unregister_op(name: str) -> None:
+    """Forget every process-wide fact `register_op` recorded about `name`
+    (the built-in defaults included)."""
+    _DEFAULT_ROLES.pop(check_op_name(name), None)
+    _LAYER_KEYED_OPS.discard(name)
+    _CAPTURE_SAFE_OPS.discard(name)
 
 
 def register_op_role(name: str, role: "OpRole | str") -> None:
-    """Add a process-wide default role (e.g. for a library's own attention op)."""
-    _DEFAULT_ROLES[check_op_name(name)] = _parse_role(role)
+    """Add a process-wide default role (e.g. for a library's own attention op):
+    `register_op(name, role=role)`."""
+    register_op(name, role=role)
 
 
 def register_layer_keyed_op(name: str) -> None:
-    """Declare that op `name` uses its `layer_name` argument only to look up
-    the layer's metadata with `get_forward_context().metadata(layer_name)`
-    (or `resolve_layer(layer_name)`): identical layers holding it then compile
-    once. Without this, a user's op keeps its per-layer name in the compiled
-    code, and each layer's piece compiles on its own (correct, slower start)."""
-    resolve_op_name(name)
+    """Declare that op `name` is layer-keyed: `register_op(name, layer_keyed=True)`."""
+    register_op(name, layer_keyed=True)
+
+
+def register_capture_safe(name: str) -> None:
+    """Vouch that custom op `ns::op` (or every op of `ns::*`) can be captured:
+    no host syncs, no data-dependent shapes, no CPU work
+    (`register_op(name, capture_safe=True)`)."""
+    register_op(name, capture_safe=True)
+
+
+def unregister_capture_safe(name: str) -> None:
+    _CAPTURE_SAFE_OPS.discard(name)
+
+
+def capture_safe_ops() -> list[str]:
+    """Ops and namespaces declared capture-safe (not the trusted namespaces)."""
+    return sorted(_CAPTURE_SAFE_OPS)
+
+
+def _check_layer_keyed(name: str) -> None:
     ns, op = name.split("::")
-    schema = getattr(getattr(torch.ops, ns), op).default._schema
+    if op == "*":
+        raise ValueError(f"layer_keyed needs one op, not the pattern {name!r}: its schema "
+                         f"must have an argument named {LAYER_NAME_ARG!r}")
+    packet = getattr(getattr(torch.ops, ns), op)
+    schema = packet.default._schema
     if not any(a.name == LAYER_NAME_ARG for a in schema.arguments):
         raise ValueError(f"{name} has no argument named {LAYER_NAME_ARG!r} (schema: {schema}); "
                          "name the layer argument `layer_name`")
-    _LAYER_KEYED_OPS.add(name)
 
 
 def layer_name_position(target: Any) -> int | None:
@@ -121,11 +200,10 @@ def check_op_name(name: str) -> str:
 
 
 def resolve_op_name(name: str) -> None:
-    """Raise if `namespace::name` names no registered op (misuse tier)."""
+    """Raise if `namespace::name` names no registered op (misuse tier). Ops
+    resolve once the module defining them was imported; this imports nothing."""
     check_op_name(name)
     ns, op = name.split("::")
-    if ns in _NAMESPACE_MODULES:
-        importlib.import_module(_NAMESPACE_MODULES[ns])
     if op == "*":
         if ns != "higher_order" and not any(
                 n.startswith(ns + "::") for n in torch._C._dispatch_get_all_op_names()):
@@ -141,8 +219,9 @@ def resolve_op_name(name: str) -> None:
     if packet is None:
         raise ValueError(
             f"op {name!r} does not resolve: torch.ops.{ns}.{op} does not exist. "
-            "Register the op (torch.library.custom_op) before torch.compile, or fix "
-            "the name; it must be 'namespace::name' as in torch.ops.namespace.name"
+            "Register the op (torch.library.custom_op, or import the library that defines "
+            "it) before torch.compile, or fix the name; it must be 'namespace::name' as in "
+            "torch.ops.namespace.name"
         )
 
 
@@ -180,11 +259,13 @@ def node_op_name(node: torch.fx.Node) -> str | None:
 
 
 class OpRegistry:
-    """Roles by op name. Built from the defaults plus a config's additions.
+    """The op facts one compile sees (module docstring). Roles: a copy of the
+    process-wide defaults plus a config's additions, less its removals.
+    Capture-safe and layer-keyed facts: the process-wide ones, read when asked.
 
-    Precedence: attention-like beats breakpoint (an attention-like op is never a
-    split point, even if a namespace wildcard names it as one); exact names beat
-    namespace wildcards.
+    Role precedence: attention-like beats breakpoint (an attention-like op is
+    never a split point, even if a namespace wildcard names it as one); exact
+    names beat namespace wildcards.
     """
 
     def __init__(self, roles: dict[str, OpRole] | None = None) -> None:
@@ -257,6 +338,33 @@ class OpRegistry:
             if wildcard is OpRole.BREAKPOINT or name in self._overridden:
                 out.append(name)
         return out
+
+    # ---- capture safety and layer keys (process-wide facts) ----
+
+    @property
+    def trusted_namespaces(self) -> tuple[str, ...]:
+        """Namespaces whose every op is capture-safe (torch's own)."""
+        return TRUSTED_NAMESPACES
+
+    def is_capture_safe(self, name: str | None) -> bool:
+        """May a CUDA graph capture op `name` (as far as anyone declared)? Its
+        namespace is trusted, or it or its namespace (`ns::*`) was declared
+        capture-safe. Says nothing of roles: the capture-safety pass trusts
+        attention-like ops and breakpoints on their own."""
+        if name is None or "::" not in name:
+            return False
+        ns = name.split("::")[0]
+        return (ns in TRUSTED_NAMESPACES or name in _CAPTURE_SAFE_OPS
+                or f"{ns}::*" in _CAPTURE_SAFE_OPS)
+
+    def capture_safe_ops(self) -> list[str]:
+        return capture_safe_ops()
+
+    def is_layer_keyed(self, name: str | None) -> bool:
+        return name in _LAYER_KEYED_OPS
+
+    def layer_keyed_ops(self) -> list[str]:
+        return sorted(_LAYER_KEYED_OPS)
 
     def summary(self) -> dict[str, list[str]]:
         return {r.value: self.names(r)

@@ -10,7 +10,7 @@ tokens have slot -1 (no KV write) and position 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -41,6 +41,11 @@ class AttentionMetadata(Metadata):
     max_query_len: int  # 1 => uniform single-token decode (split-KV path)
     max_seq_len: int  # upper bound of seq_lens (max_model_len when for_capture)
     for_capture: bool = False
+    # This step's launch plans of unified attention's direct path: None, then
+    # {key: plan} (Note [attention plans] in kernels/attention_plan.py, which
+    # reaches the field by this name). Not an argument, not in repr or
+    # equality; a dataclasses.replace copy starts with none.
+    attention_plans: dict | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -106,6 +106,8 @@ def test_mode_shorthand_through_torch_compile():
 
 
 def test_config_adds_and_removes_roles():
+    import compile_backend.kernels  # noqa: F401  (the mrv2 ops register their roles on import)
+
     cfg = cb.CompilationConfig(splitting_ops=["toy::attn"], attention_like_ops=["toy::state_mix"],
                                non_splitting_ops=[SDPA])
     reg = cb.OpRegistry.from_config(cfg)
@@ -128,6 +130,8 @@ def test_attention_like_beats_a_breakpoint_wildcard():
 
 
 def test_attention_like_op_named_among_splitting_ops_is_not_split():
+    import compile_backend.kernels  # noqa: F401  (the mrv2 ops register their roles on import)
+
     cfg = cb.CompilationConfig(splitting_ops=["mrv2::sconv", "toy::attn"])
     reg = cb.OpRegistry.from_config(cfg)
     assert reg.role_of_name("mrv2::sconv") is cb.OpRole.ATTENTION_LIKE

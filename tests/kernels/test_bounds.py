@@ -1,4 +1,4 @@
-"""Index checks (Note [index checks] in kernels/_common.py): a block id, slot,
+"""Index checks (Note [index checks] in kernels/_checks.py): a block id, slot,
 state index or query offset out of range raises ValueError naming the op, the
 argument, the request (or token), the value and the valid range, before any
 launch or write. Without the checks a block id past the cache crashes Triton's
@@ -19,7 +19,7 @@ from compile_backend.core.forward_context import ForwardContext, set_forward_con
 from kernel_cases import assert_close_rel, gen, paged_batch, randn, state_batch
 from compile_backend.kernels import (debug_checks, kv_compress, reshape_and_cache, set_debug_checks, sconv,
                      unified_attention, unified_attention_ref)
-from compile_backend.kernels._common import index_checks_on
+from compile_backend.kernels._debug import index_checks_on
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interp = pytest.mark.skipif(not INTERP, reason="CPU kernels need TRITON_INTERPRET=1")

@@ -200,7 +200,7 @@ def test_decode_in_cuda_graph():
     _assert_matches_ref(out, q, kc, vc, batch)
 
 
-# The direct path (Note [attention plans]): what eager pieces call once per
+# The direct path (Note [attention plans] in kernels/attention_plan.py): what eager pieces call once per
 # layer. Steps of successive metadata; each step runs several layers (own
 # caches, same shapes: one plan per step, shared scratch).
 # name: (q_lens, seq_lens, padding tokens)
@@ -276,7 +276,35 @@ def test_direct_calls_over_steps(device, monkeypatch):
     metas = _run_direct_steps(steps, device, torch.float32 if device == "cpu" else torch.bfloat16)
     # the checked launcher's own calls (one per layer) plus one per step's plan
     assert len(checks) == len(steps) * 3 + len(steps)
-    assert all(len(getattr(m, ua._PLANS)) == 1 for m in metas)
+    assert all(len(m.attention_plans) == 1 for m in metas)
+
+
+def test_plans_live_in_a_declared_metadata_field():
+    """The plan cache is AttentionMetadata's declared field, which the kernels
+    name by PLANS_FIELD (they never import the runner): no constructor
+    argument, not in tensors(), repr or equality; a replace() copy starts
+    empty. A metadata object without the field keeps no plans."""
+    import dataclasses
+
+    from compile_backend.kernels.attention_plan import PLANS_FIELD, find_plan, keep_plan
+    from compile_backend.runner.attention_metadata import AttentionMetadata
+
+    (f,) = [f for f in dataclasses.fields(AttentionMetadata) if f.name == PLANS_FIELD]
+    assert f.default is None and not (f.init or f.repr or f.compare)
+    batch = paged_batch([1, 2], [5, 9], 16, "cpu", gen(0))
+    meta = _meta(batch)
+    q = kc = torch.zeros(3, 2, 16)
+    keep_plan(meta, "plan", q, kc, kc, q)
+    assert find_plan(meta, q, kc, kc, q) == "plan" and find_plan(meta, q[:2], kc, kc, q[:2]) is None
+    assert PLANS_FIELD not in meta.tensors() and PLANS_FIELD not in repr(meta)
+    assert meta == _meta(batch) and dataclasses.replace(meta).attention_plans is None
+
+    class Bare:  # a user's metadata class without the field
+        pass
+
+    bare = Bare()
+    keep_plan(bare, "plan", q, kc, kc, q)
+    assert find_plan(bare, q, kc, kc, q) is None and not hasattr(bare, PLANS_FIELD)
 
 
 @pytest.mark.parametrize("device", DEVICES)

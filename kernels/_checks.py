@@ -1,116 +1,20 @@
-"""What every kernel launcher shares: argument checks that raise `ValueError`
-naming the argument, index checks (`check_ids`), and the switch between
-Triton and plain torch.
-
-Dispatch rule (used by every `mrv2::` op): CUDA tensors, or any tensors while
-Triton's interpreter is on (`TRITON_INTERPRET=1`), go to the Triton launcher;
-plain CPU tensors without the interpreter go to the op's pure-torch reference,
-so that a model built on these ops runs on any CPU machine.
+"""Argument checks of the kernel launchers: each raises `ValueError` naming
+the argument, what was expected and what came (`check_tensor`, `check_int`,
+...), and the index checks that read the values of metadata tensors before a
+launch (`check_ids`, Note [index checks]).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
-from compile_backend.core.forward_context import get_forward_context
+from ._debug import index_checks_on
+from ._device import interpreting
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Should an op on `t` run the Triton launcher (else: the torch reference)?"""
-    return t.is_cuda or interpreting()
-
-
-def upcast_dots(dtype: torch.dtype) -> bool:
-    """Note [interpreter bf16 dots]: Triton's interpreter computes `tl.dot` on
-    bf16 operands wrongly, so when interpreting, bf16 dot operands are upcast
-    to fp32 (a constexpr switch); on the GPU they stay bf16 (tensor cores)."""
-    return interpreting() and dtype == torch.bfloat16
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 dots rather than tf32 (what the caller asked for)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# Note [scalar masks]: Triton 3.9's interpreter turns `bool_tensor & bool_scalar`
-# into an int32 tensor, which loads and stores then reject as a mask. Kernels
-# therefore fold a scalar condition into a bound instead:
-#     mask = offs < tl.where(cond, N, 0)      # not: (offs < N) & cond
-
-
-# Note [request tiles]: kernels over a batch's tokens launch a grid sized by
-# the tokens present, never by requests x a padded max_query_len (in PIECEWISE
-# that bound is the padded token count T, and most such programs would find
-# nothing to do). Axis 0 has cdiv(T, TILE) + B programs; request b owns the
-# programs from first(b) = qsl[b] // TILE + b to first(b + 1) - 1, at least
-# cdiv(q_len_b, TILE) of them, and its local tile j holds its tokens
-# [j * TILE, (j + 1) * TILE). The programs from first(B) on make a padding
-# pseudo-request b = B over the tokens [qsl[B], T): no keys, no state, output
-# 0. A program finds its request by counting the requests that start at or
-# before it (one vector load of query_start_loc per SEARCH requests).
-# With ONE_TOKEN (max_query_len == 1: every request has at most one token) the
-# grid is max(B, T): program p is request p (when p < B) and also writes the
-# zero row p when p lies in [qsl[B], T) (`pad_row`, -1 otherwise). The grid
-# depends only on shapes and Python ints, so the kernels stay capturable.
-SEARCH = 256
-
-
-def request_grid(num_tokens: int, num_reqs: int, tile: int, one_token: bool) -> int:
-    """Programs on axis 0 for Note [request tiles]."""
-    return max(num_reqs, num_tokens) if one_token else cdiv(num_tokens, tile) + num_reqs
-
-
-@triton.jit
-def request_tile(qsl_ptr, num_reqs, num_tokens, TILE: tl.constexpr, SEARCH: tl.constexpr,
-                 ONE_TOKEN: tl.constexpr):
-    """Note [request tiles]: this program's (b, q_start, q_len, tile, pad_row);
-    b == num_reqs is the padding pseudo-request."""
-    pid = tl.program_id(0)
-    if ONE_TOKEN:
-        b = tl.minimum(pid, num_reqs)
-        end = tl.load(qsl_ptr + num_reqs)
-        pad_row = tl.where((pid >= end) & (pid < num_tokens), pid, -1)
-    else:
-        b = pid * 0
-        for i in range(0, num_reqs, SEARCH):
-            r = i + 1 + tl.arange(0, SEARCH)  # requests 1..B
-            ok = r <= num_reqs
-            first = tl.load(qsl_ptr + r, mask=ok, other=0) // TILE + r
-            b += tl.sum(((first <= pid) & ok).to(tl.int32), 0)
-        pad_row = pid * 0 - 1
-    q_start = tl.load(qsl_ptr + b)
-    q_end = tl.load(qsl_ptr + b + 1, mask=b < num_reqs, other=num_tokens)  # pseudo-request: to T
-    tile = pid - (q_start // TILE + b)
-    if ONE_TOKEN:  # the pseudo-request is empty; its rows go through pad_row
-        q_end = tl.where(b < num_reqs, q_end, q_start)
-        tile = pid * 0
-    return b, q_start, q_end - q_start, tile, pad_row
-
-
-def tl_dtype(dtype: torch.dtype):
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _fmt_dtypes(dtypes: Iterable[torch.dtype]) -> str:
@@ -211,14 +115,6 @@ def check_paged_metadata(device: torch.device, query_start_loc: torch.Tensor,
     return B
 
 
-def layer_metadata(layer_name: str, event: str):
-    """What every layer-name op does first: record the call in the forward
-    context's trace and return that layer's metadata."""
-    ctx = get_forward_context()
-    ctx.record(layer_name, event)
-    return ctx.metadata(layer_name)
-
-
 # Note [index checks]: the kernels index caches and states with values read
 # from metadata tensors (block ids, slots, state indices, query offsets). An
 # index out of range reads or writes another tensor's memory: a crash in
@@ -227,36 +123,6 @@ def layer_metadata(layer_name: str, event: str):
 # tensors only under `set_debug_checks(True)`: there it costs one
 # device->host sync per launch, and it is skipped while a CUDA graph is being
 # captured (a sync is illegal then, and capture-time values are dummies).
-_debug_checks = False
-
-
-def set_debug_checks(on: bool) -> bool:
-    """Check index values on CUDA tensors too (Note [index checks]); returns
-    the previous setting. Off by default: each check syncs with the device."""
-    global _debug_checks
-    if not isinstance(on, bool):
-        raise ValueError(f"set_debug_checks: expected True or False, got {on!r}")
-    previous, _debug_checks = _debug_checks, on
-    return previous
-
-
-@contextlib.contextmanager
-def debug_checks(on: bool = True) -> Iterator[None]:
-    """`with debug_checks():` index checks on CUDA too, restored on exit."""
-    previous = set_debug_checks(on)
-    try:
-        yield
-    finally:
-        set_debug_checks(previous)
-
-
-def index_checks_on(device: torch.device) -> bool:
-    """Does `check_ids` run for index tensors on `device`? (Note [index checks])"""
-    if device.type == "cpu":
-        return True
-    if not _debug_checks:
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 class _Range(NamedTuple):

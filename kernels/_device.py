@@ -1,0 +1,106 @@
+"""Where and how a kernel runs: the switch between Triton and plain torch,
+and the Triton pieces that several kernels share (request tiles, dot
+settings, sizes).
+
+Dispatch rule (used by every `mrv2::` op): CUDA tensors, or any tensors while
+Triton's interpreter is on (`TRITON_INTERPRET=1`), go to the Triton launcher;
+plain CPU tensors without the interpreter go to the op's pure-torch reference,
+so that a model built on these ops runs on any CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Should an op on `t` run the Triton launcher (else: the torch reference)?"""
+    return t.is_cuda or interpreting()
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Note [interpreter bf16 dots]: Triton's interpreter computes `tl.dot` on
+    bf16 operands wrongly, so when interpreting, bf16 dot operands are upcast
+    to fp32 (a constexpr switch); on the GPU they stay bf16 (tensor cores)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 dots rather than tf32 (what the caller asked for)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Note [scalar masks]: Triton 3.9's interpreter turns `bool_tensor & bool_scalar`
+# into an int32 tensor, which loads and stores then reject as a mask. Kernels
+# therefore fold a scalar condition into a bound instead:
+#     mask = offs < tl.where(cond, N, 0)      # not: (offs < N) & cond
+
+
+# Note [request tiles]: kernels over a batch's tokens launch a grid sized by
+# the tokens present, never by requests x a padded max_query_len (in PIECEWISE
+# that bound is the padded token count T, and most such programs would find
+# nothing to do). Axis 0 has cdiv(T, TILE) + B programs; request b owns the
+# programs from first(b) = qsl[b] // TILE + b to first(b + 1) - 1, at least
+# cdiv(q_len_b, TILE) of them, and its local tile j holds its tokens
+# [j * TILE, (j + 1) * TILE). The programs from first(B) on make a padding
+# pseudo-request b = B over the tokens [qsl[B], T): no keys, no state, output
+# 0. A program finds its request by counting the requests that start at or
+# before it (one vector load of query_start_loc per SEARCH requests).
+# With ONE_TOKEN (max_query_len == 1: every request has at most one token) the
+# grid is max(B, T): program p is request p (when p < B) and also writes the
+# zero row p when p lies in [qsl[B], T) (`pad_row`, -1 otherwise). The grid
+# depends only on shapes and Python ints, so the kernels stay capturable.
+SEARCH = 256
+
+
+def request_grid(num_tokens: int, num_reqs: int, tile: int, one_token: bool) -> int:
+    """Programs on axis 0 for Note [request tiles]."""
+    return max(num_reqs, num_tokens) if one_token else cdiv(num_tokens, tile) + num_reqs
+
+
+@triton.jit
+def request_tile(qsl_ptr, num_reqs, num_tokens, TILE: tl.constexpr, SEARCH: tl.constexpr,
+                 ONE_TOKEN: tl.constexpr):
+    """Note [request tiles]: this program's (b, q_start, q_len, tile, pad_row);
+    b == num_reqs is the padding pseudo-request."""
+    pid = tl.program_id(0)
+    if ONE_TOKEN:
+        b = tl.minimum(pid, num_reqs)
+        end = tl.load(qsl_ptr + num_reqs)
+        pad_row = tl.where((pid >= end) & (pid < num_tokens), pid, -1)
+    else:
+        b = pid * 0
+        for i in range(0, num_reqs, SEARCH):
+            r = i + 1 + tl.arange(0, SEARCH)  # requests 1..B
+            ok = r <= num_reqs
+            first = tl.load(qsl_ptr + r, mask=ok, other=0) // TILE + r
+            b += tl.sum(((first <= pid) & ok).to(tl.int32), 0)
+        pad_row = pid * 0 - 1
+    q_start = tl.load(qsl_ptr + b)
+    q_end = tl.load(qsl_ptr + b + 1, mask=b < num_reqs, other=num_tokens)  # pseudo-request: to T
+    tile = pid - (q_start // TILE + b)
+    if ONE_TOKEN:  # the pseudo-request is empty; its rows go through pad_row
+        q_end = tl.where(b < num_reqs, q_end, q_start)
+        tile = pid * 0
+    return b, q_start, q_end - q_start, tile, pad_row
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
