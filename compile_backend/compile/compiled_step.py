@@ -3,7 +3,8 @@ it serves calls. `assemble_step` makes it callable from its pieces'
 callables (compiled now, or loaded from the warm-start cache), so a loaded
 step runs as the one compiled; `CompiledStep.__call__` serves a runner's
 steps (its forward context picks the graphs) and plain calls (the whole
-graph captured lazily where it can be, else the pieces)."""
+graph captured lazily where it can be, else the pieces): docs/design.md,
+"The capture contract"."""
 
 from __future__ import annotations
 

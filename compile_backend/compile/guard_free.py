@@ -12,7 +12,8 @@ code directly: they skip the frame callback, guard evaluation and
 (compile/step_cache.py) and a later process loads it instead of compiling
 (warm start: nothing traced, nothing compiled).
 
-What the runner promises in exchange for skipping the guards: the model's
+What the runner promises in exchange for skipping the guards (docs/design.md,
+"What may move between calls"): the model's
 code and its parameters and buffers stay the same objects (as captured graphs
 need anyway), and its inputs keep their dtypes and ranks (the runner's own
 persistent buffers). Under `debug_checks` the guards run at every call and a

@@ -1,6 +1,7 @@
 """Which graphs a runner captures and which one a batch runs in: pure rules
 over a lowered graph mode and the capture sizes (no torch, no state), so
-the runner, the draft loop and tests read one definition.
+the runner, the draft loop and tests read one definition (docs/design.md,
+"Graph modes, and the one value of which graph").
 
     plan = GraphPlan(CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 2, 4, 8),
                      max_num_reqs=4)

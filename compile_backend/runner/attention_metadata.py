@@ -2,7 +2,7 @@
 (compile_backend/runner/metadata_builders.py), read by the op through the forward
 context. B = padded number of requests, T = padded number of tokens.
 
-Padding convention (docs/design_notes.md, "Metadata builders"): padding requests own
+Padding convention (docs/design.md, "Metadata builders"): padding requests own
 zero query tokens (query_start_loc repeats its last value), have seq_len 0,
 block 0 (the null block) in every block-table entry, state index -1; padding
 tokens have slot -1 (no KV write) and position 0.

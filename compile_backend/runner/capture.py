@@ -1,5 +1,6 @@
 """Capture-time input preparation: the dummy batch a graph is captured with,
-written where the graphs read, and its metadata."""
+written where the graphs read, and its metadata (docs/design.md, "The
+metadata contract")."""
 
 from __future__ import annotations
 

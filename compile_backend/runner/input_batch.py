@@ -191,7 +191,7 @@ class InputBatch:
     def make_dummy(
         cls, num_reqs: int, num_tokens: int, max_model_len: int, block_size: int = 16
     ) -> "InputBatch":
-        """The batch a graph is captured with (docs/design_notes.md, "Metadata builders").
+        """The batch a graph is captured with (docs/design.md, "Metadata builders").
 
         Tokens are spread evenly: no request gets more than
         ceil(num_tokens / num_reqs) tokens, nor more than max_model_len (the

@@ -32,7 +32,7 @@ input is logged (name, addresses, written or read), and inputs named stable
 Outputs are held weakly (a non-owning tensor on the pool's memory), so a
 block no later graph reads returns to the shared pool; graphs captured
 outside the runner's ordered capture (lazily, or for a new address) get a
-pool of their own. docs/design_notes.md says why each rule holds.
+pool of their own. docs/design.md says why each rule holds.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class CUDAGraphWrapper:
     """Captures `fn` per key (the step graph's `key`, or input shapes without
     a runner) and replays it.
 
-    Addresses (docs/design_notes.md, "A replay never writes into a private
+    Addresses (docs/design.md, "A replay never writes into a private
     copy"): an input the graph writes (`written_inputs`; None: unknown, so
     every input counts as written) must be where it was at capture; when it
     moves, the wrapper captures a graph for the new address (at most
