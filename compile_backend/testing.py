@@ -26,14 +26,22 @@ With a `ModelRunner` instead of a model, the calls are `InputBatch`es; each
 mode gets a runner of its own over a copy of the runner's model (captured
 before the first call), and eager is the model run uncompiled (mode none).
 
+On a machine without CUDA, graph modes run as `none` and nothing is
+captured: pass `standin=True` to capture and replay with the CPU stand-in
+(`compile_backend.standin_graphs()`). A graph mode that captured no graph
+warns (`NothingCapturedWarning`, naming why): such a check compared eager
+code with eager code.
+
 Also a pytest plugin (entry point `pytest11`): the fixture
 `mrv2_check_against_eager` is this function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -50,14 +58,29 @@ class EagerMismatch(AssertionError):
     """A compiled call differs from eager (the message says where)."""
 
 
+class NothingCapturedWarning(UserWarning):
+    """A graph mode was checked and no graph was captured: the compiled side
+    ran without graphs, so the check says nothing about capture or replay.
+    `warnings.simplefilter("error", NothingCapturedWarning)` (or pytest's
+    `-W error::compile_backend.testing.NothingCapturedWarning`) makes it an error."""
+
+
 @dataclass
 class ModeReport:
     mode: str
     calls: int = 0
-    captures: int = 0  # CUDA graphs (or stand-in graphs) captured
-    replays: int = 0
+    # Graphs captured for this mode: a runner's capture() and, lazily or for
+    # a new address, during the calls.
+    captures: int = 0
+    replays: int = 0  # during the calls (each compared with eager)
+    dynamo_graphs: int = 0  # graphs Dynamo handed to mrv2 during the calls (a runner's: at capture)
     full_graph_fallbacks: int = 0  # no runner: FULL given up (the log says why)
     shapes: dict[str, int] = field(default_factory=dict)  # input shapes -> calls
+    graphs: str = ""  # what captured: "graphs: CUDA", STANDIN_NOTE, or why none
+
+    def __str__(self) -> str:
+        return (f"{self.mode}: {self.calls} calls, {self.captures} graphs captured, "
+                f"{self.replays} replays; {self.graphs}")
 
 
 @dataclass
@@ -66,6 +89,9 @@ class CheckReport:
 
     def __getitem__(self, mode: str) -> ModeReport:
         return next(r for r in self.modes if r.mode == CUDAGraphMode.parse(mode).value)
+
+    def __str__(self) -> str:
+        return "\n".join(str(r) for r in self.modes)
 
 
 def _clone(x: Any) -> Any:
@@ -194,11 +220,11 @@ def _count_shapes(calls: Sequence[Any], min_calls_per_shape: int) -> None:
 def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subject_state,
            reference_state, calls: Sequence[tuple[Any, Any]], mode: str, atol: float,
            rtol: float, report: ModeReport, describe: Callable[[Any], str],
-           session: int = 0) -> None:
+           session: int = 0, bar: Any = None) -> None:
     """`calls`: (the subject's call, the reference's call) pairs, each side's
     own objects, so that what a call writes into its arguments is compared."""
     captures, replays = counters["cudagraph_captures"], counters["cudagraph_replays"]
-    fallbacks = counters["full_graph_fallbacks"]
+    fallbacks, graphs = counters["full_graph_fallbacks"], counters["dynamo_graphs"]
     for i, (sub_call, ref_call) in enumerate(calls):
         shape = describe(sub_call)
         tag = f"call {i} of session {session} (inputs {shape}), mode {mode}"
@@ -211,9 +237,12 @@ def _drive(subject: Callable[[Any], Any], reference: Callable[[Any], Any], subje
             _compare_reachable(tag, "argument", sub_call, ref_call, atol, rtol)
         report.calls += 1
         report.shapes[shape] = report.shapes.get(shape, 0) + 1
+        if bar is not None:
+            bar.update()
     report.captures += counters["cudagraph_captures"] - captures
     report.replays += counters["cudagraph_replays"] - replays
     report.full_graph_fallbacks += counters["full_graph_fallbacks"] - fallbacks
+    report.dynamo_graphs += counters["dynamo_graphs"] - graphs
 
 
 def _session_calls(calls: Sequence[Any]) -> list[tuple[Any, Any]]:
@@ -221,6 +250,12 @@ def _session_calls(calls: Sequence[Any]) -> list[tuple[Any, Any]]:
     tensor at a new address, objects shared between calls still shared."""
     sub, ref = copy.deepcopy(list(calls)), copy.deepcopy(list(calls))
     return list(zip(sub, ref))
+
+
+def _progress(mode: str, calls: int) -> Any:
+    from compile_backend.core.progress import progress
+
+    return progress(f"check_against_eager ({mode})", total=calls, unit="call")
 
 
 def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
@@ -232,18 +267,27 @@ def _check_model(model: torch.nn.Module, calls: Sequence[Any], mode: str,
 
     torch._dynamo.reset()  # each mode compiles its own copy from scratch
     reference, subject = copy.deepcopy(model), copy.deepcopy(model)
-    # In place (Module.compile), so that methods calling the module's own
-    # __call__ (a generate loop) run compiled too.
-    subject.compile(backend=mrv2_backend, options={**options, "cudagraph_mode": mode})
+    options = {**options, "cudagraph_mode": mode}
+    if type(subject).__module__.startswith("torch.nn."):
+        # Dynamo skips torch.nn's own frames: compiled in place, a built-in
+        # module (nn.Sequential) would run uncompiled. It has no generate loop.
+        compiled: Any = torch.compile(subject, backend=mrv2_backend, options=options)
+    else:
+        # In place (Module.compile), so that methods calling the module's own
+        # __call__ (a generate loop) run compiled too.
+        subject.compile(backend=mrv2_backend, options=options)
+        compiled = subject
 
     def run(m: Any, call: Any) -> Any:
         return call(m) if callable(call) else m(*call)
 
     report = ModeReport(mode)
-    for session in range(sessions):
-        _drive(lambda c: run(subject, c), lambda c: run(reference, c), subject, reference,
-               _session_calls(calls), mode, atol, rtol, report,
-               lambda c: "a function of the model" if callable(c) else _shapes(c), session)
+    with _progress(mode, len(calls) * sessions) as bar:
+        for session in range(sessions):
+            _drive(lambda c: run(compiled, c), lambda c: run(reference, c), subject, reference,
+                   _session_calls(calls), mode, atol, rtol, report,
+                   lambda c: "a function of the model" if callable(c) else _shapes(c), session,
+                   bar)
     return report
 
 
@@ -262,13 +306,38 @@ def _check_runner(runner: Any, calls: Sequence[Any], mode: str, atol: float, rto
     torch._dynamo.reset()
     reference = _runner_copy(runner, "none", eager=True)
     subject = _runner_copy(runner, mode, eager=False)
-    subject.capture()
     report = ModeReport(mode)
+    # The runner captures its graphs before the first call: count them here
+    # (the calls only replay them).
+    captures, graphs = counters["cudagraph_captures"], counters["dynamo_graphs"]
+    subject.capture()
+    report.captures += counters["cudagraph_captures"] - captures
+    report.dynamo_graphs += counters["dynamo_graphs"] - graphs
     # execute pads the batch it is given: each runner gets its own copy
-    _drive(lambda b: subject.execute(b), lambda b: reference.execute(b), subject.model,
-           reference.model, _session_calls(calls), mode, atol, rtol, report,
-           lambda b: f"{b.num_tokens} tokens over {b.num_reqs} requests")
+    with _progress(mode, len(calls)) as bar:
+        _drive(lambda b: subject.execute(b), lambda b: reference.execute(b), subject.model,
+               reference.model, _session_calls(calls), mode, atol, rtol, report,
+               lambda b: f"{b.num_tokens} tokens over {b.num_reqs} requests", bar=bar)
     return report
+
+
+def _warn_if_nothing_captured(report: ModeReport) -> None:
+    from compile_backend.runtime.machine import graph_mode_on_this_machine
+
+    if report.mode == CUDAGraphMode.NONE.value or report.captures:
+        return
+    if not report.dynamo_graphs:
+        why = ("Dynamo handed mrv2 no graph of the model (torch._dynamo.explain(model)(*inputs) "
+               "says why), so it ran uncompiled")
+    elif graph_mode_on_this_machine(CUDAGraphMode.parse(report.mode))[0] is CUDAGraphMode.NONE:
+        why = ("this machine has no CUDA device, so graph modes run as none: run on a GPU, "
+               "or pass standin=True to capture with the CPU stand-in")
+    else:
+        why = ("nothing in the compiled graphs was captured (every piece eager, the mode "
+               "lowered by a metadata builder, or no shape called twice); the log says why")
+    warnings.warn(f"check_against_eager: mode {report.mode} captured no graph, so its "
+                  f"{report.calls} calls compared eager code with eager code: {why}",
+                  NothingCapturedWarning, stacklevel=3)
 
 
 def check_against_eager(
@@ -281,15 +350,24 @@ def check_against_eager(
     rtol: float = 1e-5,
     min_calls_per_shape: int = 3,
     sessions: int = 1,
+    standin: bool = False,
 ) -> CheckReport:
     """Compare compiled and eager call by call in each of `modes`; raise
     `EagerMismatch` at the first difference, else return what ran (calls,
-    graphs captured and replayed per mode: a check that replayed nothing
-    proves little). `options`: more backend options (`piece_compiler`, ...)
-    for a model; a runner brings its own config. `sessions`: how many times
-    the calls are driven through the same compiled model, each time on new
-    copies of the inputs and of the state objects they hold. The model is
-    not changed: every mode runs on copies."""
+    graphs captured and replayed per mode, and what captured them: `str(report)`
+    says it in a line per mode). `options`: more backend options
+    (`piece_compiler`, ...) for a model; a runner brings its own config.
+    `sessions`: how many times the calls are driven through the same compiled
+    model, each time on new copies of the inputs and of the state objects
+    they hold. The model is not changed: every mode runs on copies.
+
+    `standin=True`: capture and replay with the CPU stand-in
+    (`compile_backend.standin_graphs()`), CUDA or not; the report says so.
+
+    A graph mode that ends with no graph captured does not raise: it warns
+    (`NothingCapturedWarning`), naming why (on a CPU: no CUDA, so pass
+    `standin=True`), since a check that replayed nothing proves little. Turn
+    the warning into an error with the warnings filter if you want one."""
     calls = list(calls)
     if not isinstance(sessions, int) or sessions < 1:
         raise ValueError(f"sessions must be a positive int, got {sessions!r}")
@@ -299,14 +377,20 @@ def check_against_eager(
         CUDAGraphMode.parse(m)  # bad names fail before anything compiles
     from compile_backend.runner.model_runner import ModelRunner
 
+    from compile_backend.runtime.graph_standin import standin_graphs
+    from compile_backend.runtime.machine import graphs_here
+
     report = CheckReport()
-    with torch.no_grad():
+    with torch.no_grad(), standin_graphs() if standin else contextlib.nullcontext():
         for m in modes:
             mode = CUDAGraphMode.parse(m).value
             if isinstance(model_or_runner, ModelRunner):
-                report.modes.append(_check_runner(model_or_runner, calls, mode, atol, rtol))
+                r = _check_runner(model_or_runner, calls, mode, atol, rtol)
             else:
                 _count_shapes(calls * sessions, min_calls_per_shape)
-                report.modes.append(_check_model(model_or_runner, calls, mode,
-                                                 dict(options or {}), atol, rtol, sessions))
+                r = _check_model(model_or_runner, calls, mode, dict(options or {}), atol, rtol,
+                                 sessions)
+            r.graphs = graphs_here(mode)
+            report.modes.append(r)
+            _warn_if_nothing_captured(r)
     return report

@@ -11,8 +11,11 @@
 
 Written from two places: the backend calls `write_compile_dump` once per
 Dynamo graph (options={"debug_dump_path": DIR}); a runner's owner calls
-`update_manifest_runtime` after capture and after serving to add captures,
-metadata builds, fallbacks and counters.
+`update_manifest_runtime(DIR, runner)` after capture and after serving to add
+captures, metadata builds, fallbacks and counters. Plain `torch.compile`
+use (no runner) captures lazily, after the dump was written: its runtime
+section (graphs captured and held, counters) is written when the process
+exits, or earlier by `update_manifest_runtime(DIR)`.
 
 Nothing is half-written: a graph's folder is filled under a hidden temporary
 name and renamed into place, and manifest.json is replaced whole. A path that
@@ -21,6 +24,7 @@ cannot hold a dump is refused before anything is created (`check_dump_path`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -29,6 +33,7 @@ import platform
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,6 +57,11 @@ DEPYF_NOTE = (
 _started: set[str] = set()
 # Paths currently inside depyf_dump().
 _depyf_active: set[str] = set()
+# Plain use: per path, the `created` stamp of the manifest this process
+# started there, and its compiled steps (weakly), for the runtime section
+# written at exit (or by update_manifest_runtime without a runner).
+_plain_runs: dict[str, tuple[str, list[Any]]] = {}
+_exit_hook_registered = False
 
 
 def reset_dump(path: str | os.PathLike) -> None:
@@ -126,6 +136,7 @@ def _load_or_start(root: Path) -> dict[str, Any]:
     if key in _started and (root / MANIFEST).exists():
         return read_manifest(root)
     _started.add(key)
+    _plain_runs.pop(key, None)
     _clear_previous_run(root, keep_depyf=key in _depyf_active)
     manifest = _empty_manifest()
     if key in _depyf_active:
@@ -163,11 +174,17 @@ def _graph_record(k: int, step: Any) -> dict[str, Any]:
         rec["inputs"] = piece_inputs(p)
         rec["file"] = f"graph_{k}/pieces/piece_{p.index}.py"
         pieces.append(rec)
+    has_full = step.graph_mode.has_full
     return {
         "index": k,
         "dir": f"graph_{k}",
         "graph_mode": step.graph_mode.value,
         "mode_reason": step.mode_reason,
+        # Without a runner, in a mode with FULL graphs: the whole graph is one
+        # lazily captured FULL graph, or `full_blocker` says why not.
+        "full_graph_without_runner": (getattr(step, "full_graph", None) is not None
+                                      if has_full else None),
+        "full_blocker": getattr(step, "full_blocker", None) if has_full else None,
         "compile_seconds": round(step.compile_seconds, 6),
         "passes_uuid": step.passes_uuid,
         "passes": [{"name": e.get("pass"), "uuid": e.get("uuid"), "changed": e.get("changed"),
@@ -214,20 +231,106 @@ def write_compile_dump(path: str | os.PathLike, step: Any) -> Path:
     manifest["fallbacks"] = _piece_fallbacks(manifest["graphs"]) + runtime_fallbacks
     manifest["counters"] = dict(counters)
     _write_json_atomic(root / MANIFEST, manifest)
+    _remember_plain_run(root, manifest, step)
     logger.info("mrv2: dumped graph %d (%d pieces) to %s", k, len(step.pieces), root)
     return root
+
+
+def _remember_plain_run(root: Path, manifest: dict[str, Any], step: Any) -> None:
+    """Keep `step` (weakly) so that the runtime section of a plain run can
+    be written after its calls: at exit, unless a runner reports first."""
+    global _exit_hook_registered
+    key = str(root)
+    created, steps = _plain_runs.get(key, (manifest["created"], []))
+    try:
+        steps.append(weakref.ref(step))
+    except TypeError:  # not weakly referable: counters only
+        steps.append(lambda: None)
+    _plain_runs[key] = (created, steps)
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_record_plain_runs_at_exit, os.getpid())
+
+
+def _graphs_held(step: Any) -> dict[str, int]:
+    """Graphs a plain run's step holds now: its whole-graph FULL graphs and
+    its pieces' graphs (captured lazily, one per input shape and address)."""
+    def held(wrapper: Any) -> int:
+        return sum(len(v) for v in getattr(wrapper, "variants", {}).values())
+
+    full = getattr(step, "full_graph", None)
+    return {"full": held(full) if full is not None else 0,
+            "pieces": sum(held(w) for w in getattr(step, "wrappers", []))}
+
+
+def _plain_runtime(manifest: dict[str, Any], steps: list[Any], when: str) -> dict[str, Any]:
+    graphs = manifest["graphs"]
+    first = graphs[0] if graphs else {}
+    held = []
+    for k, ref in enumerate(steps):
+        step = ref()
+        if step is not None:  # the FULL graph may be given up at a call (then the blocker says why)
+            held.append({"graph": k, **_graphs_held(step),
+                         "full_blocker": getattr(step, "full_blocker", None)})
+    return {
+        "runner": False,
+        "mode": first.get("graph_mode"),
+        "requested_mode": (manifest.get("config") or {}).get("cudagraph_mode"),
+        "mode_reason": first.get("mode_reason"),
+        "recorded": when,
+        "graphs_held": held,
+    }
+
+
+def _record_plain_run(root: Path, when: str) -> dict[str, Any] | None:
+    """Write the runtime section of this process's plain run at `root`
+    (None: the manifest there is another run's, or a runner's)."""
+    created, steps = _plain_runs.get(str(root), (None, []))
+    if created is None or not (root / MANIFEST).is_file():
+        return None
+    manifest = read_manifest(root)
+    rt = manifest.get("runtime")
+    if manifest.get("created") != created or (rt is not None and rt.get("runner", True)):
+        return None
+    manifest["runtime"] = _plain_runtime(manifest, steps, when)
+    manifest["counters"] = dict(counters)
+    _write_json_atomic(root / MANIFEST, manifest)
+    return manifest
+
+
+def _record_plain_runs_at_exit(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child that exits normally
+        return
+    for key in list(_plain_runs):
+        try:
+            _record_plain_run(Path(key), "at process exit")
+        except Exception as e:  # never fail the exit of the run that was watched
+            logger.debug("mrv2: no runtime section written to %s: %s", key, e)
 
 
 # ---- what the runner did ---------------------------------------------------------------
 
 
-def update_manifest_runtime(path: str | os.PathLike, runner: Any) -> dict[str, Any]:
+def update_manifest_runtime(path: str | os.PathLike, runner: Any = None) -> dict[str, Any]:
     """Merge a ModelRunner's captures, metadata builds, fallbacks and the
-    current counters into `path`'s manifest; returns the new manifest."""
+    current counters into `path`'s manifest; returns the new manifest.
+
+    Without a runner (plain `torch.compile` use, graphs captured lazily):
+    record now what the process's compiled steps for `path` captured and
+    hold, and the counters (else that is written when the process exits)."""
     root = check_dump_path(path)
+    if runner is None:
+        manifest = _record_plain_run(root, "by update_manifest_runtime")
+        if manifest is None:
+            raise ValueError(
+                f"{str(path)!r}: no plain run of this process dumped there (or a runner "
+                "reported to it): pass the runner, update_manifest_runtime(path, runner)")
+        return manifest
     root.mkdir(parents=True, exist_ok=True)
     manifest = _load_or_start(root)
+    _plain_runs.pop(str(root), None)  # a runner's run: nothing to write at exit
     manifest["runtime"] = {
+        "runner": True,
         "mode": runner.mode.value,
         "mode_reason": runner.mode_reason,
         "requested_mode": runner.config.cudagraph_mode.value,

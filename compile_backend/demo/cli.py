@@ -2,12 +2,14 @@
 the warm-start cache.
 
     mrv2 demo [--model hybrid] [--preset tiny] [--mode all] [--dump DIR] ...
+    mrv2 demo --standin                  (no GPU: capture with the CPU stand-in)
     torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   (tensor parallel; rank 0 prints)
-    mrv2 inspect DIR [--piece N] [--svg OUT.svg]
+    mrv2 inspect DIR [--piece N] [--svg [OUT.svg]]
     mrv2 cache ls|clear [--dir DIR]      (the runner's warm-start cache)
 
-Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input
-(one line on stderr, nothing written).
+Exit codes: 0 success; 1 a mode's tokens differ from eager; 2 bad input,
+or a graph mode named on a machine without CUDA and without --standin (one
+line on stderr, nothing written).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--model", choices=MODEL_NAMES, default="hybrid")
     d.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     d.add_argument("--mode", action="append", choices=modes + ["all"], dest="modes",
-                   help="graph mode (repeatable); default all that this machine supports")
+                   help="graph mode (repeatable); default all that this machine supports "
+                        "(on a CPU: none, or every mode with --standin)")
     d.add_argument("--batch", type=int, default=4, help="number of prompts")
     d.add_argument("--steps", type=int, default=8, help="new tokens per prompt")
     d.add_argument("--prompt-len", type=int, default=16)
@@ -47,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", choices=DTYPE_NAMES, help="default: fp32 on CPU, bf16 on CUDA")
     d.add_argument("--piece-compiler", choices=PIECE_COMPILERS, default="inductor")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
+    d.add_argument("--standin", action="store_true",
+                   help="capture and replay with a CPU stand-in for CUDA graphs: shows capture "
+                        "on a machine without CUDA (not a CUDA graph, not a speed-up)")
+    d.add_argument("--no-progress", action="store_true",
+                   help="hide the progress bars (MRV2_PROGRESS=0 does too)")
     d.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks; start N processes: "
                         "torchrun --nproc-per-node N -m compile_backend demo --tp N")
@@ -57,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--piece", type=int, metavar="N", help="print piece N's code")
     i.add_argument("--graph", type=int, default=0, metavar="K",
                    help="which Dynamo graph --piece refers to (default 0)")
-    i.add_argument("--svg", metavar="OUT.svg", help="picture path (default DIR/step.svg)")
+    i.add_argument("--svg", metavar="OUT.svg", nargs="?", const="",
+                   help="also draw the step as SVG, to OUT.svg (default DIR/step.svg)")
 
     c = sub.add_parser("cache", help="list or clear the warm-start cache of compiled steps")
     c.add_argument("action", choices=["ls", "clear"])
@@ -98,13 +106,16 @@ def _fail(message: str) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from compile_backend.debug.dump import DumpPathError, check_dump_path
-    from compile_backend.demo.run import DemoOptions, format_table, run_demo, start_tensor_parallel
+    from compile_backend.demo.run import (DemoOptions, format_table, plan_modes, run_demo,
+                                          start_tensor_parallel)
 
     try:
         opts = DemoOptions(model=args.model, preset=args.preset, modes=args.modes or ["all"],
                            batch=args.batch, steps=args.steps, prompt_len=args.prompt_len,
                            dump=args.dump, dtype=args.dtype, piece_compiler=args.piece_compiler,
-                           seed=args.seed, progress=not args.no_progress, tp=args.tp)
+                           seed=args.seed, progress=not args.no_progress, tp=args.tp,
+                           standin=args.standin)
+        plan_modes(opts)  # a graph mode this machine cannot run fails here, before anything runs
         if opts.dump:
             opts.dump = str(check_dump_path(opts.dump))
         tp = start_tensor_parallel(opts)
@@ -141,6 +152,8 @@ def _inspect(args: argparse.Namespace) -> int:
             print(piece_code(args.dir, manifest, args.piece, args.graph), end="")
             return 0
         print(summary(manifest))
+        if args.svg is None:  # drawn only when asked for
+            return 0
         svg = write_svg(manifest, args.svg or os.path.join(args.dir, DEFAULT_SVG))
     except (DumpError, OSError) as e:
         return _fail(str(e))

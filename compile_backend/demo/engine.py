@@ -21,6 +21,7 @@ from compile_backend.core.config import CompilationConfig
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.runner.model_runner import ModelRunner
+from compile_backend.runtime.machine import check_device
 
 
 class BlockAllocator:
@@ -71,6 +72,7 @@ class Engine:
                  config: CompilationConfig, device: torch.device | str,
                  prefill_chunk: int = 64, max_admit_per_step: int = 2,
                  progress: bool = True) -> None:
+        device = check_device(device)  # before the caches are bound there
         self.cfg = kv_cache_config
         self.prefill_chunk = prefill_chunk
         self.max_admit_per_step = max_admit_per_step

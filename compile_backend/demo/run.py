@@ -148,19 +148,43 @@ def start_tensor_parallel(opts: DemoOptions) -> TensorParallel:
     return TensorParallel.current(opts.tp)
 
 
+class Phases:
+    """The demo's progress bar (core/progress.py: shown after 3 s), a step per
+    phase, its note naming the phase running. A bar redraws at most every
+    0.5 s, at an update: so the step that ends a phase and the next phase's
+    name go in one update, and nothing else updates it (a redraw just before
+    a long compile would leave the previous phase's name on screen)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.running = False  # a phase started and not yet counted
+
+    def start(self, note: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1 if self.running else 0, note=note)
+        self.running = True
+
+    def __enter__(self) -> "Phases":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            if self.running:
+                self.bar.update(1)
+            self.bar.close()
+
+
 def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dtype,
              reference: bool = False, dump: str | None = None,
              tp: int | None = None, bar: Any = None) -> ModeResult:
     """Generate once in `mode` with a fresh model and a fresh Dynamo, split
-    over `tp` ranks (default `opts.tp`). `bar`: the demo's progress bar, told
-    of each phase (compile + capture, generate; one step each)."""
-    name = "eager reference" if reference else mode
-
-    def phase(note: str, done: int = 0) -> None:
-        if bar is not None:
-            bar.update(done, note=f"{name}: {note}")
+    over `tp` ranks (default `opts.tp`). `bar`: the demo's Phases, told of
+    each phase (compile and capture, generate)."""
     from compile_backend.debug import dump as debug_dump
 
+    name = "eager reference" if reference else mode
+    phases = bar if bar is not None else Phases(None)
+    phases.start(f"{name}: building, compiling" + ("" if mode == "none" else " + capturing"))
     torch._dynamo.reset()
     reset_counters()
     clear_compiled_steps()
@@ -180,17 +204,13 @@ def run_mode(opts: DemoOptions, mode: str, device: torch.device, dtype: torch.dt
     with torch.no_grad(), depyf:
         engine = Engine(model, kv, compilation, device,
                         progress=opts.progress and not reference)
-        phase("compiling" if engine.runner.mode is CUDAGraphMode.NONE else "compiling + capturing")
         t0 = time.perf_counter()
         engine.runner.capture()
         capture_seconds = time.perf_counter() - t0
         if dump:
             debug_dump.update_manifest_runtime(dump, engine.runner)
-        phase("generating", done=1)
-        steps = iter(range(1, 1 << 30))
-        tokens = engine.generate(_prompts(opts, cfg.vocab_size), opts.steps,
-                                 on_step=lambda _: phase(f"generating, step {next(steps)}"))
-        phase("done", done=1)
+        phases.start(f"{name}: generating {opts.steps} tokens per prompt")
+        tokens = engine.generate(_prompts(opts, cfg.vocab_size), opts.steps)
         if dump:
             debug_dump.update_manifest_runtime(dump, engine.runner)
     secs = engine.stats.step_seconds
@@ -224,8 +244,8 @@ def run_demo(opts: DemoOptions, say: Callable[[str], Any] = print) -> list[ModeR
         say(f"tensor parallel: {tp.size} ranks; the reference is the whole model (TP=1) on each rank")
     graphs = standin_graphs() if opts.standin else contextlib.nullcontext()
     # Phases: compile (+ capture) and generate, for the reference and each mode.
-    bar = progress_bar("demo", total=2 * (1 + len(modes)), unit="phase",
-                       enabled=None if opts.progress else False)  # None: MRV2_PROGRESS decides
+    bar = Phases(progress_bar("demo", total=2 * (1 + len(modes)), unit="phase",
+                              enabled=None if opts.progress else False))  # None: MRV2_PROGRESS decides
     with graphs, bar:
         reference = run_mode(opts, "none", device, dtype, reference=True, tp=1, bar=bar)
         results = []

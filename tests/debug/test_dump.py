@@ -1,6 +1,7 @@
 """The debug dump (files and manifest schema) and `mrv2 inspect` (summary,
 piece code, SVG picture)."""
 
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -28,6 +29,7 @@ TOP_LEVEL = {
     "fallbacks": list, "counters": dict, "depyf": dict,
 }
 GRAPH = {"index": int, "dir": str, "graph_mode": str, "mode_reason": (str, type(None)),
+         "full_graph_without_runner": (bool, type(None)), "full_blocker": (str, type(None)),
          "compile_seconds": float, "passes_uuid": (str, type(None)), "passes": list,
          "pieces": list}
 PIECE = {"index": int, "name": str, "captured": bool, "ops": list, "breakpoints": list,
@@ -201,6 +203,11 @@ def test_inspect_summary_piece_and_svg(runtime_dump, capsys):
     dump, engine = runtime_dump
     assert main(["inspect", str(dump)]) == 0
     out = capsys.readouterr().out
+    assert not (dump / "step.svg").exists() and "picture:" not in out  # only with --svg
+    assert "runtime: ModelRunner: mode piecewise" in out
+    assert f"replays: {read_manifest(dump)['counters']['cudagraph_replays']}" in out
+    assert main(["inspect", str(dump), "--svg"]) == 0
+    assert f"picture: {dump / 'step.svg'}" in capsys.readouterr().out
     m = read_manifest(dump)
     pieces = m["graphs"][0]["pieces"]
     for p in pieces:
@@ -261,3 +268,122 @@ def test_inspect_names_ops_as_users_write_them_and_says_when_nothing_is_captured
     out = capsys.readouterr().out
     assert "captured" not in out.replace("captures", "") and "eager (mode none)" in out
     assert "_VariableFunctionsClass" not in out and "_operator" not in out
+
+
+class FullSDPA(torch.nn.Module):
+    """Linear, SDPA, a state write: without a runner, one FULL graph in FULL."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+        self.register_buffer("state", torch.zeros(d))
+
+    def forward(self, x):
+        q = self.a(x)[None, None]
+        h = F.scaled_dot_product_attention(q, q, q)[0, 0]
+        self.state.add_(h.mean(0))
+        return h.relu() + self.state
+
+
+def _plain_run(dump, mode, calls=5):
+    """A plain torch.compile run (no runner) with the stand-in, dumped."""
+    model = FullSDPA()
+    compiled = torch.compile(model, backend="mrv2", options={
+        "piece_compiler": "eager", "cudagraph_mode": mode, "debug_dump_path": str(dump)})
+    with cb.standin_graphs(), torch.no_grad():
+        for _ in range(calls):
+            compiled(torch.randn(8, 32))
+    return compiled
+
+
+def test_inspect_plain_full_run_shows_the_pieces_inside_one_full_graph(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    compiled = _plain_run(dump, "full")
+    m = check_schema(dump)
+    (g,) = m["graphs"]
+    assert g["full_graph_without_runner"] is True and g["full_blocker"] is None
+    assert m["runtime"] is None  # written at compile time, before any call ran
+
+    assert main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "runtime: not recorded" in out and "update_manifest_runtime(DIR)" in out
+    assert "captures: not recorded" in out and "captures: none" not in out
+    assert "the whole graph is one FULL graph" in out
+    pieces = [line for line in out.splitlines() if line.lstrip().startswith("piece ")]
+    assert len(pieces) == len(g["pieces"]) and all("in FULL graph" in p for p in pieces)
+    assert not any(" eager " in p for p in pieces)  # the SDPA piece too: it is inside the graph
+
+    m = update_manifest_runtime(dump)  # plain run: what it captured and replayed
+    rt = m["runtime"]
+    assert rt["runner"] is False and rt["mode"] == "full" and rt["recorded"] == "by update_manifest_runtime"
+    assert rt["graphs_held"] == [{"graph": 0, "full": 1, "pieces": 0, "full_blocker": None}]
+    assert m["counters"]["cudagraph_captures"] == 1 and m["counters"]["cudagraph_replays"] == 4
+    assert main(["inspect", str(dump), "--svg"]) == 0
+    out = capsys.readouterr().out
+    assert "plain torch.compile, no runner (recorded by update_manifest_runtime)" in out
+    assert "1 captured, 4 replays, 1 warm-up calls; graphs held" in out and "graph 0: 1 FULL" in out
+    rects = [r for r in ET.parse(dump / "step.svg").getroot().iter("{http://www.w3.org/2000/svg}rect")
+             if r.get("class", "").startswith("segment")]
+    assert {r.get("class") for r in rects} == {"segment full"}
+    del compiled
+
+
+def test_plain_run_runtime_is_written_at_exit_and_never_over_a_runner(tmp_path, runtime_dump):
+    from compile_backend.debug import dump as dump_module
+
+    plain = tmp_path / "plain"
+    _plain_run(plain, "piecewise")
+    runner_dump, _ = runtime_dump
+    before = read_manifest(runner_dump)["runtime"]
+    dump_module._record_plain_runs_at_exit(os.getpid())  # what atexit calls
+    rt = read_manifest(plain)["runtime"]
+    assert rt["runner"] is False and rt["recorded"] == "at process exit"
+    assert rt["graphs_held"][0]["pieces"] > 0  # the captured pieces' graphs
+    assert read_manifest(runner_dump)["runtime"] == before  # a runner's report stays
+    dump_module._record_plain_runs_at_exit(os.getpid() + 1)  # a forked child writes nothing
+    with pytest.raises(ValueError, match="pass the runner"):
+        update_manifest_runtime(runner_dump)
+
+
+def test_inspect_mode_none_draws_every_piece_eager(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    _compile_two_graphs(dump)  # mode none: pieces that would be captured run eagerly
+    assert main(["inspect", str(dump), "--svg", str(tmp_path / "s.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "(3 eager)" in out and "captured" not in out.replace("captures", "")
+    root = ET.parse(tmp_path / "s.svg").getroot()
+    labels = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text and ":" in t.text
+              and t.text.split(":")[0].isdigit()]
+    assert labels and all(t.endswith(":E") for t in labels), labels  # never C in mode none
+    assert {r.get("class") for r in root.iter("{http://www.w3.org/2000/svg}rect")
+            if r.get("class", "").startswith("segment")} == {"segment eager"}
+
+
+@pytest.mark.slow  # a subprocess
+def test_plain_run_in_its_own_process_is_inspected_with_its_replays(tmp_path, capsys):
+    """The newcomer's path: a script compiles and calls, exits; inspect then
+    shows what was captured and replayed."""
+    import subprocess
+    import sys
+
+    dump = tmp_path / "dump"
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\nimport torch\nimport torch.nn.functional as F\n\n"
+        "model = torch.nn.Linear(32, 32)\n"
+        "def step(x):\n"
+        "    q = model(x)[None, None]\n"
+        "    return F.scaled_dot_product_attention(q, q, q)[0, 0]\n\n"
+        "compiled = torch.compile(step, backend='mrv2', options={'cudagraph_mode': 'full', "
+        "'piece_compiler': 'eager', 'debug_dump_path': sys.argv[1]})\n"
+        "import compile_backend\n"
+        "with compile_backend.standin_graphs(), torch.no_grad():\n"
+        "    for _ in range(7):\n"
+        "        compiled(torch.randn(8, 32))\n")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, str(script), str(dump)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "recorded at process exit" in out and "1 captured, 6 replays" in out

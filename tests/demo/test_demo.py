@@ -1,5 +1,6 @@
-"""The demo end to end on the CPU (mode NONE, tiny preset), and its bad inputs:
-one line on stderr, exit code 2, nothing written."""
+"""The demo end to end on the CPU (mode NONE, and every mode with the graph
+stand-in; tiny preset), and its bad inputs: one line on stderr, exit code 2,
+nothing written."""
 
 import os
 import subprocess
@@ -9,6 +10,9 @@ import pytest
 
 from compile_backend.demo.cli import main
 from compile_backend.demo.run import NO_CUDA, modes_to_run
+from compile_backend.runtime.graph_standin import STANDIN_NOTE
+
+CPU_ONLY = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU messages")
 
 FAST = ["--preset", "tiny", "--batch", "2", "--steps", "3", "--prompt-len", "8",
         "--piece-compiler", "eager", "--no-progress"]
@@ -29,22 +33,80 @@ def test_demo_mode_none_matches_eager(capsys):
     assert row.split()[-1] == "yes"
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU message")
-def test_demo_all_modes_on_cpu_runs_none_and_says_why(capsys):
-    assert main(["demo", "--mode", "all", "--model", "llama", *FAST]) == 0
+@CPU_ONLY
+@pytest.mark.parametrize("modes", [[], ["--mode", "all"]], ids=["default", "all"])
+def test_demo_on_cpu_runs_none_and_says_how_to_see_capture(modes, capsys):
+    assert main(["demo", *modes, "--model", "llama", *FAST]) == 0
     out = capsys.readouterr().out
     assert NO_CUDA in out.splitlines()
+    assert "eager" in NO_CUDA and "--standin" in NO_CUDA
+    assert STANDIN_NOTE not in out
     rows = [line.split()[0] for line in out.splitlines()
             if line.split() and line.split()[0] in ("none", "piecewise", "full")]
     assert rows == ["none"]
 
 
+@CPU_ONLY
+@pytest.mark.parametrize("modes", [["piecewise"], ["none", "full"], ["all", "full_decode_only"]])
+def test_demo_graph_mode_on_cpu_without_standin_is_an_error_naming_the_fix(modes, tmp_path, capsys):
+    dump = tmp_path / "dump"
+    argv = ["demo", *[a for m in modes for a in ("--mode", m)], *FAST, "--dump", str(dump)]
+    line = _one_error_line(capsys, argv)
+    refused = [m for m in modes if m not in ("none", "all")]
+    assert f"mode {refused[0]} needs CUDA graphs" in line
+    assert "run on a GPU" in line and "--standin" in line
+    assert capsys.readouterr().out == "" and not dump.exists()  # nothing ran, nothing written
+
+
+def test_demo_standin_captures_every_mode_and_says_so(capsys):
+    """--standin: the graph modes capture and replay on the CPU, their tokens
+    equal eager's, and the output says the graphs are the stand-in's."""
+    assert main(["demo", "--standin", "--mode", "piecewise", "--mode", "full_and_piecewise",
+                 "--model", "llama", *FAST]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert STANDIN_NOTE in lines and not any(line == NO_CUDA for line in lines)
+    header = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    rows = {line.split()[0]: line.split() for line in lines[header + 2:] if line.strip()}
+    assert set(rows) == {"piecewise", "full_and_piecewise"}
+    for mode, row in rows.items():
+        assert int(row[2]) > 0, f"{mode} captured no graph: {row}"  # graphs captured
+        assert row[-1] == "yes", row  # equal to eager
+
+
 def test_modes_to_run():
-    assert modes_to_run(["all"], cuda=True)[0] == [
+    assert modes_to_run(["all"], graphs=True)[0] == [
         "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
-    assert modes_to_run(["piecewise", "piecewise"], cuda=True) == (["piecewise"], None)
-    assert modes_to_run(["piecewise"], cuda=False) == (["none"], NO_CUDA)
-    assert modes_to_run(["none"], cuda=False) == (["none"], None)
+    assert modes_to_run(["piecewise", "piecewise"], graphs=True) == (["piecewise"], None)
+    assert modes_to_run(["all"], graphs=False) == (["none"], NO_CUDA)
+    assert modes_to_run(["none"], graphs=False) == (["none"], None)
+    with pytest.raises(ValueError, match="mode piecewise needs CUDA graphs.*--standin"):
+        modes_to_run(["piecewise"], graphs=False)
+
+
+def test_demo_waits_show_progress_by_phase(monkeypatch):
+    """The demo's bar steps once per phase (compile + capture, generate, for
+    the reference and each mode), naming the phase now running."""
+    from compile_backend.demo import run
+
+    notes: list[tuple[int, str | None]] = []
+
+    class Bar:
+        def update(self, n=1, note=None):
+            notes.append((n, note))
+
+        def close(self):
+            notes.append((0, "closed"))
+
+    monkeypatch.setattr(run, "progress_bar", lambda *a, **k: Bar())
+    opts = run.DemoOptions(model="llama", preset="tiny", modes=["none"], batch=2, steps=2,
+                           prompt_len=8, piece_compiler="eager", progress=True)
+    run.run_demo(opts, say=lambda _: None)
+    assert notes == [
+        (0, "eager reference: building, compiling"),
+        (1, "eager reference: generating 2 tokens per prompt"),
+        (1, "none: building, compiling"),
+        (1, "none: generating 2 tokens per prompt"),
+        (1, None), (0, "closed")]
 
 
 def _one_error_line(capsys, argv):
@@ -92,6 +154,7 @@ def test_dump_path_in_read_only_folder(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, word", [
     (["demo", "--preset", "huge"], "huge"),
+    (["demo", "--standin", "--preset", "huge"], "huge"),
     (["demo", "--mode", "sideways"], "sideways"),
     (["demo", "--model", "gpt"], "gpt"),
     (["demo", "--dtype", "fp8"], "fp8"),

@@ -1,6 +1,10 @@
 """Reference models: a Llama-like decoder and a hybrid decoder (attention,
 short convolution, KV compressor), built from `ModelConfig` with seeded
-random weights. `build_model(name, preset)` is the one entry point."""
+random weights. `build_model(name, config, tp_size=None)` is the one entry
+point; `preset(name, **changes)` gives a config:
+
+    model = build_model("llama", preset("tiny", dtype=torch.bfloat16))
+"""
 
 from compile_backend.demo.names import MODEL_NAMES, PRESET_NAMES
 
