@@ -45,6 +45,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Skip reasons summed up by pytest_terminal_summary, as a short name with the fix.
+_SKIP_NAMES = {
+    "slow tier: run with --full": "slow tier (--full)",
+    "needs a CUDA GPU (GPU tests run with -m gpu on the H200)": "need a CUDA GPU (-m gpu)",
+}
+
+
+def skip_counts(reports) -> dict[str, int]:
+    """Skipped tests by reason (short names for the two tiers' reasons), most first."""
+    counts: dict[str, int] = {}
+    for rep in reports:
+        longrepr = getattr(rep, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        name = _SKIP_NAMES.get(reason, reason)
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+@pytest.hookimpl(hookwrapper=True)  # after pytest's short summary (failures, errors)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for every skip, counted by reason (addopts lists failures and
+    errors only: the quick tier skips hundreds of slow and GPU tests)."""
+    yield
+    chars = config.option.reportchars or ""
+    if "s" in chars or "a" in chars or "A" in chars:
+        return  # -rs / -ra: pytest lists each skip itself
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        counts = skip_counts(skipped)
+        terminalreporter.write_line(
+            f"skipped {len(skipped)}: " + ", ".join(f"{n} {reason}" for reason, n in counts.items()))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test starts with no cached Dynamo graphs and zeroed counters."""
