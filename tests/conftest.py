@@ -64,7 +64,7 @@ def skip_counts(reports) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-@pytest.hookimpl(hookwrapper=True)  # after pytest's short summary (failures, errors)
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: after the short summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line for every skip, counted by reason (addopts lists failures and
     errors only: the quick tier skips hundreds of slow and GPU tests)."""
