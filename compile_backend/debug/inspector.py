@@ -165,7 +165,9 @@ def summary(manifest: dict[str, Any]) -> str:
     out.append("")
     captures = manifest.get("captures") or []
     if captures:
-        out.append(f"captures ({len(captures)}):")
+        graphs = (manifest.get("counters") or {}).get("cudagraph_captures")
+        out.append(f"captures ({len(captures)}" + (f"; {graphs} graphs" if graphs is not None else "")
+                   + "):")  # a PIECEWISE step captures a graph per captured piece
         by_mode: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for c in captures:
             by_mode[c["graph"]["mode"]].append(c)

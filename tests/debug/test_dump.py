@@ -213,7 +213,8 @@ def test_inspect_summary_piece_and_svg(runtime_dump, capsys):
     for p in pieces:
         role = "captured" if p["captured"] else "eager"
         assert f"piece {p['index']:<3} {role}" in out
-    assert "captures (6):" in out and "piecewise  tokens=32" in out
+    graphs = m["counters"]["cudagraph_captures"]
+    assert f"captures (6; {graphs} graphs):" in out and "piecewise  tokens=32" in out
     assert "eager_no_graph" in out
 
     root = ET.parse(dump / "step.svg").getroot()
