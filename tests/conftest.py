@@ -49,6 +49,7 @@ def pytest_collection_modifyitems(config, items):
 _SKIP_NAMES = {
     "slow tier: run with --full": "slow tier (--full)",
     "needs a CUDA GPU (GPU tests run with -m gpu on the H200)": "need a CUDA GPU (-m gpu)",
+    "no CUDA": "need CUDA (their cuda cases)",
 }
 
 
