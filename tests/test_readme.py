@@ -70,8 +70,11 @@ def test_readme_example_runs(heading, line, code, tmp_path):
         f"README.md line {line} ({heading}) failed:\n{proc.stderr[-3000:]}")
 
 
-def test_the_runner_example_picks_its_device_at_run_time():
-    """The runner example must not hard-code "cuda" (it would fail on a CPU)."""
-    (code,) = [c for h, _, c, runs in BLOCKS if runs and "ModelRunner(" in c]
-    assert 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code
-    assert '"cuda")' not in code and "..." not in re.sub(r"#.*", "", code)
+def test_the_runner_examples_pick_their_device_at_run_time():
+    """A runner example must not hard-code "cuda" (it would fail on a CPU)
+    nor leave arguments out."""
+    runner_blocks = [(n, c) for _, n, c, runs in BLOCKS if runs and "ModelRunner(" in c]
+    assert runner_blocks
+    for line, code in runner_blocks:
+        assert 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code, line
+        assert '"cuda")' not in code and "..." not in re.sub(r"#.*", "", code), line
