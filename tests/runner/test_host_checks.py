@@ -24,7 +24,7 @@ from compile_backend.demo.models import build_model, preset
 from compile_backend.runner.draft_runner import DraftRunner
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.model_runner import ModelRunner
-from compile_backend.runtime.cuda_graph import use_graph_backend
+from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config, make_engine
 from runtime_helpers import _torch_reference_kernels  # noqa: F401 (autouse fixture)
