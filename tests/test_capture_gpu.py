@@ -142,5 +142,5 @@ def test_draft_propose_before_capture_and_for_an_uncaptured_size_raises():
         with pytest.raises(RuntimeError, match="no draft graph for 4 requests x 3 draft tokens"):
             draft.propose(batch)
         draft.capture(sizes=[1, 2])
-        with pytest.raises(RuntimeError, match=r"captured: \[\(2, 3\), \(1, 3\)\]"):
+        with pytest.raises(RuntimeError, match=r"captured: \[2, 1\] requests"):
             draft.propose(batch)
