@@ -1,6 +1,5 @@
 """The decode benchmark's plumbing on the CPU (graph stand-in; timings mean nothing)."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -8,18 +7,14 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_scripts import ROOT, load_bench_script
 
 
 @pytest.fixture
 def bench(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch references: fast
-    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(ROOT, "bench", "decode.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_decode", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("decode", monkeypatch)
 
 
 @pytest.mark.slow  # full tier: a subprocess or a long run
@@ -69,11 +64,7 @@ def test_runs_of_one_model_each_merge_into_one_table(bench, tmp_path):
 
 @pytest.fixture
 def startup(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "bench", "startup.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_startup", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("startup", monkeypatch)
 
 
 def _startup_row(phase, mode="piecewise", **changes):
@@ -128,12 +119,7 @@ def test_startup_smoke_measures_a_fresh_process_per_phase(startup, tmp_path):
 # ---- the shared module and the scripts' imports ---------------------------------
 
 
-def _load(name, monkeypatch):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, f"bench_{name}", module)
-    spec.loader.exec_module(module)
-    return module
+_load = load_bench_script
 
 
 def _bench_imports():

@@ -1,23 +1,17 @@
 """bench/memory.py: the bisection, the batches it serves, and its CPU dry run."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_scripts import load_bench_script
 
 
 @pytest.fixture
 def memory(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_memory", os.path.join(ROOT, "bench", "memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_memory", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("memory", monkeypatch)
 
 
 @pytest.mark.parametrize("guess", [100, 900, 1000, 1003, 1200, 5000])
