@@ -63,6 +63,7 @@ from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.demo.models import build_model, preset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
+from roofline import Work, floor_seconds, gemm_peak_flops, step_work  # noqa: E402
 from workload import decode_batch, fill_caches, mixed_batch  # noqa: E402
 
 # Where mrv2 splits (the KV write runs inside mrv2's pieces, so not here either).
@@ -178,10 +179,19 @@ def copy_bandwidth(setup: Setup) -> float:
     return 2 * n / (median_ms(lambda: b.copy_(a), setup, reps=20) / 1e3)
 
 
-def floor_bytes(model: torch.nn.Module, tokens_read: int) -> int:
-    cfg = model.cfg
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights + 2 * cfg.num_layers * tokens_read * cfg.num_kv_heads * cfg.head_dim * 2
+def step_floor_work(model: torch.nn.Module, batch: int, context: int) -> dict[str, list[int]]:
+    """Bytes and FLOPs of one decode step of `batch` requests by kernel class
+    (bench/roofline.py), JSON-friendly: class -> [bytes, flops]."""
+    work = step_work(model, batch, batch * (context + 1), context + 1)
+    return {c: [w.bytes, w.flops] for c, w in work.items()}
+
+
+def floor_times(row: dict, bw: float, peak: float | None) -> tuple[float, float | None]:
+    """(HBM floor ms, compute-aware floor ms) of a row: bytes over bandwidth,
+    and the sum over kernel classes of max(bytes / bandwidth, FLOPs / peak)."""
+    work = {c: Work(*bf) for c, bf in row["work"].items()}
+    compute = floor_seconds(work, bw, peak) * 1e3 if peak else None
+    return floor_seconds(work, bw, None) * 1e3, compute
 
 
 @torch.no_grad()
@@ -249,7 +259,7 @@ def run_decode(model_name, variant, setup, batches, bw):
             graph = runner.full_graph.entries[desc].graph
             replay_ms = median_ms(graph.replay, setup)
         rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
-                     "b2b_ms": b2b_ms, "replay_ms": replay_ms, "floor_bytes": floor_bytes(model, b * (setup.context + 1)),
+                     "b2b_ms": b2b_ms, "replay_ms": replay_ms, "work": step_floor_work(model, b, setup.context),
                      "dispatched": step.mode.value, "first": first})
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"])
@@ -300,6 +310,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _peak_note(meta) -> str:
+    peak = meta.get("gemm_peak_TFLOPs")
+    return f", measured {peak:.0f} TFLOP/s" if peak else ", not measured here"
+
+
 def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped) -> str:
     os.makedirs(out_dir, exist_ok=True)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "first"} for r in rows]  # noqa: E731
@@ -312,15 +327,23 @@ def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped)
          f"{meta.get('copy_bandwidth_range') or format(meta['copy_bandwidth_GBps'], '.0f')} GB/s; "
          f"{meta['context']} cached tokens per request; {meta['dtype']}; match = relative error "
          f"of the first step's logits against eager < {MATCH_TOL}.", "",
-         "| model | variant | batch | step ms | back-to-back ms | replay ms | floor ms | "
-         "x floor (step / b2b) | rel err | match | ran as |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+         "Floors (bench/roofline.py): HBM = bytes read / copy bandwidth (the embedding "
+         "counted as the rows a lookup reads); compute-aware = the sum over kernel classes "
+         "(gemm, attention, embedding, other) of max(bytes / bandwidth, FLOPs / bf16 GEMM "
+         f"peak{_peak_note(meta)}).", "",
+         "| model | variant | batch | step ms | back-to-back ms | replay ms | HBM floor ms | "
+         "compute-aware floor ms | x floor (step / b2b) | x compute-aware (b2b) | rel err | "
+         "match | ran as |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in decode:
         replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.3f}"
+        compute = r.get("compute_floor_ms")
         L.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
                  f"{r['b2b_ms']:.3f} | {replay} | {r['floor_ms']:.3f} | "
-                 f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f} | {r['rel_err']:.1e} | "
-                 f"{'yes' if r['match'] else 'NO'} | {r['dispatched']} |")
+                 f"{'-' if compute is None else format(compute, '.3f')} | "
+                 f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f} | "
+                 f"{'-' if compute is None else format(r['b2b_ms'] / compute, '.2f')} | "
+                 f"{r['rel_err']:.1e} | {'yes' if r['match'] else 'NO'} | {r['dispatched']} |")
     if mixed:
         L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", "",
               "| model | variant | tokens | step ms | rel err | ran as |", "|---|---|---:|---:|---:|---|"]
@@ -451,13 +474,15 @@ def main(argv=None) -> int:
     skipped = [f"{v} (needs CUDA)" for v in variants if VARIANTS[v].needs_cuda and not cuda]
     variants = [v for v in variants if not (VARIANTS[v].needs_cuda and not cuda)]
     bw = copy_bandwidth(setup)
+    peak = gemm_peak_flops(setup.device)  # None off CUDA: the compute-aware floor is left out
     decode, mixed, startup, compile_times = [], [], [], []
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if cuda else "CPU dry run",
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "python": platform.python_version(), "dtype": str(setup.dtype).replace("torch.", ""),
             "command": " ".join(["python", "bench/decode.py"] + list(argv if argv is not None else sys.argv[1:])),
-            "copy_bandwidth_GBps": bw / 1e9, "context": setup.context}
+            "copy_bandwidth_GBps": bw / 1e9, "context": setup.context,
+            "gemm_peak_TFLOPs": peak / 1e12 if peak else None}
     mixed_sizes = [int(n) for n in args.mixed.split(",") if n]
     with setup.scope():
         for m in (models if not args.only_startup else []):
@@ -470,7 +495,7 @@ def main(argv=None) -> int:
                     ref.setdefault(r["batch"], r["first"])
                     r["rel_err"] = rel_err(r["first"], ref[r["batch"]])
                     r["match"] = r["rel_err"] < MATCH_TOL
-                    r["floor_ms"] = r["floor_bytes"] / bw * 1e3
+                    r["floor_ms"], r["compute_floor_ms"] = floor_times(r, bw, peak)
                     r["x_floor"] = r["ms"] / r["floor_ms"]
                 decode += rows
                 startup.append({"model": name, "variant": v, **s})

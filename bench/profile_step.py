@@ -99,7 +99,9 @@ def main(argv=None) -> int:
                         piece_compiler="inductor", context=args.context, graphs=None)
     batches = [int(b) for b in args.batches.split(",")]
     bw = bench.copy_bandwidth(setup)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    peak = bench.gemm_peak_flops(setup.device)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM peak "
+          f"{'-' if peak is None else format(peak / 1e12, '.0f')} TFLOP/s")
     for mode in args.modes.split(","):
         variant = f"mrv2-{mode}"
         sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
                 return runner.execute(batch)
             for _ in range(5):
                 step()
-            floor = bench.floor_bytes(model, b * (setup.context + 1)) / bw * 1e3
+            floor, compute = bench.floor_times({"work": bench.step_floor_work(model, b, setup.context)},
+                                               bw, peak)
             line = (f"{args.model} {variant} b{b}: step {bench.median_ms(step, setup):.3f} ms, "
                     f"host {host_ms(step):.3f} ms, back-to-back {bench.back_to_back_ms(step, setup):.3f} ms")
             step_graph = runner.dispatch(batch)
@@ -123,7 +126,9 @@ def main(argv=None) -> int:
                 target = graph.replay
             else:
                 target = step
-            print(line + f", floor {floor:.3f} ms", flush=True)
+            line += f", HBM floor {floor:.3f} ms"
+            print(line + ("" if compute is None else f", compute-aware floor {compute:.3f} ms"),
+                  flush=True)
             print("\n".join(kernel_table(target, args.top)), flush=True)
             if args.host_profile:
                 print(host_profile(step, 2 * args.top), flush=True)
