@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from compile_backend.compile.backend import Mrv2Backend
-from compile_backend.runtime.machine import graph_mode_on_this_machine
+from compile_backend.runtime.machine import check_device, graph_mode_on_this_machine
 from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
@@ -96,9 +96,7 @@ class ModelRunner:
         compare Inductor's own modes, or the model uncompiled, this way)."""
         self.config = config or CompilationConfig()
         self.kv_cache_config = kv_cache_config
-        from compile_backend.runtime.machine import check_device  # a missing GPU: a clear error
-
-        self.device = check_device(device)
+        self.device = check_device(device)  # a missing GPU: a clear error, not torch's
         self.progress = progress
         self.model = model
         self.model_state = ModelState.for_model(model, kv_cache_config, self.device)
