@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from compile_backend.core.graph_mode import CUDAGraphMode
 from compile_backend.debug.dump import MANIFEST
 
 
@@ -41,9 +42,6 @@ def load_dump(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-FULL_MODES = ("full", "full_decode_only", "full_and_piecewise")
-
-
 def ran_with_runner(manifest: dict[str, Any]) -> bool | None:
     """True: a ModelRunner reported the runtime; False: plain torch.compile
     use (recorded at exit or by update_manifest_runtime); None: not recorded."""
@@ -57,7 +55,7 @@ def _whole_graph(manifest: dict[str, Any], graph: dict[str, Any]) -> tuple[bool 
     """Plain use in a FULL mode: (is the whole graph one FULL graph, why not),
     as recorded at runtime when it was (a call can give the FULL graph up).
     (None, None) in modes without FULL graphs."""
-    if graph["graph_mode"] not in FULL_MODES:
+    if not CUDAGraphMode.parse(graph["graph_mode"]).has_full:
         return None, None
     rt = manifest.get("runtime") or {}
     for held in rt.get("graphs_held") or []:
