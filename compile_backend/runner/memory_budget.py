@@ -537,6 +537,10 @@ def measure_memory(model: torch.nn.Module, config: CompilationConfig | None = No
             r0 = alloc.reserved()
             # The first step compiles (its peak may exceed a step's); what it
             # leaves allocated (workspaces) stays for the process.
+            if alloc.cuda and runner.plan.captures():
+                # The capture stream's cuBLAS workspaces, which the first
+                # capture would otherwise put in the pool: a workspace term.
+                graph_pool.warm_capture_stream(dev)
             alloc.reset_peak()
             runner.warmup(probe.max_batch_tokens)
             alloc.settle()

@@ -19,6 +19,43 @@ import torch.utils._pytree as pytree
 
 # One side stream per device for every capture (as torch.cuda.graph keeps one).
 _capture_streams: dict[int, Any] = {}
+_warmed_streams: set[int] = set()  # devices whose capture stream has its cuBLAS workspaces
+
+
+def capture_stream(device: Any = None) -> Any:
+    """The side stream every capture on `device` (default: the current one) runs on."""
+    index = torch.device("cuda", torch.cuda.current_device()).index if device is None \
+        else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(torch.device("cuda", index))
+    return stream
+
+
+def warm_capture_stream(device: Any = None) -> None:
+    """Give the capture stream its cuBLAS and cuBLASLt workspaces now, outside
+    any capture. torch allocates one workspace per (cuBLAS handle, stream)
+    from the caching allocator, on the first GEMM it sees on that stream (32
+    MiB by default on Hopper, plus cuBLASLt's). Left to the first capture,
+    that allocation lands in the first graph's private pool and stays there
+    for the process: 34 MiB that read as graph memory in the first mode
+    captured and in no later one (docs/design.md, "Memory budget"). Once per
+    device and process; a no-op where CUDA is not initialised."""
+    stream = capture_stream(device)
+    if stream.device_index in _warmed_streams:
+        return
+    outer = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(outer)
+    with torch.cuda.stream(stream):
+        for dtype in (torch.float32, torch.bfloat16):  # cuBLAS (mm), cuBLASLt (linear with bias)
+            a = torch.ones(16, 16, dtype=dtype, device=stream.device)
+            torch.mm(a, a)
+            torch.nn.functional.linear(a, a, a[0])
+    outer.wait_stream(stream)
+    torch.cuda.synchronize(stream.device)
+    _warmed_streams.add(stream.device_index)
 
 
 class TorchCUDAGraphs:
@@ -45,9 +82,8 @@ class TorchCUDAGraphs:
         after the work queued before it without a host synchronize; same
         capture_error_mode ("global") and pool."""
         outer = torch.cuda.current_stream()
-        stream = _capture_streams.get(outer.device_index)
-        if stream is None:
-            stream = _capture_streams[outer.device_index] = torch.cuda.Stream(outer.device)
+        warm_capture_stream(outer.device)  # once: its workspaces outside every pool
+        stream = capture_stream(outer.device)
         stream.wait_stream(outer)
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode="global")
