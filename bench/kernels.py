@@ -7,6 +7,15 @@ Decode attention is compared with torch SDPA on a padded dense cache and with
 flex attention (where it compiles). Writes kernels.md and kernels.json.
 
     python bench/kernels.py [--out-dir bench/results] [--quick] [--only sconv,kv_compress]
+
+`--decode-compare` times only decode attention at llama-8B shapes (B = 1, 8,
+64, 256; contexts 500 and 4000), the one-launch kernel (with MIN_SPLIT_LEN
+64 .. 512) against the two-launch split + reduce path, each with the exact
+max_seq_len and with a capture bound of 8192 (what a FULL graph holds:
+splits fixed by the bound, used by the runtime length), and writes
+decode_compare.md / .json:
+
+    python bench/kernels.py --decode-compare [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
-from compile_backend.kernels.unified_attention import num_kv_splits  # noqa: E402
+from compile_backend.kernels.unified_attention import MIN_SPLIT_LEN, num_kv_splits  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -145,6 +154,88 @@ def decode_rows(B, ctx, copy_bw, g, sweep=()):
     return rows
 
 
+def decode_compare_rows(B, ctx, copy_bw, g, bound=None):
+    """Decode attention at B x ctx keys: the two-launch path and the
+    one-launch kernel (default MIN_SPLIT_LEN and a sweep), inside CUDA graphs,
+    with max_seq_len = `bound` (default: ctx)."""
+    bound = bound or ctx
+    n_sets = max(1, min(4, (512 << 20) // (2 * B * ctx * KVH * D * 2)))
+    sets = [paged(B, ctx, 1, g) for _ in range(n_sets)]
+    q = torch.randn(B, H, D, dtype=BF16, device=DEV)
+    scale = D ** -0.5
+    nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2 + sets[0][2].numel() * 4
+    variants = [("two launches", dict(TWO_LAUNCH=True), MIN_SPLIT_LEN)]
+    variants += [(f"one launch, min split {m}" + (" (default)" if m == MIN_SPLIT_LEN else ""),
+                  dict(MIN_SPLIT_LEN=m), m) for m in (64, 128, 256, 512)]
+    rows = []
+    for label, config, min_split in variants:
+        # The block table is as wide as the bound (a FULL graph's capture).
+        fns = []
+        for kc, vc, table, qsl, seq_lens in sets:
+            if bound > ctx:
+                table = torch.nn.functional.pad(table, (0, -(-bound // BS) - table.shape[1]))
+            fns.append(lambda kc=kc, vc=vc, table=table, qsl=qsl, seq_lens=seq_lens, config=config:
+                       unified_attention(q, kc, vc, qsl, seq_lens, table, scale, 1, bound,
+                                         config=config))
+        splits = num_kv_splits(B, KVH, bound, torch.device(DEV), min_split)
+        r = row(f"decode_b{B}_ctx{ctx}" + (f" [bound {bound}]" if bound != ctx else ""),
+                timed(fns), nbytes, copy_bw, extra=dict(splits=splits, path=label, B=B, ctx=ctx,
+                                                        bound=bound))
+        rows.append(r)
+    base = rows[0]["ms"]
+    for r in rows:
+        r["speedup"] = base / r["ms"]
+    return rows
+
+
+def fmt_decode_compare(rows, copy_bw):
+    lines = [f"copy bandwidth (1 GiB D2D, read+write): {copy_bw:.0f} GB/s", "",
+             "Decode attention, llama-8B shapes (32 q heads, 8 kv heads, head dim 128, bf16, block 16).",
+             "us: per call inside a CUDA graph (12 calls per graph); eager us: do_bench of the plain",
+             "call; splits: the grid's splits (fixed by the bound; the one-launch kernel uses fewer",
+             "for short contexts); speed-up: against the two-launch path of the same shape.", "",
+             "| B | ctx | bound | path | splits | us | eager us | GB/s | % copy BW | speed-up |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | | | | | | | | | {r['error'][:80]} |")
+            continue
+        lines.append(f"| {r['B']} | {r['ctx']} | {r['bound']} | {r['path']} | {r['splits']} | "
+                     f"{1e3 * r['ms']:.1f} | {1e3 * r['eager_ms']:.1f} | {r['gbps']:.0f} | "
+                     f"{r['pct_copy']:.1f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def decode_compare(out_dir) -> None:
+    g = torch.Generator().manual_seed(0)
+    copy_bw = copy_bandwidth()
+    rows = []
+    for B in (1, 8, 64, 256):
+        for ctx in (500, 4000):
+            for bound in (ctx, 8192):
+                try:
+                    rows += decode_compare_rows(B, ctx, copy_bw, g, bound)
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+                    rows.append(dict(op=f"decode_b{B}_ctx{ctx} bound {bound}",
+                                     error=traceback.format_exc(limit=1)[-200:]))
+                torch.cuda.empty_cache()
+    meta = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        command="python " + " ".join(sys.argv), copy_gbps=copy_bw,
+        shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
+    )
+    table = fmt_decode_compare(rows, copy_bw)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "decode_compare.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, "decode_compare.md"), "w") as f:
+        f.write(f"# Decode attention: one launch vs two\n\n{meta['date']} on {meta['gpu']}, torch "
+                f"{meta['torch']}, triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
+    print(table)
+
+
 def prefill_rows(B, L, copy_bw, g):
     kc, vc, table, qsl, seq_lens = paged(B, L, L, g)
     q = torch.randn(B * L, H, D, dtype=BF16, device=DEV)
@@ -259,7 +350,12 @@ def main() -> None:
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--only", help="comma-separated ops: decode,kv_write,prefill,sconv,kv_compress")
+    ap.add_argument("--decode-compare", action="store_true",
+                    help="only decode attention: one launch vs two at llama-8B shapes (decode_compare.md)")
     args = ap.parse_args()
+    if args.decode_compare:
+        decode_compare(args.out_dir)
+        return
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
     rows = []
@@ -302,10 +398,10 @@ def main() -> None:
         shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
     )
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "compile_backend.kernels.json"), "w") as f:
+    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     table = fmt_table(rows, copy_bw)
-    with open(os.path.join(args.out_dir, "compile_backend.kernels.md"), "w") as f:
+    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
         f.write(f"# mrv2 kernel benchmark\n\n{meta['date']} on {meta['gpu']}, torch {meta['torch']}, "
                 f"triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
     print(table)

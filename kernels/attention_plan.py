@@ -19,7 +19,7 @@ runs the checked path (correct, slower).
 Note [attention plans]: an eager piece calls `unified_attention_direct` once
 per layer. All but the tensors' contents is the same for every layer of a
 step with the same shapes: the checks, the path, the grid, the number of KV
-splits, the strides, the split-KV scratch. The first such call of a step runs
+splits, the strides, the decode scratch. The first such call of a step runs
 the launcher's full checks and builds a plan (`_Plan` in
 kernels/unified_attention.py), kept in the step metadata's `attention_plans`
 (a dict keyed by `plan_key`: shapes, strides, dtypes and devices of query,
@@ -29,9 +29,10 @@ checked call would: the same key, the same metadata tensors (identity) and
 Python ints, 16-byte aligned tensors (what the bound kernels were specialised
 for), debug_checks off, and on CUDA no graph capture, no Triton launch hooks,
 and the device and stream the plan was built on (`_Plan.ready`). Anything
-else runs the checked path. Layers share the plan's scratch: a later layer's
-split kernel overwrites it only after the earlier layer's reduce (one stream,
-launch order). On CPU (the interpreter) a plan launches normally and still
+else runs the checked path. Layers share the plan's scratch and the device's
+decode ticket counters (Note [decode tickets] in kernels/unified_attention.py):
+a later layer's decode launch writes them only after the earlier layer's has
+finished (one stream, launch order). On CPU (the interpreter) a plan launches normally and still
 checks the index values every call (Note [index checks] in kernels/_checks.py).
 """
 

@@ -12,20 +12,59 @@ Two paths, picked by the Python int `max_query_len`:
     head), the tiles laid over the flattened batch (Note [request tiles] in
     kernels/_device.py); a tile's rows are BLOCK_Q tokens of one request x the
     kv head's query heads.
-  * decode (max_query_len == 1): split-KV ("flash decoding"): one program per
-    (request, kv head, split) writes a partial result, a reduce kernel merges
-    the splits. The number of splits comes from num_reqs, KVH, max_seq_len and
-    the SM count, never from tensor values (the op runs inside CUDA graphs).
+  * decode (max_query_len == 1): split-KV ("flash decoding") in one launch
+    (Note [one-launch decode]): one program per (request, kv head, split).
+    The grid's number of splits comes from num_reqs, KVH, max_seq_len and the
+    SM count, never from tensor values (the op runs inside CUDA graphs); how
+    many of them a request uses is decided in the kernel from its runtime
+    seq_len, and the last of its splits to finish merges them. The older
+    two-launch form (a split kernel, then a reduce kernel) stays for
+    comparisons (config["TWO_LAUNCH"], MRV2_DECODE_TWO_LAUNCH=1) and for a
+    capture without a ticket buffer (Note [decode tickets]).
 
 The op writes its output (an out-parameter, so that a caller can allocate it
 where a CUDA graph keeps it). Rows of tokens that belong to no request (past
 qsl[B]) come out 0, written by the kernels themselves (prefill: the padding
-pseudo-request's tiles; decode: the reduce kernel), so no zeroing launch is
-needed. Configs are chosen by functions, not autotuned: autotuning would
-benchmark during the first call, which may be a CUDA-graph capture.
+pseudo-request's tiles; decode: split 0 of the program for that row; the
+two-launch form: the reduce kernel), so no zeroing launch is needed.
+Configs are chosen by functions, not autotuned: autotuning would benchmark
+during the first call, which may be a CUDA-graph capture.
 
 Eager pieces call `unified_attention_direct`, which reuses a step's launch
 plan (Note [attention plans] in kernels/attention_plan.py, the plan cache).
+
+Note [one-launch decode]: program (p, kvh, split) of the grid
+(max(B, T), KVH, S). Request b = p with a query and L = seq_lens[b] keys
+uses n = cdiv(L, per) splits, per = max(TILE_N, round_up(cdiv(L, n_want),
+TILE_N)), n_want = clamp(L // MIN_SPLIT_LEN, 1, S): at most S, each of at
+least MIN_SPLIT_LEN keys but the last, every one non-empty; programs with
+split >= n exit at once. So a short context is one split, whatever S the
+graph was captured with: that program writes the normalized output itself,
+with no scratch and no atomic. With n > 1 each split writes its partial
+(unnormalized sum [H/KVH, D], running max and sum, fp32) to the scratch
+[B, H, S, D] / [B, H, S], then takes a ticket: an atomic add on the counter
+of (b, kvh) (Note [decode tickets]). The program that draws ticket n - 1
+arrived last: it resets the counter to 0, reads the n partials back and
+writes the merged output. The merge reads every partial from the scratch in
+split order, its own too, so the result does not depend on which split
+arrives last (bit-identical over replays).
+Memory ordering. A partial is stored by all threads of its program; the
+atomic is performed by one. `tl.debug_barrier()` (a CTA barrier) before the
+atomic orders every thread's stores before it, and the atomic's release
+(sem="acq_rel", scope="gpu") makes them visible device-wide before the
+counter changes (release is cumulative over what the barrier ordered before
+it). The last program's atomic reads the final count with acquire semantics
+and so observes the other splits' releases; its result reaches the other
+threads through Triton's broadcast of a scalar atomic (shared memory and a
+barrier), followed by an explicit barrier, so every thread's loads of the
+partials come after the acquire. The partials are stored and loaded with
+cache_modifier=".cg" (cached in L2 only): L1 is not coherent across SMs,
+and a line of the [B, H, S] maxima holds entries of several (request, kv
+head) pairs, so another program on the same SM could have left a stale copy
+in L1. The reset needs no ordering within the launch (no program of this
+launch touches the counter after the last ticket) and is visible to the
+next launch at the kernel boundary. Kernels of one stream do not overlap,
+so the layers of a step share the counters and the scratch.
 
 Note [dot tiles]: on the GPU, `tl.dot` needs every dimension >= 16 (the
 interpreter does not check). The head dimension of every tile (BLOCK_D) is
@@ -37,7 +76,9 @@ stored, so any head size from 1 to MAX_HEAD_DIM works; the row tiles
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 
 import torch
 import triton
@@ -60,10 +101,19 @@ from ._launch import Launch, current_device, current_stream, hooks_unset, stream
 from ._metadata import layer_metadata
 from .attention_plan import aligned, find_plan, keep_plan, plannable
 
+logger = logging.getLogger(__name__)
+
 LOG2E = 1.4426950408889634
-# Smallest number of keys a split should own; below this the reduce costs more
-# than the extra parallelism gains.
+# Smallest number of keys a decode split should own; below this merging the
+# splits costs more than the extra parallelism gains. `config["MIN_SPLIT_LEN"]`
+# overrides it per call (benchmarks).
 MIN_SPLIT_LEN = 256
+# The two-launch decode (split kernel + reduce kernel) instead of the one-launch
+# kernel when this environment variable is 1 (or config["TWO_LAUNCH"]): for
+# comparisons (bench/kernels.py --decode-compare).
+TWO_LAUNCH_ENV = "MRV2_DECODE_TWO_LAUNCH"
+# Elements of one [heads, splits, head dim] fp32 tile the merge loads at a time.
+_MERGE_ELEMS = 4096
 MAX_SPLITS = 128
 # Note [dot tiles]: the smallest tl.dot dimension on the GPU.
 DOT_MIN = 16
@@ -156,6 +206,116 @@ def _prefill_kernel(
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2, num_reqs, num_tokens, min_split_len,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr,
+):
+    """Note [one-launch decode]. Program (p, kvh, split), p < max(B, T):
+    request p's query heads of kv head kvh over one split of its keys, and
+    (split 0) the zero row p when p lies past qsl[B] (Note [request tiles],
+    ONE_TOKEN)."""
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b, q_start, q_len, _, pad_row = request_tile(qsl_ptr, num_reqs, num_tokens, 1, SEARCH, True)
+    hr = tl.arange(0, BLOCK_H)
+    head = kvh * QUERIES_PER_KV + hr
+    h_ok = hr < QUERIES_PER_KV
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    # Rows of no request come out 0 (Note [scalar masks]: conditions as bounds).
+    n_zero = tl.where(pad_row >= 0, tl.where(split == 0, QUERIES_PER_KV, 0), 0)
+    tl.store(out_ptr + pad_row.to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + d[None, :],
+             tl.zeros([BLOCK_H, BLOCK_D], out_ptr.dtype.element_ty),
+             mask=(hr < n_zero)[:, None] & d_ok[None, :])
+
+    # The splits this request uses, from its runtime length: as many as
+    # NUM_SPLITS allows with at least min_split_len keys each (one for a
+    # short context), each a TILE_N-aligned range; every used split is
+    # non-empty and the others exit here.
+    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0)
+    seq_len = tl.where(q_len > 0, seq_len, 0)
+    n_want = tl.minimum(tl.maximum(seq_len // min_split_len, 1), NUM_SPLITS)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_want), TILE_N) * TILE_N, TILE_N)
+    n_split = tl.cdiv(seq_len, per_split)
+    if split < n_split:
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, seq_len)
+        q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
+                    + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+        for start in range(lo, hi, TILE_N):
+            # one query token: every key of the split is visible (q_pos unused)
+            m, l, acc = _kv_tile_step(
+                q, m, l, acc, m, k_cache_ptr, v_cache_ptr, bt_row, start, hi, kvh, d, d_ok,
+                scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+                BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
+                DOT_PRECISION=DOT_PRECISION)
+        o_rows = out_ptr + q_start.to(tl.int64) * stride_o_t
+        if n_split == 1:  # the whole context in this program: no scratch, no ticket
+            out = acc / tl.where(l > 0, l, 1.0)[:, None]
+            tl.store(o_rows + head[:, None] * stride_o_h + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        else:
+            pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split
+            tl.store(part_m_ptr + pm, m, mask=h_ok, cache_modifier=".cg")
+            tl.store(part_l_ptr + pm, l, mask=h_ok, cache_modifier=".cg")
+            pa = (b.to(tl.int64) * stride_pa_b + head[:, None] * stride_pa_h + split * stride_pa_s
+                  + d[None, :])
+            tl.store(part_acc_ptr + pa, acc, mask=h_ok[:, None] & d_ok[None, :], cache_modifier=".cg")
+            # Every thread's partial stores, then one release: the barrier
+            # orders them before the thread that performs the atomic (Note
+            # [one-launch decode], memory ordering).
+            tl.debug_barrier()
+            ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_split - 1:  # the last split of (b, kvh) to finish merges
+                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                tl.debug_barrier()
+                hm = tl.arange(0, BLOCK_HM)
+                hm_ok = hm < QUERIES_PER_KV
+                head_m = kvh * QUERIES_PER_KV + hm
+                m_rows = b.to(tl.int64) * stride_pm_b + head_m * stride_pm_h
+                sp = tl.arange(0, BLOCK_S)
+                sp_mask = hm_ok[:, None] & (sp < n_split)[None, :]
+                # L1 is not coherent across SMs: partials are read from L2 (.cg).
+                m_s = tl.load(part_m_ptr + m_rows[:, None] + sp[None, :], mask=sp_mask,
+                              other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(part_l_ptr + m_rows[:, None] + sp[None, :], mask=sp_mask,
+                              other=0.0, cache_modifier=".cg")
+                m_all = tl.max(m_s, 1)  # [BLOCK_HM]
+                denom = tl.sum(l_s * tl.exp2(m_s - m_all[:, None]), 1)
+                merged = tl.zeros([BLOCK_HM, BLOCK_D], tl.float32)
+                c = tl.arange(0, CHUNK)
+                a_rows = b.to(tl.int64) * stride_pa_b + head_m * stride_pa_h
+                for s0 in range(0, n_split, CHUNK):
+                    s = s0 + c
+                    c_mask = hm_ok[:, None] & (s < n_split)[None, :]  # [BLOCK_HM, CHUNK]
+                    w = tl.exp2(tl.load(part_m_ptr + m_rows[:, None] + s[None, :], mask=c_mask,
+                                        other=-1.0e30, cache_modifier=".cg") - m_all[:, None])
+                    w = tl.where(c_mask, w, 0.0)
+                    a = tl.load(part_acc_ptr + a_rows[:, None, None] + s[None, :, None] * stride_pa_s
+                                + d[None, None, :], mask=c_mask[:, :, None] & d_ok[None, None, :],
+                                other=0.0, cache_modifier=".cg")  # [BLOCK_HM, CHUNK, BLOCK_D]
+                    merged += tl.sum(a * w[:, :, None], 1)
+                out = merged / tl.where(denom > 0, denom, 1.0)[:, None]
+                tl.store(o_rows + head_m[:, None] * stride_o_h + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=hm_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -254,11 +414,15 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: any small number
 
 
-def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits for the decode path: enough (request, kv head, split) programs
-    for about four per SM, but no split shorter than MIN_SPLIT_LEN keys."""
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                  min_split_len: int = MIN_SPLIT_LEN) -> int:
+    """Splits for the decode path (the grid's third axis, fixed at capture):
+    enough (request, kv head, split) programs for about four per SM, but no
+    split shorter than `min_split_len` keys at `max_seq_len`. The one-launch
+    kernel uses fewer where a request's runtime length is shorter (Note
+    [one-launch decode])."""
     want = cdiv(4 * _sm_count(device), max(num_reqs * num_kv_heads, 1))
-    by_len = max(1, cdiv(max_seq_len, MIN_SPLIT_LEN))
+    by_len = max(1, cdiv(max_seq_len, min_split_len))
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
@@ -342,9 +506,12 @@ class _Plan:
         if T == 0:
             self.run = _no_launch
         elif max_query_len == 1 and B > 0:
+            min_split = cfg.get("MIN_SPLIT_LEN", MIN_SPLIT_LEN)
+            check_int("config['MIN_SPLIT_LEN']", min_split, 1)
+            S = num_splits or num_kv_splits(B, KVH, max_seq_len, query.device, min_split)
+            two = cfg.get("TWO_LAUNCH", os.environ.get(TWO_LAUNCH_ENV, "0") == "1")
             self.run = _decode_run(B, T, H, KVH, D, qpk, query.device, query_start_loc, seq_lens,
-                                   block_table, strides, common,
-                                   num_splits or num_kv_splits(B, KVH, max_seq_len, query.device), bind)
+                                   block_table, strides, common, S, min_split, bool(two), bind)
         else:
             block_m = max(_dot_dim(cfg["BLOCK_M"]), next_pow2(qpk))
             block_q = block_m // qpk
@@ -382,10 +549,108 @@ def _no_launch(q, kc, vc, out, scale_log2, stream) -> None:
     pass
 
 
+# Note [decode tickets]: the one-launch decode's per-(request, kv head)
+# arrival counters. Each launch leaves every counter it used at 0 (the last
+# split resets it), so they are zeroed once, at allocation, and never again:
+# no zeroing launch per call or per replay. That only holds for memory that
+# nothing else writes, so the counters cannot be a per-call temporary like the
+# partials' scratch (which may come from a CUDA graph's pool, where other
+# tensors of the same capture reuse its memory after the call; the partials
+# tolerate that because the kernel writes them before it reads them). They
+# are one buffer per device, allocated with torch.zeros outside any capture
+# (the first decode call that needs more than the buffer holds grows it) and
+# never freed: graphs captured with an older buffer keep its address, so a
+# grown buffer's predecessors stay allocated too (a few KiB). A capture that
+# finds no buffer large enough (no eager decode call of that batch size ran
+# before it: the runner's warm-up is one) cannot zero a new one outside the
+# graph; that capture takes the two-launch path, logged once. The buffer is
+# shared by every decode launch on the device: such launches must be ordered
+# (one stream, or streams synchronized with each other), as the layers of a
+# step and the replays of graphs from one pool are.
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_OLD_TICKETS: list[torch.Tensor] = []  # grown-out buffers that graphs may still use
+_logged_fallback: list[bool] = []
+
+
+def _capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on the current stream of this device?"""
+    return device.type == "cuda" and stream_capturing()
+
+
+def decode_tickets(device: torch.device, n: int) -> torch.Tensor | None:
+    """Note [decode tickets]: the device's zeroed counter buffer with at least
+    `n` entries, or None while a CUDA graph is captured and it has fewer."""
+    t = _TICKETS.get(device)
+    if t is not None and t.numel() >= n:
+        return t
+    if _capturing(device):
+        return None
+    if t is not None:
+        _OLD_TICKETS.append(t)
+    size = max(n, 2 * t.numel() if t is not None else 0, 1024)
+    t = _TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return t
+
+
 def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
-                common, S, bind):
-    """The split-KV decode launches, with their scratch: [B, H, S, D] partial
-    sums, then [B, H, S] maxima and sums, each at a 16-byte aligned offset."""
+                common, S, min_split, two_launch, bind):
+    """The decode launch (Note [one-launch decode]), with its scratch: [B, H,
+    S, D] partial sums, then [B, H, S] maxima and sums, each at a 16-byte
+    aligned offset (none for S == 1), and the device's ticket counters (Note
+    [decode tickets]). `two_launch` (or a capture without tickets): the
+    split kernel and the reduce kernel instead."""
+    tickets = None
+    if S > 1 and not two_launch:
+        tickets = decode_tickets(device, B * KVH)
+        if tickets is None:
+            if not _logged_fallback:
+                _logged_fallback.append(True)
+                logger.warning(
+                    "decode attention: captured with the two-launch path (split + reduce): no "
+                    "ticket buffer for %d requests x %d kv heads existed before the capture; "
+                    "an eager decode call of that batch size before capturing avoids this "
+                    "(Note [decode tickets] in kernels/unified_attention.py)", B, KVH)
+            two_launch = True
+    if two_launch:
+        return _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens,
+                                      block_table, strides, common, S, bind)
+    if S > 1:
+        n_acc, n_ml = B * H * S * D, B * H * S
+        a, m = cdiv(n_acc, 4) * 4, cdiv(n_ml, 4) * 4
+        scratch = torch.empty(a + 2 * m, dtype=torch.float32, device=device)
+        part_acc = scratch[:n_acc].view(B, H, S, D)
+        part_m = scratch[a: a + n_ml].view(B, H, S)
+        part_l = scratch[a + m: a + m + n_ml].view(B, H, S)
+        part_strides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+                        part_m.stride(0), part_m.stride(1))
+    else:  # never read or written: one split writes the output itself
+        scratch = torch.empty(8, dtype=torch.float32, device=device)
+        part_acc = part_m = part_l = scratch[:4]
+        tickets = scratch[4:].view(torch.int32)
+        part_strides = (0,) * 5
+    block_hm = next_pow2(qpk)
+    block_d = common["BLOCK_D"]
+    block_s = next_pow2(S)
+    chunk = max(1, min(block_s, _MERGE_ELEMS // (block_hm * block_d)))
+    chunk = 1 << (chunk.bit_length() - 1)  # a power of two
+    kernel = Launch(_decode_kernel, (request_grid(T, B, 1, True), KVH, S),
+                    dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), BLOCK_HM=block_hm,
+                         NUM_SPLITS=S, BLOCK_S=block_s, CHUNK=chunk, SEARCH=SEARCH, **common),
+                    bind=bind)
+    mid = (part_acc, part_m, part_l, tickets, query_start_loc, seq_lens, block_table)
+    tail = (B, T, min_split, *strides, *part_strides)
+
+    def run(q, kc, vc, out, scale_log2, stream):
+        kernel.launch(stream, (q, kc, vc, out, *mid, scale_log2, *tail))
+
+    return run
+
+
+def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table,
+                           strides, common, S, bind):
+    """The two-launch decode (split kernel, then reduce kernel), with its
+    scratch: [B, H, S, D] partial sums, then [B, H, S] maxima and sums, each
+    at a 16-byte aligned offset. Every split writes a partial, empty or not."""
     n_acc, n_ml = B * H * S * D, B * H * S
     a, m = cdiv(n_acc, 4) * 4, cdiv(n_ml, 4) * 4
     scratch = torch.empty(a + 2 * m, dtype=torch.float32, device=device)
@@ -430,8 +695,10 @@ def unified_attention(
     [B+1] int32; seq_lens [B] int32; block_table [B, max_blocks] int32.
     `max_query_len` / `max_seq_len` bound the batch (Python ints, shape the
     grid); `num_splits` overrides the decode split count and `config` the
-    tiles (BLOCK_M, TILE_N, num_warps, num_stages) for tests and benchmarks;
-    tile sizes are rounded up to powers of two >= 16 (Note [dot tiles]).
+    tiles (BLOCK_M, TILE_N, num_warps, num_stages) and the decode's
+    MIN_SPLIT_LEN and TWO_LAUNCH (Note [one-launch decode]) for tests and
+    benchmarks; tile sizes are rounded up to powers of two >= 16 (Note [dot
+    tiles]).
     Writes into `out` ([T, H, D], query's dtype, last dim contiguous) when
     given, else into a new tensor; returns it. Every row is written (rows of
     no request: 0).

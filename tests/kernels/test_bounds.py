@@ -55,7 +55,7 @@ def _msg(op, arg, at, value, who, lo, hi):
             rf"\[{lo}, {hi}\)")
 
 
-# decode: the split-KV kernels; prefill: the prefill kernel.
+# decode: the decode kernel; prefill: the prefill kernel.
 PATHS = {"decode": (1, 1), "prefill": (5, 3)}
 
 
