@@ -3,7 +3,7 @@ largest one that really fits, and the process's measured peak against the
 budget's predicted one, per model and graph mode (issue #23).
 
     python bench/memory.py [--models llama,hybrid,llama8b] [--modes none,piecewise,...]
-                           [--utilization 0.9] [--bisect-steps 3] [--bracket 0.03]
+                           [--utilization 0.9] [--bisect-steps 3 | --no-bisect] [--bracket 0.03]
                            [--max-model-len 8192] [--max-num-reqs 256] [--max-num-tokens 8192]
                            [--reuse-budget] [--append] [--out bench/results] [--dry-run]
     python bench/memory.py --probe budget|blocks ...     (one fresh process: one JSON line)
@@ -20,7 +20,8 @@ by the next:
           the limit.
   blocks  --num-blocks N, no budget: bind, build, capture, prefill, decode;
           it survives or runs out of memory. The largest N that survives is
-          found by bisection (--bisect-steps; 0 skips it), starting from the
+          found by bisection (--bisect-steps halvings after the bracket; 0:
+          the bracket alone; --no-bisect: no probes at all), starting from the
           budget's num_blocks at utilization 1.0 (the budget process's terms
           recomputed by plan_memory), bracketed by +-bracket.
 Models (bf16, inductor pieces, capture sizes 1, 2, 4, 8..256 step 8): llama and
@@ -323,12 +324,13 @@ def bisect_blocks(survives: Callable[[int], bool], guess: int, bracket: float, s
     return {"largest_ok": lo, "smallest_failed": hi, "probes": probes}
 
 
-def estimate_seconds(cells: list[tuple[str, str]], presets: dict[str, str], steps: int,
+def estimate_seconds(cells: list[tuple[str, str]], presets: dict[str, str], steps: int | None,
                      reuse_budget: bool) -> float:
+    """steps None: no bisection."""
     total = 0.0
     for model, _ in cells:
         budget_s, probe_s = SECONDS[presets[model]]
-        total += (0 if reuse_budget else budget_s) + (probe_s * (2 + steps) if steps else 0)
+        total += (0 if reuse_budget else budget_s) + (probe_s * (2 + steps) if steps is not None else 0)
     return total
 
 
@@ -431,7 +433,8 @@ def main(argv=None) -> int:
                     "full_and_piecewise on a dry run)")
     ap.add_argument("--utilization", type=float, default=0.9, help="gpu_memory_utilization")
     ap.add_argument("--bisect-steps", type=int, default=None,
-                    help="halvings after the bracket (0: no bisection; default 3, 1 on a dry run)")
+                    help="halvings after the bracket (0: the bracket alone; default 3, 1 on a dry run)")
+    ap.add_argument("--no-bisect", action="store_true", help="budgets only, no blocks probes")
     ap.add_argument("--bracket", type=float, default=0.03, help="first step from the guess, as a fraction")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-reqs", type=int, default=None)
@@ -456,7 +459,8 @@ def main(argv=None) -> int:
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"unknown {bad}; models: {list(MODELS)}, modes: {MODES}")
-    steps = args.bisect_steps if args.bisect_steps is not None else (1 if dry else 3)
+    steps = None if args.no_bisect else (
+        args.bisect_steps if args.bisect_steps is not None else (1 if dry else 3))
     limits = dict(DRY_LIMITS if dry else GPU_LIMITS)
     for k in limits:
         if getattr(args, k) is not None:
@@ -471,7 +475,7 @@ def main(argv=None) -> int:
     est = estimate_seconds(cells, presets, steps, args.reuse_budget)
     print(f"{len(cells)} cells ({', '.join(f'{m}/{mode}' for m, mode in cells)}): about "
           f"{est / 60:.1f} min ({'budget process' if not args.reuse_budget else 'no budget process'}"
-          f"{f' + {2 + steps} probes' if steps else ''} per cell)", flush=True)
+          f"{f' + {2 + steps} probes at most' if steps is not None else ''} per cell)", flush=True)
     if est > 540 and not dry:
         print("note: over 9 minutes; a GPU machine that limits one command to 10 minutes needs "
               "this split by --models/--modes, with --append", flush=True)
@@ -502,7 +506,7 @@ def main(argv=None) -> int:
                 write_results(args.out, meta, rows, errors)
                 continue
         bisect = None
-        if steps:
+        if steps is not None:
             terms = MemoryTerms.from_dict(budget_probe["budget"]["terms"])
             guess = plan_memory(terms, gpu_memory_utilization=1.0, block_size=16, **limits).num_blocks
 

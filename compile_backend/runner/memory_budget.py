@@ -210,7 +210,7 @@ class MemoryTerms:
     activations: int = 0  # the largest step's reserved growth (max_batch_tokens, no graphs)
     graph_pool: int = 0  # the capture plan's reserved growth (one shared pool)
     graph_pool_by_mode: dict[str, int] = field(default_factory=dict)  # mode -> bytes the graphs kept allocated
-    graphs_by_mode: dict[str, int] = field(default_factory=dict)  # mode -> graphs captured
+    graphs_by_mode: dict[str, int] = field(default_factory=dict)  # mode -> sizes captured (runner captures)
     startup_excess: int = 0  # the compile's or capture's peak above workspaces + pool + activations
     cache: CacheLayout = field(default_factory=lambda: CacheLayout(16, {}, {}))
     device: str = ""  # what measured them ("cuda:0 (NVIDIA H200)", "cpu: ...")
@@ -292,7 +292,7 @@ class MemoryBudget:
         t = self.terms
         how = "measured" if t.measured else "not measured here (0)"
         pool_parts = ", ".join(
-            f"{m}: {t.graphs_by_mode.get(m, 0)} graphs, {_mib(b)} MiB allocated"
+            f"{m}: {t.graphs_by_mode.get(m, 0)} sizes, {_mib(b)} MiB allocated"
             for m, b in t.graph_pool_by_mode.items())
         state = ", ".join(f"{k} {v} B" for k, v in t.cache.per_request.items()) or "none"
         tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)

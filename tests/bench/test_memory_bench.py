@@ -48,7 +48,8 @@ def test_the_batches_fill_the_limits_within_the_cache(memory):
 def test_the_estimate_counts_processes(memory):
     cells = [("llama8b", "piecewise"), ("llama", "full")]
     presets = {"llama8b": "llama8b", "llama": "bench"}
-    assert memory.estimate_seconds(cells, presets, 0, False) == 80 + 45
+    assert memory.estimate_seconds(cells, presets, None, False) == 80 + 45  # no bisection
+    assert memory.estimate_seconds(cells, presets, 0, True) == 2 * (40 + 25)  # the bracket alone
     assert memory.estimate_seconds(cells, presets, 3, True) == 5 * (40 + 25)
 
 

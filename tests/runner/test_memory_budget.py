@@ -201,7 +201,7 @@ def test_the_report_shows_every_term_and_they_add_up():
     assert abs(peak + headroom - limit) <= 0.1
     assert limit == round(budget.limit / MiB, 1)
     assert f"= {budget.num_blocks}" in text and "num_blocks = floor((gpu_memory_utilization x total" in text
-    assert "piecewise: 35 graphs, 60.0 MiB allocated" in text and "full: 35 graphs" in text
+    assert "piecewise: 35 sizes, 60.0 MiB allocated" in text and "full: 35 sizes" in text
     assert f"{budget.num_tokens} tokens" in text and "conv_state 4096 B" in text
     assert "max_num_reqs 128 x 4096 B" in text
 
