@@ -118,6 +118,7 @@ class Setup:
     piece_compiler: str
     context: int
     graphs: Any  # None: real CUDA graphs; a stand-in on dry runs
+    options: dict = dataclasses.field(default_factory=dict)  # more CompilationConfig fields (--config)
 
     def scope(self):
         return use_graph_backend(self.graphs) if self.graphs is not None else contextlib.nullcontext()
@@ -219,7 +220,7 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, setup.device)
     fill_caches(model, setup.device)  # random caches and state: never time zeros
     cfg = cb.CompilationConfig(cudagraph_mode=spec.mode, capture_sizes=capture_sizes,
-                               piece_compiler=setup.piece_compiler)
+                               piece_compiler=setup.piece_compiler, **setup.options)
     runner = ModelRunner(model, kv, cfg, setup.device, progress=False, compile_fn=spec.compile_fn)
     t0 = time.perf_counter()
     runner.warmup(max(capture_sizes), None)  # first call: compiles
@@ -426,6 +427,29 @@ def plot(decode, out_dir) -> str | None:
     return path
 
 
+def config_options(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
+    """--config FIELD=VALUE pairs -> CompilationConfig keyword arguments
+    (true/false, ints and floats parsed; the config checks names and values)."""
+    fields = {f.name for f in dataclasses.fields(cb.CompilationConfig)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            ap.error(f"--config {pair!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        low = text.lower()
+        if low in ("true", "false"):
+            out[name] = low == "true"
+        else:
+            try:
+                out[name] = int(text)
+            except ValueError:
+                try:
+                    out[name] = float(text)
+                except ValueError:
+                    out[name] = text
+    return out
+
+
 def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if "--tp" in given:  # tensor parallel, under torchrun: this process becomes bench/tp.py
@@ -446,6 +470,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a CompilationConfig field for the mrv2 variants, e.g. "
+                         "fuse_sibling_linears=false (repeatable)")
     args = ap.parse_args(argv)
     if args.merge:
         text = merge_results(args.merge, args.out)
@@ -461,7 +488,7 @@ def main(argv=None) -> int:
                   preset=args.preset or ("bench" if cuda else "tiny"),
                   piece_compiler="inductor" if cuda else "eager",
                   context=args.context if cuda else min(args.context, 40),
-                  graphs=None if cuda else StandInGraphs())
+                  graphs=None if cuda else StandInGraphs(), options=config_options(ap, args.config))
     batches = [int(b) for b in args.batches.split(",")]
     models = ["llama", "hybrid"] if args.model == "both" else [args.model]
     if args.compile_only:
@@ -480,7 +507,8 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name() if cuda else "CPU dry run",
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "python": platform.python_version(), "dtype": str(setup.dtype).replace("torch.", ""),
-            "command": " ".join(["python", "bench/decode.py"] + list(argv if argv is not None else sys.argv[1:])),
+            "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MRV2_DECODE")]
+                                + ["python", "bench/decode.py"] + list(argv if argv is not None else sys.argv[1:])),
             "copy_bandwidth_GBps": bw / 1e9, "context": setup.context,
             "gemm_peak_TFLOPs": peak / 1e12 if peak else None}
     mixed_sizes = [int(n) for n in args.mixed.split(",") if n]
