@@ -7,6 +7,8 @@ capture-safe: `register_op` beside each definition, README.md "Op roles"):
     mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
     mrv2::sconv              (attention-like) kernels/sconv.py
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
+    mrv2::sibling_linear     (ordinary)       kernels/sibling_linear.py (one matmul
+                             for sibling linears: passes/fuse_sibling_linears.py)
 Models use the layers in kernels/layers.py, which read metadata from the
 forward context by layer name (kernels/_metadata.py).
 unified_attention writes an out-parameter; eager pieces call it through
@@ -31,11 +33,12 @@ from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from .sconv import sconv, sconv_ref
+from .sibling_linear import pack_siblings, packed_view, sibling_linear
 from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
 
 __all__ = [
     "KVCompressor", "PagedAttention", "ShortConv", "debug_checks",
-    "kv_compress", "kv_compress_ref", "num_kv_splits", "reshape_and_cache",
-    "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks", "unified_attention",
-    "unified_attention_ref",
+    "kv_compress", "kv_compress_ref", "num_kv_splits", "pack_siblings", "packed_view",
+    "reshape_and_cache", "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks",
+    "sibling_linear", "unified_attention", "unified_attention_ref",
 ]

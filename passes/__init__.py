@@ -1,7 +1,7 @@
 """FX passes that run on the Dynamo graph before it is split into pieces.
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
-capture safety, then segment ordering. Each pass is a class with
+capture safety, sibling-linear fusion, then segment ordering. Each pass is a class with
 `__call__(graph)` and `uuid()` (pass_base.py).
 """
 
@@ -14,6 +14,7 @@ from compile_backend.core.op_registry import (
 )
 
 from .capture_safety import CaptureSafetyError, CaptureSafetyPass
+from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass, PassReport
 from .pass_manager import PassManager
 from .segment_attention_like import SegmentAttentionLikePass
@@ -21,6 +22,7 @@ from .segment_attention_like import SegmentAttentionLikePass
 __all__ = [
     "CaptureSafetyError",
     "CaptureSafetyPass",
+    "FuseSiblingLinearsPass",
     "Mrv2Pass",
     "PassManager",
     "PassReport",

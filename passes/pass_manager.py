@@ -10,14 +10,24 @@ The order, and why:
                               capture. Whether a node can be captured is a
                               property of the node and its values, not of its
                               position, so it is decided first...
-  2. SegmentAttentionLikePass (always; it moves nodes only when
+  2. FuseSiblingLinearsPass   (edits only when `fuse_sibling_linears`)
+                              replaces linears that read one input by one
+                              matmul (the backend then packs their weights,
+                              compile/backend.py). After the
+                              safety pass: it never fuses a linear marked
+                              eager, nor across an eager node (nothing moves
+                              across a piece boundary). Its new nodes are an
+                              op declared capture-safe and `torch.narrow`s,
+                              so the safety pass's verdicts stay true...
+  3. SegmentAttentionLikePass (always; it moves nodes only when
                               `reorder_for_fewer_pieces`) ...so that the
-                              reorder sees the final eager set: a fallback op
-                              is eager like a breakpoint, and the reorder can
-                              cluster it with breakpoints instead of letting it
-                              cut a captured segment in two.
-Running them the other way round would minimise segments for a kind
-assignment that the safety pass then changes.
+                              reorder sees the final graph and the final eager
+                              set: a fallback op is eager like a breakpoint,
+                              and the reorder can cluster it with breakpoints
+                              instead of letting it cut a captured segment in
+                              two.
+Running safety and segments the other way round would minimise segments for a
+kind assignment that the safety pass then changes.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import torch.fx
 from compile_backend.core.op_registry import OpRegistry
 
 from .capture_safety import CaptureSafetyPass
+from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass
 from .segment_attention_like import SegmentAttentionLikePass
 
@@ -46,6 +57,7 @@ class PassManager:
     def from_config(cls, config: Any, roles: OpRegistry) -> "PassManager":
         return cls([
             CaptureSafetyPass(roles, strict=config.strict_capture),
+            FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])
 

@@ -42,6 +42,29 @@ def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRe
     return manager.log, manager.uuid()
 
 
+def _pack_fused_weights(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                        pass_log: list[dict[str, Any]]) -> list[list[int]]:
+    """Pack the weights (and biases) of each group of sibling linears the
+    passes fused (passes/fuse_sibling_linears.py) into one tensor, in place:
+    the parameters become row slices of it (compile_backend/core/packed_weights.py,
+    `pack_siblings`). Returns the groups as indices of graph inputs, which
+    the step keeps: a step loaded in another process packs them at its first
+    call. What happened is added to each group's entry in the pass log."""
+    from compile_backend.core.packed_weights import pack_siblings
+    from compile_backend.passes.fuse_sibling_linears import fused_groups
+
+    index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    packed: list[list[int]] = []
+    for group in fused_groups(pass_log):
+        group["packing"] = {}
+        for what in ("weights", "biases"):
+            if group[what]:
+                idx = [index[name] for name in group[what]]
+                packed.append(idx)
+                group["packing"][what] = pack_siblings([example_inputs[i] for i in idx])
+    return packed
+
+
 def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str], list[int]]:
     """Names of a piece's inputs, and which are parameters or buffers (their
     address must never change between capture and replay)."""
@@ -108,6 +131,7 @@ class Mrv2Backend:
         original_code = gm.code
         pass_log, passes_uuid = _run_passes(gm, config, roles)
         passed_code = gm.code
+        packed_inputs = _pack_fused_weights(gm, example_inputs, pass_log)
 
         split_gm, pieces = split_graph(gm, roles)
         counters["pieces"] += len(pieces)
@@ -134,6 +158,7 @@ class Mrv2Backend:
             piece_inputs=piece_inputs,
             graph_inputs=graph_inputs,
             written_inputs=written,
+            packed_inputs=packed_inputs,
         )
         assemble_step(step, fns)
         step.compile_seconds = time.perf_counter() - t0

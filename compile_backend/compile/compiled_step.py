@@ -59,6 +59,11 @@ class CompiledStep(_Saveable):
     piece_inputs: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
     graph_inputs: tuple[list[str], list[int]] = ((), ())
     written_inputs: frozenset[int] = frozenset()
+    # Groups of graph inputs (weights, biases of fused sibling linears) packed
+    # into one tensor each (compile/backend.py: _pack_fused_weights). A loaded
+    # step packs them at its first call (`pack_on_call`).
+    packed_inputs: list[list[int]] = field(default_factory=list)
+    pack_on_call: bool = field(default=False, repr=False)
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)  # set by assemble_step
     wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
     # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
@@ -69,6 +74,8 @@ class CompiledStep(_Saveable):
     _values_by_shapes: dict = field(default_factory=dict, repr=False)
 
     def __call__(self, *args: Any) -> Any:
+        if self.pack_on_call:
+            self._pack(args)
         if has_forward_context():  # a runner's step: outputs valid until its next step
             return self.split_gm.forward(*args)  # no module hooks on it: skip Module.__call__
         if self.graph_mode is CUDAGraphMode.NONE:
@@ -82,6 +89,18 @@ class CompiledStep(_Saveable):
                 counters["full_graph_fallbacks"] += 1
                 logger.warning("mrv2: %s", self.full_blocker)
         return own_outputs(self.split_gm.forward(*args))
+
+    def _pack(self, args: Sequence[Any]) -> None:
+        """Pack the fused groups' weights once, before anything reads them
+        (compile_backend/core/packed_weights.py: pack_siblings refuses under a capture; the
+        op then runs the unpacked path, slower, never wrong)."""
+        from compile_backend.core.packed_weights import pack_siblings
+
+        self.pack_on_call = False
+        for idx in self.packed_inputs:
+            outcome = pack_siblings([args[i] for i in idx])
+            if outcome.startswith("not packed"):
+                logger.info("mrv2: sibling weights %s of the loaded step: %s", idx, outcome)
 
     def _fits_one_graph(self, args: Sequence[Any]) -> bool:
         """A graph bakes in the Python values it is called with (Dynamo passes

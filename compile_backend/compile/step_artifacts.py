@@ -10,6 +10,9 @@ bytes (`SerializableCallable`). A `CompiledStep` saves:
     when loading, which importing the model's modules does;
   - the pieces' facts (captured, written inputs, layer sharing, reasons), the
     config, the op roles and the pass log;
+  - which graph inputs are packed together (fused sibling linears'
+    weights: passes/fuse_sibling_linears.py); the loaded step packs them at
+    its first call;
   - each captured piece's inputs (names, which are parameters or buffers),
     the whole graph's, and which graph inputs it writes: these come from
     Dynamo's node metadata, which pickling drops;
@@ -37,7 +40,7 @@ from torch.fx._graph_pickler import GraphPickler, Options
 from compile_backend.core.counters import counters
 
 # Bumped when what is saved changes: an older entry is then a miss.
-FORMAT = 1
+FORMAT = 2
 
 
 def _artifact_bytes(artifact: Any) -> bytes:
@@ -117,6 +120,7 @@ def serialize_step(step: Any) -> bytes:
         "piece_inputs": step.piece_inputs,
         "graph_inputs": step.graph_inputs,
         "written_inputs": step.written_inputs,
+        "packed_inputs": step.packed_inputs,
         "artifacts": artifacts,
     }
     for p in payload["pieces"]:
@@ -130,6 +134,8 @@ def deserialize_step(data: bytes) -> Any:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import compile_backend.kernels  # noqa: F401  (the mrv2 ops the graphs call, sibling_linear too)
 
     payload = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
     if payload.get("format") != FORMAT:
@@ -165,6 +171,10 @@ def deserialize_step(data: bytes) -> Any:
         piece_inputs=payload["piece_inputs"],
         graph_inputs=payload["graph_inputs"],
         written_inputs=payload["written_inputs"],
+        packed_inputs=payload["packed_inputs"],
+        # Packed in the process that compiled it, not in this one: at the
+        # first call, which hands in the parameters.
+        pack_on_call=bool(payload["packed_inputs"]),
     )
     assemble_step(step, fns)
     counters["steps_loaded"] += 1

@@ -45,6 +45,9 @@ class CompilationConfig:
     enable_passes: run the FX passes (passes/) before splitting.
     reorder_for_fewer_pieces: let the segment pass move independent nodes
         across breakpoints so that fewer pieces result.
+    fuse_sibling_linears: linears that read the same input (q/k/v, gate/up)
+        become one matmul over their weights, packed once in place
+        (passes/fuse_sibling_linears.py).
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
@@ -70,6 +73,7 @@ class CompilationConfig:
     strict_capture: bool = False
     enable_passes: bool = True
     reorder_for_fewer_pieces: bool = True
+    fuse_sibling_linears: bool = True
     direct_op_calls: bool = True
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
@@ -125,7 +129,8 @@ class CompilationConfig:
                 raise ValueError(f"cache_dir must be a folder path or None, got {self.cache_dir!r}")
             self.cache_dir = os.fspath(self.cache_dir)
         for name in ("debug_checks", "strict_capture", "enable_passes",
-                     "reorder_for_fewer_pieces", "direct_op_calls", "serializable"):
+                     "reorder_for_fewer_pieces", "fuse_sibling_linears", "direct_op_calls",
+                     "serializable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -251,7 +251,10 @@ def test_core_names_no_kernel_op_and_the_kernels_register_their_own():
                "mrv2::kv_compress"]
         assert reg.role_of_name(ops[0]) is OpRole.BREAKPOINT
         assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[1:])
-        assert reg.layer_keyed_ops() == sorted(ops) == reg.capture_safe_ops()
+        assert reg.layer_keyed_ops() == sorted(ops)
+        # sibling_linear: an ordinary op (no role, no layer name), capture-safe
+        assert reg.capture_safe_ops() == sorted(ops + ["mrv2::sibling_linear"])
+        assert reg.role_of_name("mrv2::sibling_linear") is OpRole.ORDINARY
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

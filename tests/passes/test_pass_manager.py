@@ -8,7 +8,9 @@ import torch
 
 import compile_backend as cb
 import toy_ops  # noqa: F401
-from compile_backend.passes import CaptureSafetyPass, PassManager, SegmentAttentionLikePass
+from compile_backend.passes import (
+    CaptureSafetyPass, FuseSiblingLinearsPass, PassManager, SegmentAttentionLikePass,
+)
 
 OPTIONS = {"splitting_ops": ["toy::attn"], "attention_like_ops": ["toy::state_mix"],
            "piece_compiler": "eager"}
@@ -25,18 +27,22 @@ def fn(x, state):
     return torch.ops.toy.attn(a, a, a) + s
 
 
-def test_order_is_capture_safety_then_segments():
+def test_order_is_capture_safety_then_fusion_then_segments():
     m = manager()
-    assert [type(p) for p in m.passes] == [CaptureSafetyPass, SegmentAttentionLikePass]
-    assert m.passes[0].strict is False and m.passes[1].reorder is True
-    m = manager(strict_capture=True, reorder_for_fewer_pieces=False)
-    assert m.passes[0].strict is True and m.passes[1].reorder is False
+    assert [type(p) for p in m.passes] == [
+        CaptureSafetyPass, FuseSiblingLinearsPass, SegmentAttentionLikePass]
+    assert m.passes[0].strict is False and m.passes[2].reorder is True
+    assert m.passes[1].enabled is True
+    m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False)
+    assert m.passes[0].strict is True and m.passes[2].reorder is False
+    assert m.passes[1].enabled is False
 
 
 def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() == manager().uuid()
     assert manager().uuid() != manager(reorder_for_fewer_pieces=False).uuid()
     assert manager().uuid() != manager(strict_capture=True).uuid()
+    assert manager().uuid() != manager(fuse_sibling_linears=False).uuid()
     assert manager().uuid() != manager(attention_like_ops=[]).uuid()
     assert len(manager().uuid()) == 64
 
@@ -46,11 +52,12 @@ def test_backend_runs_passes_and_records_log_and_uuid():
     torch.compile(fn, backend="mrv2", options=OPTIONS)(x, state)
     step = cb.compiled_steps()[-1]
     assert step.passes_uuid == manager().uuid()
-    assert [e["pass"] for e in step.pass_log] == ["CaptureSafetyPass", "SegmentAttentionLikePass"]
+    assert [e["pass"] for e in step.pass_log] == [
+        "CaptureSafetyPass", "FuseSiblingLinearsPass", "SegmentAttentionLikePass"]
     for entry in step.pass_log:
         assert set(entry) == {"pass", "uuid", "changed", "details"}
     json.dumps(step.pass_log)  # JSON-friendly
-    seg = step.pass_log[1]
+    seg = step.pass_log[2]
     assert seg["changed"] and seg["details"]["moved"]
     assert step.passed_code != step.original_code
 
@@ -68,7 +75,7 @@ def test_manager_leaves_a_linted_graph_on_a_traced_module():
     m = manager()
     m(gm.graph)
     gm.graph.lint()
-    assert len(m.log) == 2
+    assert len(m.log) == 3
 
 
 @pytest.mark.parametrize("options, message", [

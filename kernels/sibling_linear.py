@@ -1,0 +1,63 @@
+"""Sibling linear projections as one matmul: `mrv2::sibling_linear`.
+
+    sibling_linear(x, [w_0, ..., w_n], [b_0, ..., b_n] or [])
+        == torch.cat([F.linear(x, w_i, b_i) for i], dim=-1)      # [..., sum N_i]
+
+The pass passes/fuse_sibling_linears.py writes it in place of several
+`linear`s that read the same input (q/k/v, gate/up). The op needs no new
+tensor: when the weights lie back to back in one storage, in order (row
+slices of one [sum N_i, K] weight, which is what `pack_siblings` makes of
+them), it runs ONE `F.linear` over a view of that weight, so a decode step
+launches one GEMV and reads the weights once. Otherwise (a parameter was
+replaced by a new tensor, or never packed) it runs the separate linears and
+concatenates them: slower, never wrong. The check compares storage pointers
+and offsets on the host; under a CUDA graph it runs at capture, and a replay
+reads the addresses it captured (docs/design.md, "What may move between
+calls": parameters do not move under a runner; a plain caller's moved input
+is captured again, and the op checks again then).
+
+`pack_siblings(tensors)` (compile_backend/core/packed_weights.py) makes a
+group adjacent without a second copy of the weights: it allocates the
+[sum N_i, K] weight once, copies each sibling in and rebinds each
+parameter's `.data` to its row slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compile_backend.core.op_registry import register_op
+from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: F401
+
+
+def _check(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+    if not weights:
+        raise ValueError("sibling_linear: no weights")
+    if biases and len(biases) != len(weights):
+        raise ValueError(f"sibling_linear: {len(weights)} weights and {len(biases)} biases "
+                         "(give one bias per weight, or none)")
+
+
+@torch.library.custom_op("mrv2::sibling_linear", mutates_args=())
+def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor],
+                   biases: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat([F.linear(x, w, b) ...], -1)`, as one matmul when the
+    weights (and biases) are packed (module docstring)."""
+    _check(x, weights, biases)
+    weight = packed_view(weights)
+    bias = packed_view(biases) if biases else None
+    if weight is not None and (bias is not None or not biases):
+        return F.linear(x, weight, bias)
+    outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
+    return torch.cat(outs, dim=-1)
+
+
+register_op("mrv2::sibling_linear", capture_safe=True)
+
+
+@sibling_linear.register_fake
+def _(x, weights, biases):
+    _check(x, weights, biases)
+    n = sum(w.shape[0] for w in weights)
+    return x.new_empty((*x.shape[:-1], n))

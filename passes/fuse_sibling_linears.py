@@ -1,0 +1,282 @@
+"""Sibling linear projections become one matmul.
+
+Several `linear`s that read the same input node with weights that are graph
+inputs (q_proj, k_proj and v_proj of an attention layer; gate_proj and
+up_proj of a Hugging Face MLP) are replaced by ONE `mrv2::sibling_linear`
+over all their weights, followed by a `torch.narrow` of its output per
+sibling. At decode (one token) the step then launches one GEMV that reads
+the weights once instead of one latency-bound GEMV per projection.
+
+Before:                                 After:
+    q = linear(x, wq)                       qkv = mrv2::sibling_linear(x, [wq, wk, wv], [])
+    k = linear(x, wk)                       q = narrow(qkv, -1, 0, Nq)
+    v = linear(x, wv)                       k = narrow(qkv, -1, Nq, Nk)
+                                            v = narrow(qkv, -1, Nq + Nk, Nv)
+
+The weights stay graph inputs, so the graph keeps its placeholders, identical
+layers still share one compiled piece (compile/layer_sharing.py) and a saved
+step holds no weights. One matmul needs the weights back to back in memory:
+the backend packs each fused group once, at compile (and a loaded step at its
+first call), with `pack_siblings` (compile_backend/core/packed_weights.py): one new
+[sum N, K] tensor, each parameter's `.data` rebound to its row slice (same
+object, shape, strides and values; the old storage is freed, so the weights'
+memory does not grow). The op checks on every run that its weights are
+laid out that way and otherwise runs the separate linears and concatenates
+them, so a replaced parameter, or a step whose weights were never packed, is
+slower, never wrong.
+
+Fires only when, for every member of a group:
+  - it is `linear(x, w, b)` with the group's input node `x`, not marked eager;
+  - `w` is a 2-D graph input (a parameter or buffer, not a computed tensor),
+    `b` is None for all members or a 1-D graph input for all;
+  - weights share dtype and device (biases too), distinct weight inputs;
+  - where the real tensors are known (Dynamo's placeholder `grapharg`), they
+    can be packed (`can_pack`: plain tensors, each the sole owner of its
+    storage) or are packed already;
+  - no node between the first and the last member may write anything, run
+    eagerly, set global state or is a breakpoint, attention-like op or
+    collective: fusing computes every member at the first one's place.
+Forward hooks and pre-hooks that Dynamo inlines are ops of the graph: a
+pre-hook that changes the input gives another input node (no fusion), one
+that changes the output works on the member's slice as it did on its output.
+
+The outputs are column slices of a [..., sum N] tensor: not contiguous, last
+dimension contiguous (stride 1). The project's ops accept that
+(kernels/_checks.py: `last_dim_contiguous`), and Inductor and torch ops take
+strided inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Hashable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from compile_backend.core.counters import counters
+from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, OpRole, is_eager_node
+from compile_backend.core.packed_weights import can_pack
+
+from .pass_base import Mrv2Pass, PassReport, example_value, source_line
+from .segment_attention_like import _output_roots, node_effects
+
+logger = logging.getLogger(__name__)
+
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+# Node metadata a new node takes from the node it replaces (dumps and source lines).
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+def _linear_args(node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        return None
+    args, kw = node.args, node.kwargs
+    x = args[0] if len(args) > 0 else kw.get("input")
+    w = args[1] if len(args) > 1 else kw.get("weight")
+    b = args[2] if len(args) > 2 else kw.get("bias")
+    return x, w, b
+
+
+def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
+    """The tensor Dynamo saw for a placeholder, when it is a real one."""
+    grapharg = node.meta.get("grapharg")
+    try:
+        t = grapharg.example if grapharg is not None else None
+    except Exception:  # noqa: BLE001 (a GraphArg whose example was released)
+        return None
+    if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+        return t
+    return None
+
+
+def _input_tensor(node: Any, ndim: int) -> torch.Tensor | None:
+    """The fake value of a graph input of rank `ndim` (None: not one)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
+        return None
+    val = example_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() != ndim:
+        return None
+    return val
+
+
+class FuseSiblingLinearsPass(Mrv2Pass):
+    """See the module docstring. `enabled=False` (config
+    `fuse_sibling_linears`): the pass leaves the graph as it is."""
+
+    MAX_LISTED = 200
+
+    def __init__(self, roles: OpRegistry, enabled: bool = True) -> None:
+        self.roles = roles
+        self.enabled = enabled
+
+    def settings(self) -> dict[str, Any]:
+        return {"enabled": self.enabled}
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        details: dict[str, Any] = {"enabled": self.enabled, "groups": [], "not_fused": []}
+        if not self.enabled:
+            return PassReport(changed=False, details=details)
+        groups = self._find_groups(graph, details["not_fused"])
+        op = _fused_op()
+        if groups and op is None:
+            details["not_fused"] += [{"linears": [m.name for m in g], "reason": _NO_OP} for g in groups]
+            groups = []
+        for members in groups:
+            details["groups"].append(self._fuse(graph, members, op))
+        counters["pass_linears_fused"] += sum(len(g) for g in groups)
+        if groups:
+            logger.info("mrv2: fused %d groups of sibling linears (%d linears)",
+                        len(groups), sum(len(g) for g in groups))
+        # Every group is listed: the backend packs the weights the groups name.
+        details["not_fused"] = details["not_fused"][: self.MAX_LISTED]
+        return PassReport(changed=bool(groups), details=details)
+
+    # ---- finding groups -------------------------------------------------------
+
+    def _barrier(self, node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> bool:
+        """No computation may move across this node: it writes something,
+        runs eagerly, or is a breakpoint, attention-like op or collective."""
+        if EAGER_REASON in node.meta or is_eager_node(node, self.roles):
+            return True
+        if self.roles.role(node) is not OpRole.ORDINARY:
+            return True
+        eff = node_effects(node, roots)
+        return eff.barrier or bool(eff.writes)
+
+    def _key(self, node: torch.fx.Node) -> tuple | None:
+        """What siblings must share (None: this linear cannot be fused)."""
+        parts = _linear_args(node)
+        if parts is None or EAGER_REASON in node.meta:
+            return None
+        x, w, b = parts
+        wv = _input_tensor(w, 2)
+        if not isinstance(x, torch.fx.Node) or wv is None:
+            return None
+        bv = None
+        if b is not None:
+            bv = _input_tensor(b, 1)
+            if bv is None:
+                return None
+        xv = example_value(x)
+        if isinstance(xv, torch.Tensor) and xv.dtype != wv.dtype:
+            return None
+        return (x, wv.dtype, wv.device, b is not None,
+                None if bv is None else (bv.dtype, bv.device))
+
+    def _find_groups(self, graph: torch.fx.Graph, not_fused: list) -> list[list[torch.fx.Node]]:
+        groups: list[list[torch.fx.Node]] = []
+        open_: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
+
+        def close() -> None:
+            for members in open_.values():
+                if len(members) >= 2:
+                    why = self._unpackable(members)
+                    if why is None:
+                        groups.append(members)
+                    else:
+                        not_fused.append({"linears": [m.name for m in members], "reason": why})
+            open_.clear()
+
+        roots: dict[torch.fx.Node, set[Hashable]] = {}
+        for node in graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                roots[node] = _output_roots(node, roots)
+                continue
+            key = self._key(node)
+            if key is not None:
+                members = open_[key]
+                weight = _linear_args(node)[1]
+                if all(_linear_args(m)[1] is not weight for m in members):
+                    members.append(node)
+            elif self._barrier(node, roots):
+                close()
+            roots[node] = _output_roots(node, roots)
+        close()
+        return groups
+
+    @staticmethod
+    def _unpackable(members: list[torch.fx.Node]) -> str | None:
+        """Why the real weights (or biases) cannot be packed, where known."""
+        for i in (1, 2):
+            nodes = [_linear_args(m)[i] for m in members]
+            if nodes[0] is None:
+                continue
+            tensors = [_real_tensor(n) for n in nodes]
+            if any(t is None for t in tensors):
+                continue  # unknown here: the op checks at every run
+            why = can_pack(tensors)
+            if why is not None:
+                return f"{'weights' if i == 1 else 'biases'}: {why}"
+        return None
+
+    # ---- rewriting ---------------------------------------------------------------
+
+    @staticmethod
+    def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], op: Any) -> dict[str, Any]:
+        first = members[0]
+        x = _linear_args(first)[0]
+        weights = [_linear_args(m)[1] for m in members]
+        biases = [_linear_args(m)[2] for m in members]
+        biases = [] if biases[0] is None else biases
+        sizes = [example_value(w).shape[0] for w in weights]
+        meta_key = "example_value" if "example_value" in first.meta else "val"
+        vals = [example_value(n) for n in [x, *weights, *biases]]
+        # The values' own mode (Dynamo's tracing one), not the backend's.
+        modes = {id(v.fake_mode): v.fake_mode for v in vals if isinstance(v, FakeTensor)}
+        fake_mode = next(iter(modes.values())) if len(modes) == 1 else None
+        with graph.inserting_before(first):
+            fused = graph.call_function(op, (x, list(weights), list(biases)))
+            _keep_meta(fused, first)
+            fused_val = None
+            if fake_mode is not None and all(isinstance(v, FakeTensor) for v in vals):
+                with fake_mode:
+                    fused_val = op(vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):])
+                fused.meta[meta_key] = fused_val
+            start = 0
+            for m, n in zip(members, sizes):
+                part = graph.call_function(torch.narrow, (fused, -1, start, n))
+                _keep_meta(part, m)
+                if fused_val is not None:
+                    with fake_mode:
+                        part.meta[meta_key] = torch.narrow(fused_val, -1, start, n)
+                m.replace_all_uses_with(part)
+                start += n
+        for m in members:
+            graph.erase_node(m)
+        return {
+            "node": fused.name,
+            "input": x.name,
+            "weights": [w.name for w in weights],
+            "biases": [b.name for b in biases],
+            "out_features": [int(n) for n in sizes],
+            "source": source_line(first),
+        }
+
+
+_NO_OP = ("mrv2::sibling_linear is not registered: import compile_backend.kernels "
+          "(the backend does, before the passes)")
+
+
+def _fused_op() -> Any:
+    """The op the fused node calls (kernels/sibling_linear.py); None when the
+    kernels are not imported (passes import only core)."""
+    try:
+        return torch.ops.mrv2.sibling_linear.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
+    for k in _KEPT_META:
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+
+
+def fused_groups(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups this pass fused, from a PassManager log."""
+    return [g for entry in pass_log if entry.get("pass") == FuseSiblingLinearsPass.__name__
+            for g in entry.get("details", {}).get("groups", [])]
