@@ -17,10 +17,12 @@ Two paths, picked by the Python int `max_query_len`:
     The grid's number of splits comes from num_reqs, KVH, max_seq_len and the
     SM count, never from tensor values (the op runs inside CUDA graphs); how
     many of them a request uses is decided in the kernel from its runtime
-    seq_len, and the last of its splits to finish merges them. The older
-    two-launch form (a split kernel, then a reduce kernel) stays for
-    comparisons (config["TWO_LAUNCH"], MRV2_DECODE_TWO_LAUNCH=1) and for a
-    capture without a ticket buffer (Note [decode tickets]).
+    seq_len, and the last of its splits to finish merges them. The
+    two-launch form (a split kernel, then a reduce kernel) runs where one
+    launch does not pay (`one_launch_pays`: on the H200, fewer than about 264
+    (request, kv head) programs, e.g. llama-8B below 33 requests), for a
+    capture without a ticket buffer (Note [decode tickets]), and when asked
+    (config["TWO_LAUNCH"], MRV2_DECODE_TWO_LAUNCH=1 or 0).
 
 The op writes its output (an out-parameter, so that a caller can allocate it
 where a CUDA graph keeps it). Rows of tokens that belong to no request (past
@@ -108,10 +110,19 @@ LOG2E = 1.4426950408889634
 # splits costs more than the extra parallelism gains. `config["MIN_SPLIT_LEN"]`
 # overrides it per call (benchmarks).
 MIN_SPLIT_LEN = 256
-# The two-launch decode (split kernel + reduce kernel) instead of the one-launch
-# kernel when this environment variable is 1 (or config["TWO_LAUNCH"]): for
-# comparisons (bench/kernels.py --decode-compare).
+# Which decode form runs: config["TWO_LAUNCH"] if given, else this environment
+# variable (1: two launches, 0: one launch; for comparisons,
+# bench/kernels.py --decode-compare), else `one_launch_pays`.
 TWO_LAUNCH_ENV = "MRV2_DECODE_TWO_LAUNCH"
+# One launch pays once the (request, kv head) programs alone fill every SM
+# this many times over. Measured on the H200 at llama-8B shapes
+# (bench/results/decode_attention.md): at B=64 (512 programs, 132 SMs) one
+# launch is 1.00-1.15x the two-launch form, at B=256 1.01-1.06x; at B=1 and
+# B=8 (8 and 64 programs) it is 0.49-0.94x, because the last split's merge
+# of 4 heads x S splits runs in one program where the reduce kernel spreads
+# it over B x H programs, and the merge code costs the split programs
+# occupancy.
+ONE_LAUNCH_PROGRAMS_PER_SM = 2
 # Elements of one [heads, splits, head dim] fp32 tile the merge loads at a time.
 _MERGE_ELEMS = 4096
 MAX_SPLITS = 128
@@ -408,6 +419,16 @@ def _decode_reduce_kernel(
 
 
 @functools.lru_cache(maxsize=None)
+def one_launch_pays(num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """The one-launch decode for this grid, or the two-launch form? One launch
+    once num_reqs x KVH programs fill the SMs ONE_LAUNCH_PROGRAMS_PER_SM times
+    (a decision of the plan, fixed in a captured graph); always off a GPU, so
+    the interpreter's tests run the kernel that needs them most."""
+    if device.type != "cuda":
+        return True
+    return num_reqs * num_kv_heads >= ONE_LAUNCH_PROGRAMS_PER_SM * _sm_count(device)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -509,7 +530,10 @@ class _Plan:
             min_split = cfg.get("MIN_SPLIT_LEN", MIN_SPLIT_LEN)
             check_int("config['MIN_SPLIT_LEN']", min_split, 1)
             S = num_splits or num_kv_splits(B, KVH, max_seq_len, query.device, min_split)
-            two = cfg.get("TWO_LAUNCH", os.environ.get(TWO_LAUNCH_ENV, "0") == "1")
+            two = cfg.get("TWO_LAUNCH")
+            if two is None:
+                env = os.environ.get(TWO_LAUNCH_ENV, "")
+                two = env == "1" if env in ("0", "1") else not one_launch_pays(B, KVH, query.device)
             self.run = _decode_run(B, T, H, KVH, D, qpk, query.device, query_start_loc, seq_lens,
                                    block_table, strides, common, S, min_split, bool(two), bind)
         else:

@@ -48,7 +48,12 @@ class Replays:
     (never zeros), runs the plan and compares with the reference."""
 
     def __init__(self, B, H, KVH, D, dtype, device, bound, seed, block_size=16, pad_reqs=0,
-                 pad_tokens=0, num_splits=None, config=None):
+                 pad_tokens=0, num_splits=None, config=None, two_launch=False):
+        # two_launch: config["TWO_LAUNCH"] (these tests exercise the one-launch
+        # kernel, which a GPU's plan picks only for large grids); None: unset.
+        config = dict(config or {})
+        if two_launch is not None:
+            config.setdefault("TWO_LAUNCH", two_launch)
         self.g = gen(seed)
         if device != "cpu":
             self.device_g = torch.Generator(device=device).manual_seed(seed)
@@ -257,10 +262,24 @@ def test_path_selection(how, monkeypatch):
     if how == "env":
         monkeypatch.setenv(ua.TWO_LAUNCH_ENV, "1")
     r = Replays(2, 4, 2, 16, torch.bfloat16, "cpu", bound=300, seed=6,
-                num_splits=1 if how == "one_split" else 3, config=config)
+                num_splits=1 if how == "one_split" else 3, config=config, two_launch=None)
     r.step([300, 41])
     two = [ua._decode_split_kernel, ua._decode_reduce_kernel]
     assert launched == (two if how in ("config", "env") else [ua._decode_kernel])
+
+
+def test_one_launch_only_where_it_pays(monkeypatch):
+    """Unasked, a GPU plan takes one launch once num_reqs x KVH programs fill
+    the SMs ONE_LAUNCH_PROGRAMS_PER_SM times (measured on the H200: below
+    that the two-launch form is faster); off a GPU always one launch; the
+    environment variable (1 or 0) overrides the rule."""
+    monkeypatch.setattr(ua, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    need = ua.ONE_LAUNCH_PROGRAMS_PER_SM * 132
+    assert not ua.one_launch_pays(1, 8, cuda) and not ua.one_launch_pays(8, 8, cuda)
+    assert not ua.one_launch_pays(need // 8 - 1, 8, cuda)
+    assert ua.one_launch_pays(need // 8, 8, cuda) and ua.one_launch_pays(256, 8, cuda)
+    assert ua.one_launch_pays(1, 1, torch.device("cpu"))
 
 
 @needs_interp
@@ -388,7 +407,8 @@ def test_capture_without_tickets_gpu(monkeypatch):
     r.fill([2048] * 4)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = _Plan(r.q, r.kc, r.out, r.qsl, r.seq_lens, r.block_table, 1, 2048)
+        plan = _Plan(r.q, r.kc, r.out, r.qsl, r.seq_lens, r.block_table, 1, 2048,
+                     config=dict(TWO_LAUNCH=False))
         plan.run(r.q, r.kc, r.vc, r.out, r.scale * LOG2E, plan.stream)
     assert ua._TICKETS == {} and ua._logged_fallback
     for lens in ([2048, 1, 1000, 77], [5, 2047, 300, 1024]):
