@@ -485,7 +485,9 @@ def main(argv=None) -> int:
             "command": " ".join(["python", "bench/memory.py"] + list(argv if argv is not None else sys.argv[1:])),
             "limits": limits, "capture_sizes": "1,2,4,8" if dry else "1,2,4,8..256 step 8",
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "estimate_s": est}
-    rows = [r for r in earlier["rows"] if (r["model"], r["mode"]) not in set(cells)] if args.append else []
+    # --append: every earlier row stays until its cell is measured again (a
+    # run cut short loses no row it did not replace).
+    rows = list(earlier["rows"]) if args.append else []
     errors = list(earlier["errors"]) if args.append else []
     t_start = time.perf_counter()
     for model, mode in cells:
@@ -517,7 +519,7 @@ def main(argv=None) -> int:
                 return r["ok"]
             bisect = bisect_blocks(survives, guess, args.bracket, steps)
         row = cell_row(model, presets[model], mode, budget_probe, bisect, args.utilization)
-        rows.append(row)
+        rows = [r for r in rows if (r["model"], r["mode"]) != (model, mode)] + [row]
         measured = "-" if row["measured_peak"] is None else f"{row['measured_peak'] / GiB:.2f}"
         error = "-" if row["peak_error"] is None else f"{row['peak_error'] * 100:+.2f}%"
         print(f"{model}/{mode}: {row['num_blocks']} blocks, peak {measured} GiB measured vs "
