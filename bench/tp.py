@@ -4,6 +4,7 @@
                                             [--context 500] [--modes full,piecewise] [--out DIR]
     torchrun --nproc-per-node 2 bench/decode.py --tp 2 ...   (the same: bench/decode.py execs this)
     torchrun --nproc-per-node 2 bench/tp.py --dry-run        (CPU, gloo: the plumbing only)
+    ... --config tp_all_reduce=auto   (CompilationConfig fields of every cell, as bench/decode.py's)
 
 One process per GPU (NCCL). Every rank runs every cell: first the whole
 model on each GPU (TP=1, no collective), then the TP=N model; rank 0 writes
@@ -98,7 +99,8 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, device)
     fill_caches(model, device)
     config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=batches,
-                                  piece_compiler="inductor" if cuda else "eager")
+                                  piece_compiler="inductor" if cuda else "eager",
+                                  **args.options)
     t0 = time.perf_counter()
     runner = ModelRunner(model, kv, config, device, progress=False)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -122,6 +124,7 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
                      "b2b_ms": b2b, "replay_ms": replay_ms, "ran_as": step.mode.value,
                      "graphs": cb.counters["cudagraph_captures"],
                      "collective_fallbacks": cb.counters["collective_fallbacks"],
+                     "all_reduce_fallbacks": cb.counters["all_reduce_fallbacks"],
                      "startup_s": startup_s, "first": first})
     del runner, model
     return rows
@@ -187,7 +190,12 @@ def _main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a CompilationConfig field for every cell, e.g. tp_all_reduce=auto")
     args, _ = ap.parse_known_args(argv)  # bench/decode.py's other flags pass through
+    from decode import config_options  # bench/decode.py: the same FIELD=VALUE parsing
+
+    args.options = config_options(ap, args.config)
     tp = init_from_env()
     if args.tp is not None and args.tp != tp.size:
         ap.error(f"--tp {args.tp} needs {args.tp} processes, {tp.size} started: "
@@ -213,7 +221,7 @@ def _main(argv=None) -> int:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
             "python": platform.python_version(), "tp": tp.size, "model": args.model,
             "preset": args.preset, "dtype": "bf16" if cuda else "fp32", "context": args.context,
-            "reps": args.reps,
+            "reps": args.reps, "config": args.options,
             "command": " ".join(["torchrun", f"--nproc-per-node {tp.size}", sys.argv[0]]
                                 + list(argv if argv is not None else sys.argv[1:]))}
     if tp.rank == 0:

@@ -9,6 +9,9 @@ capture-safe: `register_op` beside each definition, README.md "Op roles"):
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
     mrv2::sibling_linear     (ordinary)       kernels/sibling_linear.py (one matmul
                              for sibling linears: passes/fuse_sibling_linears.py)
+    mrv2::all_reduce         (collective)     kernels/all_reduce.py (tensor
+                             parallelism's sum: one-shot or NCCL per message,
+                             passes/symmetric_all_reduce.py)
 Models use the layers in kernels/layers.py, which read metadata from the
 forward context by layer name (kernels/_metadata.py).
 unified_attention writes an out-parameter; eager pieces call it through
@@ -29,6 +32,7 @@ captured.
 """
 
 from ._debug import debug_checks, set_debug_checks
+from .all_reduce import all_reduce
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -37,7 +41,7 @@ from .sibling_linear import pack_siblings, packed_view, sibling_linear
 from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
 
 __all__ = [
-    "KVCompressor", "PagedAttention", "ShortConv", "debug_checks",
+    "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "num_kv_splits", "pack_siblings", "packed_view",
     "reshape_and_cache", "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks",
     "sibling_linear", "unified_attention", "unified_attention_ref",

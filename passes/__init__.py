@@ -1,7 +1,8 @@
 """FX passes that run on the Dynamo graph before it is split into pieces.
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
-capture safety, sibling-linear fusion, then segment ordering. Each pass is a class with
+capture safety, the all-reduce rewrite, sibling-linear fusion, then
+segment ordering. Each pass is a class with
 `__call__(graph)` and `uuid()` (pass_base.py).
 """
 
@@ -18,6 +19,7 @@ from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass, PassReport
 from .pass_manager import PassManager
 from .segment_attention_like import SegmentAttentionLikePass
+from .symmetric_all_reduce import SymmetricAllReducePass
 
 __all__ = [
     "CaptureSafetyError",
@@ -27,6 +29,7 @@ __all__ = [
     "PassManager",
     "PassReport",
     "SegmentAttentionLikePass",
+    "SymmetricAllReducePass",
     "capture_safe_ops",
     "register_capture_safe",
     "unregister_capture_safe",

@@ -10,7 +10,13 @@ The order, and why:
                               capture. Whether a node can be captured is a
                               property of the node and its values, not of its
                               position, so it is decided first...
-  2. FuseSiblingLinearsPass   (edits only when `fuse_sibling_linears`)
+  2. SymmetricAllReducePass  (edits only when `tp_all_reduce` is not "nccl")
+                              replaces each all-reduce + wait by one
+                              `mrv2::all_reduce`, a collective as well, on the
+                              same group. After the safety pass: it leaves
+                              alone what that pass marked eager, and its new
+                              node is judged as the one it replaces was.
+  3. FuseSiblingLinearsPass   (edits only when `fuse_sibling_linears`)
                               replaces linears that read one input by one
                               matmul (the backend then packs their weights,
                               compile/backend.py). After the
@@ -19,7 +25,7 @@ The order, and why:
                               across a piece boundary). Its new nodes are an
                               op declared capture-safe and `torch.narrow`s,
                               so the safety pass's verdicts stay true...
-  3. SegmentAttentionLikePass (always; it moves nodes only when
+  4. SegmentAttentionLikePass (always; it moves nodes only when
                               `reorder_for_fewer_pieces`) ...so that the
                               reorder sees the final graph and the final eager
                               set: a fallback op is eager like a breakpoint,
@@ -44,6 +50,7 @@ from .capture_safety import CaptureSafetyPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass
 from .segment_attention_like import SegmentAttentionLikePass
+from .symmetric_all_reduce import SymmetricAllReducePass
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,8 @@ class PassManager:
     def from_config(cls, config: Any, roles: OpRegistry) -> "PassManager":
         return cls([
             CaptureSafetyPass(roles, strict=config.strict_capture),
+            SymmetricAllReducePass(roles, mode=config.tp_all_reduce,
+                                   threshold=config.tp_all_reduce_threshold),
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])

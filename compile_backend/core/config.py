@@ -13,6 +13,8 @@ from compile_backend.core.graph_mode import CUDAGraphMode
 
 
 PIECE_COMPILERS = ("inductor", "eager")
+# How a tensor-parallel all-reduce runs (compile_backend/core/all_reduce.py).
+TP_ALL_REDUCE_MODES = ("nccl", "auto", "one_shot")
 
 
 def default_cache_dir() -> str | None:
@@ -60,6 +62,16 @@ class CompilationConfig:
         `mrv2 cache ls|clear` shows and clears it.
     serializable: compile Inductor pieces as artifacts that can be saved (the
         runner sets it when it has a cache_dir).
+    tp_all_reduce: how tensor parallelism's all-reduces run inside the pieces
+        (compile_backend/core/all_reduce.py): "nccl" (default) keeps the
+        functional collective; "auto" runs messages of at most
+        `tp_all_reduce_threshold` bytes as a one-shot all-reduce over
+        symmetric memory and larger ones on NCCL, and falls back to NCCL
+        (counted, the reason logged once) where symmetric memory or peer
+        access is missing; "one_shot" is "auto" that raises instead of
+        falling back.
+    tp_all_reduce_threshold: the largest message (bytes) the one-shot path
+        takes; also the size of each rank's symmetric buffer per dtype.
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.PIECEWISE
@@ -78,6 +90,8 @@ class CompilationConfig:
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
+    tp_all_reduce: str = "nccl"
+    tp_all_reduce_threshold: int = 512 * 1024
 
     def __post_init__(self) -> None:
         self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
@@ -128,6 +142,15 @@ class CompilationConfig:
             if not isinstance(self.cache_dir, (str, os.PathLike)):
                 raise ValueError(f"cache_dir must be a folder path or None, got {self.cache_dir!r}")
             self.cache_dir = os.fspath(self.cache_dir)
+        if self.tp_all_reduce not in TP_ALL_REDUCE_MODES:
+            raise ValueError(
+                f"tp_all_reduce must be one of {', '.join(map(repr, TP_ALL_REDUCE_MODES))}, got "
+                f"{self.tp_all_reduce!r}")
+        threshold = self.tp_all_reduce_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 16:
+            raise ValueError(
+                f"tp_all_reduce_threshold must be an int of at least 16 (bytes), got "
+                f"{threshold!r}; for example 524288 (512 KiB)")
         for name in ("debug_checks", "strict_capture", "enable_passes",
                      "reorder_for_fewer_pieces", "fuse_sibling_linears", "direct_op_calls",
                      "serializable"):

@@ -9,6 +9,9 @@ Keys (all ints):
   capture_fallbacks      pieces kept eager because they cannot be captured
   collective_fallbacks   collective ops kept out of graphs: their process group's
                          backend (gloo) cannot be captured (passes/capture_safety.py)
+  all_reduce_fallbacks   all-reduces left on the functional collective although
+                         tp_all_reduce asked for one-shot: no symmetric memory
+                         for their group (passes/symmetric_all_reduce.py)
   cudagraph_captures     CUDA graphs captured
   cudagraph_replays      CUDA-graph replays (each capture is followed by one)
   grad_fallbacks         graphs run uncompiled because grad was on (inference only)

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+class RanksDisagree(RuntimeError):
+    """Ranks of one tensor-parallel group would run different graphs (or
+    different collectives: compile_backend/core/all_reduce.py)."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group. Frozen and hashable:

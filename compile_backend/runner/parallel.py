@@ -16,6 +16,11 @@ step (same mode, same padded tokens and requests). That holds by construction:
             the same requests; the replicated lm_head gives every rank the
             same logits, so the same sampled tokens).
 
+The all-reduce itself (`tp_all_reduce`, compile_backend/core/all_reduce.py):
+the plan compared at build time includes the mode and threshold, and then
+`setup_all_reduce` compares capability and sets up the symmetric buffers,
+eagerly, before the first compile; `end_tensor_parallel` frees them.
+
 With `CompilationConfig.debug_checks` every step's choice is compared before
 it runs (an all_gather of 4 ints on the group, a sync per step), and a
 mismatch raises naming each rank's choice instead of hanging.
@@ -33,16 +38,13 @@ from typing import Any
 
 import torch
 
+from compile_backend.core.all_reduce import free_symmetric_buffers, setup_all_reduce
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
-from compile_backend.core.parallel import TensorParallel
+from compile_backend.core.parallel import RanksDisagree, TensorParallel
 
 logger = logging.getLogger(__name__)
 
 _MODES = list(CUDAGraphMode)
-
-
-class RanksDisagree(RuntimeError):
-    """Ranks of one tensor-parallel group would run different graphs."""
 
 
 def _group(tp: TensorParallel) -> Any:
@@ -75,6 +77,8 @@ class RankAgreement:
             return None
         agreement = cls(tp, runner.config.debug_checks)
         agreement.check_plan(runner)
+        # Collective, eager, before the first compile: the pass then finds the buffers.
+        setup_all_reduce(tp, runner.config.tp_all_reduce, runner.config.tp_all_reduce_threshold)
         return agreement if agreement.debug_checks else None
 
     def check_plan(self, runner: Any) -> None:
@@ -86,12 +90,15 @@ class RankAgreement:
             "decode_sizes": list(runner.decode_sizes),
             "plan": [(s.mode.value, s.num_tokens, s.num_reqs, s.uniform_decode)
                      for s in runner.capture_plan()],
+            "all_reduce": [runner.config.tp_all_reduce, runner.config.tp_all_reduce_threshold],
         }
         everyone: list[Any] = [None] * self.tp.size
         dist.all_gather_object(everyone, mine, group=self.group)
         if any(other != mine for other in everyone):
             lines = "\n".join(f"  rank {r}: mode {o['mode']}, capture sizes {o['capture_sizes']}, "
-                              f"decode sizes {o['decode_sizes']}" for r, o in enumerate(everyone))
+                              f"decode sizes {o['decode_sizes']}, tp_all_reduce "
+                              f"{o['all_reduce'][0]!r} up to {o['all_reduce'][1]} bytes"
+                              for r, o in enumerate(everyone))
             raise RanksDisagree(
                 f"the {self.tp.size} tensor-parallel ranks would capture different graphs, and "
                 f"the first collective in a graph would wait forever:\n{lines}\nGive every rank "
@@ -122,9 +129,10 @@ class RankAgreement:
 
 
 def end_tensor_parallel(timeout_s: float = 120.0) -> int:
-    """End a tensor-parallel run: release every captured graph, then destroy
-    the default process group. Returns how many graphs were released. No
-    collective can run afterwards: call it last.
+    """End a tensor-parallel run: release every captured graph, free the
+    all-reduce's symmetric buffers (the graphs hold their addresses), then
+    destroy the default process group. Returns how many graphs were
+    released. No collective can run afterwards: call it last.
 
     Note [graphs before the communicator]: a CUDA graph that captured NCCL
     work keeps its communicator in use, and destroying the process group while
@@ -143,10 +151,12 @@ def end_tensor_parallel(timeout_s: float = 120.0) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     released = release_graphs()
+    freed = free_symmetric_buffers()
     faulthandler.dump_traceback_later(timeout_s, exit=True)
     try:
         dist.destroy_process_group()
     finally:
         faulthandler.cancel_dump_traceback_later()
-    logger.info("tensor parallel: %d graphs released, process group destroyed", released)
+    logger.info("tensor parallel: %d graphs released, %d groups' symmetric buffers freed, "
+                "process group destroyed", released, freed)
     return released

@@ -105,13 +105,16 @@ def test_summary_keys():
 
 
 def test_functional_collectives_are_collectives_by_default():
+    import compile_backend.kernels  # noqa: F401  (mrv2::all_reduce, tp_all_reduce's op, declares its own)
+
     reg = OpRegistry()
     assert reg.role_of_name("_c10d_functional::all_reduce") is C
     assert reg.role_of_name("_c10d_functional::wait_tensor") is C
-    assert reg.names(C) == ["_c10d_functional::*"] == reg.summary()["collective"]
+    assert reg.names(C) == ["_c10d_functional::*", "mrv2::all_reduce"] == reg.summary()["collective"]
     assert reg.is_capture_safe("_c10d_functional::all_reduce")  # the pass checks the backend
+    assert reg.is_capture_safe("mrv2::all_reduce")
     register_op("regtest::plain", role=OpRole.COLLECTIVE)
-    assert OpRegistry().names(C) == ["_c10d_functional::*", "regtest::plain"]
+    assert OpRegistry().names(C) == ["_c10d_functional::*", "mrv2::all_reduce", "regtest::plain"]
 
 
 # ---- layer-keyed ops -------------------------------------------------------------
@@ -252,9 +255,11 @@ def test_core_names_no_kernel_op_and_the_kernels_register_their_own():
         assert reg.role_of_name(ops[0]) is OpRole.BREAKPOINT
         assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[1:])
         assert reg.layer_keyed_ops() == sorted(ops)
-        # sibling_linear: an ordinary op (no role, no layer name), capture-safe
-        assert reg.capture_safe_ops() == sorted(ops + ["mrv2::sibling_linear"])
+        # sibling_linear: an ordinary op (no role, no layer name), capture-safe;
+        # all_reduce: a collective, capture-safe
+        assert reg.capture_safe_ops() == sorted(ops + ["mrv2::sibling_linear", "mrv2::all_reduce"])
         assert reg.role_of_name("mrv2::sibling_linear") is OpRole.ORDINARY
+        assert reg.role_of_name("mrv2::all_reduce") is OpRole.COLLECTIVE
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

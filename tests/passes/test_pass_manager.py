@@ -10,6 +10,7 @@ import compile_backend as cb
 import toy_ops  # noqa: F401
 from compile_backend.passes import (
     CaptureSafetyPass, FuseSiblingLinearsPass, PassManager, SegmentAttentionLikePass,
+    SymmetricAllReducePass,
 )
 
 OPTIONS = {"splitting_ops": ["toy::attn"], "attention_like_ops": ["toy::state_mix"],
@@ -27,15 +28,17 @@ def fn(x, state):
     return torch.ops.toy.attn(a, a, a) + s
 
 
-def test_order_is_capture_safety_then_fusion_then_segments():
+def test_order_is_capture_safety_then_all_reduce_then_fusion_then_segments():
     m = manager()
     assert [type(p) for p in m.passes] == [
-        CaptureSafetyPass, FuseSiblingLinearsPass, SegmentAttentionLikePass]
-    assert m.passes[0].strict is False and m.passes[2].reorder is True
-    assert m.passes[1].enabled is True
-    m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False)
-    assert m.passes[0].strict is True and m.passes[2].reorder is False
-    assert m.passes[1].enabled is False
+        CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass, SegmentAttentionLikePass]
+    assert m.passes[0].strict is False and m.passes[3].reorder is True
+    assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True
+    m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False,
+                tp_all_reduce="auto", tp_all_reduce_threshold=4096)
+    assert m.passes[0].strict is True and m.passes[3].reorder is False
+    assert m.passes[2].enabled is False
+    assert (m.passes[1].mode, m.passes[1].threshold) == ("auto", 4096)
 
 
 def test_uuid_is_stable_and_follows_settings():
@@ -43,6 +46,7 @@ def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() != manager(reorder_for_fewer_pieces=False).uuid()
     assert manager().uuid() != manager(strict_capture=True).uuid()
     assert manager().uuid() != manager(fuse_sibling_linears=False).uuid()
+    assert manager().uuid() != manager(tp_all_reduce="auto").uuid()
     assert manager().uuid() != manager(attention_like_ops=[]).uuid()
     assert len(manager().uuid()) == 64
 
@@ -53,11 +57,12 @@ def test_backend_runs_passes_and_records_log_and_uuid():
     step = cb.compiled_steps()[-1]
     assert step.passes_uuid == manager().uuid()
     assert [e["pass"] for e in step.pass_log] == [
-        "CaptureSafetyPass", "FuseSiblingLinearsPass", "SegmentAttentionLikePass"]
+        "CaptureSafetyPass", "SymmetricAllReducePass", "FuseSiblingLinearsPass",
+        "SegmentAttentionLikePass"]
     for entry in step.pass_log:
         assert set(entry) == {"pass", "uuid", "changed", "details"}
     json.dumps(step.pass_log)  # JSON-friendly
-    seg = step.pass_log[2]
+    seg = step.pass_log[3]
     assert seg["changed"] and seg["details"]["moved"]
     assert step.passed_code != step.original_code
 
@@ -75,7 +80,7 @@ def test_manager_leaves_a_linted_graph_on_a_traced_module():
     m = manager()
     m(gm.graph)
     gm.graph.lint()
-    assert len(m.log) == 3
+    assert len(m.log) == 4
 
 
 @pytest.mark.parametrize("options, message", [

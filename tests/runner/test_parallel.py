@@ -211,10 +211,13 @@ def test_each_rank_holds_its_slice_of_the_tp1_weights(model, monkeypatch):
 
 
 def test_collective_role():
+    import compile_backend.kernels  # noqa: F401  (mrv2::all_reduce: tp_all_reduce's op)
+
     reg = OpRegistry()
     assert reg.role_of_name("_c10d_functional::all_reduce") is OpRole.COLLECTIVE
     assert reg.role_of_name("_c10d_functional::wait_tensor") is OpRole.COLLECTIVE
-    assert reg.summary()["collective"] == ["_c10d_functional::*"]
+    assert reg.role_of_name("mrv2::all_reduce") is OpRole.COLLECTIVE
+    assert reg.summary()["collective"] == ["_c10d_functional::*", "mrv2::all_reduce"]
 
 
 @pytest.fixture
@@ -253,7 +256,7 @@ def test_the_all_reduce_is_inside_a_piece_not_a_split_point(one_rank_gloo, tmp_p
     ]
     assert cb.counters["collective_fallbacks"] == 0
     manifest = load_dump(tmp_path)
-    assert manifest["op_roles"]["collective"] == ["_c10d_functional::*"]
+    assert manifest["op_roles"]["collective"] == ["_c10d_functional::*", "mrv2::all_reduce"]
     assert "collectives: _c10d_functional.all_reduce, _c10d_functional.wait_tensor" in summary(manifest)
 
 

@@ -14,6 +14,7 @@ torchrun exits non-zero.
     --device cpu   gloo, fp32, mode none, eager pieces (CI)
     --device cpu --standin   the same in graph modes, captured by the CPU stand-in
     --device cuda  NCCL, bf16, the modes given (GPU tests)
+    --tp-all-reduce auto   the TP runners' tp_all_reduce (one-shot where it can run)
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def make_runner(name: str, tp_size: int, mode: str, args, reference: bool) -> Mo
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, args.device)
     compilation = CompilationConfig(cudagraph_mode="none" if reference else mode,
                                     capture_sizes=CAPTURE_SIZES, piece_compiler=args.compiler,
-                                    debug_checks=not reference)
+                                    debug_checks=not reference,
+                                    tp_all_reduce="nccl" if reference else args.tp_all_reduce)
     runner = ModelRunner(model, kv, compilation, args.device, progress=False,
                          compile_fn=(lambda m: m) if reference else None)
     log(f"{name} TP={tp_size} {compilation.cudagraph_mode.value}: runner built, capturing")
@@ -118,11 +120,16 @@ def collectives_report(tp_size: int, num_layers: int) -> dict:
     """Where the compiled TP graph put its collectives."""
     pieces = [p for step in compiled_steps() for p in step.pieces]
     holding = [p for p in pieces if p.collectives]
+    names = sorted({c for p in pieces for c in p.collectives})
+    # all_reduce + wait_tensor, after attention and after the MLP of each layer;
+    # one mrv2::all_reduce for each pair where tp_all_reduce put one in (one-shot)
+    per_layer = 2 if names == ["mrv2::all_reduce"] else 4
     return {
         "pieces": len(pieces),
         "collective_ops": sum(len(p.collectives) for p in pieces),
-        # all_reduce + wait_tensor, after attention and after the MLP of each layer
-        "expected_ops": 4 * num_layers if tp_size > 1 else 0,
+        "expected_ops": per_layer * num_layers if tp_size > 1 else 0,
+        "all_reduce_ops": names,
+        "all_reduce_fallbacks": counters["all_reduce_fallbacks"],
         "in_captured_pieces": all(p.captured and not p.breakpoints for p in holding),
         "collective_fallbacks": counters["collective_fallbacks"],
         "fallback_reasons": [r for p in pieces for r in p.eager_reasons if "collective" in r],
@@ -150,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="weights (the same for TP=1 and TP=N)")
     ap.add_argument("--data-seed", type=int, default=0, help="the forced tokens")
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--tp-all-reduce", default="nccl", help="CompilationConfig.tp_all_reduce")
     ap.add_argument("--standin", action="store_true", help="CPU: graphs by the CPU stand-in")
     ap.add_argument("--watchdog", type=float, default=0,
                     help="seconds; past them, print every thread's stack and exit (a hang)")

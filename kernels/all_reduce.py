@@ -1,0 +1,38 @@
+"""Tensor parallelism's all-reduce as one op: `mrv2::all_reduce`.
+
+    all_reduce(x, threshold, group_name) == sum of x over the group's ranks
+
+The pass passes/symmetric_all_reduce.py writes it in place of the functional
+collective (`_c10d_functional.all_reduce` + `wait_tensor`) when
+`CompilationConfig.tp_all_reduce` asks for it and the group has symmetric
+buffers (compile_backend/core/all_reduce.py, `setup_all_reduce`). At each
+call it picks, per message (`choose_all_reduce`: size against `threshold`
+and the buffer, dtype): a one-shot all-reduce over the symmetric buffers on
+the current stream, or the functional collective. Under a CUDA graph the
+choice is made at capture and the replay repeats it.
+
+Declared a collective (never a split point; the capture-safety pass checks
+its group's backend like the functional collective's: its last string
+argument is the group) and capture-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compile_backend.core.all_reduce import run_all_reduce
+from compile_backend.core.op_registry import register_op
+
+
+@torch.library.custom_op("mrv2::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, threshold: int, group_name: str) -> torch.Tensor:
+    """The sum of `x` over the ranks of `group_name` (a new tensor)."""
+    return run_all_reduce(x, threshold, group_name)
+
+
+register_op("mrv2::all_reduce", role="collective", capture_safe=True)
+
+
+@all_reduce.register_fake
+def _(x, threshold, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
