@@ -64,7 +64,7 @@ from compile_backend.demo.models import build_model, preset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
 from roofline import Work, floor_seconds, gemm_peak_flops, step_work  # noqa: E402
-from workload import decode_batch, fill_caches, mixed_batch  # noqa: E402
+from workload import config_options, decode_batch, fill_caches, mixed_batch  # noqa: E402
 
 # Where mrv2 splits (the KV write runs inside mrv2's pieces, so not here either).
 ATTENTION_OPS = ["mrv2::unified_attention"]
@@ -429,29 +429,6 @@ def plot(decode, out_dir) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
-
-
-def config_options(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
-    """--config FIELD=VALUE pairs -> CompilationConfig keyword arguments
-    (true/false, ints and floats parsed; the config checks names and values)."""
-    fields = {f.name for f in dataclasses.fields(cb.CompilationConfig)}
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or name not in fields:
-            ap.error(f"--config {pair!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        low = text.lower()
-        if low in ("true", "false"):
-            out[name] = low == "true"
-        else:
-            try:
-                out[name] = int(text)
-            except ValueError:
-                try:
-                    out[name] = float(text)
-                except ValueError:
-                    out[name] = text
-    return out
 
 
 def main(argv=None) -> int:

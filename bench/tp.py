@@ -47,7 +47,7 @@ from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.runner.parallel import end_tensor_parallel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
-from workload import decode_batch, fill_caches  # noqa: E402
+from workload import config_options, decode_batch, fill_caches  # noqa: E402
 
 TARGET = 0.6  # TP=2 step time over TP=1's, at batch 64, FULL and PIECEWISE alike
 
@@ -193,8 +193,6 @@ def _main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a CompilationConfig field for every cell, e.g. tp_all_reduce=auto")
     args, _ = ap.parse_known_args(argv)  # bench/decode.py's other flags pass through
-    from decode import config_options  # bench/decode.py: the same FIELD=VALUE parsing
-
     args.options = config_options(ap, args.config)
     tp = init_from_env()
     if args.tp is not None and args.tp != tp.size:

@@ -11,9 +11,13 @@ script imports another for them.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import os
 import sys
+
+from typing import Any
 
 import torch
 
@@ -76,3 +80,28 @@ def fill_caches(model: torch.nn.Module, device: str | torch.device, seed: int = 
         shape[dim] *= tp.size
         full = torch.empty(shape, dtype=buf.dtype, device=buf.device).normal_(generator=g)
         buf.copy_(full.chunk(tp.size, dim=dim)[tp.rank])
+
+
+def config_options(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
+    """--config FIELD=VALUE pairs -> CompilationConfig keyword arguments
+    (true/false, ints and floats parsed; the config checks names and values)."""
+    from compile_backend.core.config import CompilationConfig
+
+    fields = {f.name for f in dataclasses.fields(CompilationConfig)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in fields:
+            ap.error(f"--config {pair!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        low = text.lower()
+        if low in ("true", "false"):
+            out[name] = low == "true"
+        else:
+            try:
+                out[name] = int(text)
+            except ValueError:
+                try:
+                    out[name] = float(text)
+                except ValueError:
+                    out[name] = text
+    return out
