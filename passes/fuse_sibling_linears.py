@@ -61,7 +61,7 @@ from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, OpRole, is_eager_node
 from compile_backend.core.packed_weights import can_pack
 
-from .pass_base import Mrv2Pass, PassReport, example_value, source_line
+from .pass_base import Mrv2Pass, PassReport, example_value, registered_op, source_line
 from .segment_attention_like import _output_roots, node_effects
 
 logger = logging.getLogger(__name__)
@@ -262,12 +262,8 @@ _NO_OP = ("mrv2::sibling_linear is not registered: import compile_backend.kernel
 
 
 def _fused_op() -> Any:
-    """The op the fused node calls (kernels/sibling_linear.py); None when the
-    kernels are not imported (passes import only core)."""
-    try:
-        return torch.ops.mrv2.sibling_linear.default
-    except (AttributeError, RuntimeError):
-        return None
+    """The op the fused node calls (kernels/sibling_linear.py), or None."""
+    return registered_op("mrv2", "sibling_linear")
 
 
 def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:

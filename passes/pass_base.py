@@ -117,6 +117,16 @@ def bare_name(node: torch.fx.Node) -> str:
     return getattr(t, "__name__", "") or ""
 
 
+def registered_op(namespace: str, name: str) -> torch._ops.OpOverload | None:
+    """`torch.ops.<namespace>.<name>.default`, or None when it is not
+    registered (an op a pass writes into the graph lives in kernels/, which
+    passes do not import: the backend imports it before the passes run)."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def schema_overloads(target: Any) -> list[torch._ops.OpOverload]:
     """The overload(s) a schema-carrying target may dispatch to."""
     if isinstance(target, torch._ops.OpOverload):

@@ -39,7 +39,7 @@ from compile_backend.core.all_reduce import (
 from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, node_op_name
 
-from .pass_base import Mrv2Pass, PassReport, example_value, source_line
+from .pass_base import Mrv2Pass, PassReport, example_value, registered_op, source_line
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,8 @@ _NO_OP = ("mrv2::all_reduce is not registered: import compile_backend.kernels "
 
 
 def _op() -> Any:
-    """The op the new node calls (kernels/all_reduce.py); None when the
-    kernels are not imported (passes import only core)."""
-    try:
-        return torch.ops.mrv2.all_reduce.default
-    except (AttributeError, RuntimeError):
-        return None
+    """The op the new node calls (kernels/all_reduce.py), or None."""
+    return registered_op("mrv2", "all_reduce")
 
 
 def _args(node: torch.fx.Node) -> tuple[Any, Any, Any]:

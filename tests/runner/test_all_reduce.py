@@ -12,8 +12,6 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compile_backend as cb
 import compile_backend.core.all_reduce as ar
@@ -22,7 +20,7 @@ import toy_ops  # noqa: F401  (registers toy::attn)
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, OpRole, node_op_name
 from compile_backend.passes import CaptureSafetyPass, PassManager, SymmetricAllReducePass
-from test_parallel import _print_runs, _torchrun
+from test_parallel import _all_reduce_graph, _print_runs, _torchrun
 
 KIB = 1024
 BF16, F32 = torch.bfloat16, torch.float32
@@ -84,18 +82,8 @@ def fresh_log(monkeypatch):
 
 
 def _graph(device, group_name):
-    """x -> all_reduce -> wait -> sin, fake example values on `device`."""
-    with FakeTensorMode():
-        val = torch.empty(4, 8, device=device)
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    ar_node = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group_name))
-    wait = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (ar_node,))
-    out = g.call_function(torch.sin, (wait,))
-    for n in (x, ar_node, wait, out):
-        n.meta["example_value"] = val
-    g.output(out)
-    return g
+    """x -> all_reduce -> wait -> sin over [4, 8] (test_parallel's graph)."""
+    return _all_reduce_graph(device, group_name, shape=(4, 8))[0]
 
 
 def _ready(monkeypatch, group_name):

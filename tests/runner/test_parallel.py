@@ -260,11 +260,11 @@ def test_the_all_reduce_is_inside_a_piece_not_a_split_point(one_rank_gloo, tmp_p
     assert "collectives: _c10d_functional.all_reduce, _c10d_functional.wait_tensor" in summary(manifest)
 
 
-def _all_reduce_graph(device, group_name):
-    """x -> all_reduce -> wait -> sin, with fake example values on `device`."""
+def _all_reduce_graph(device, group_name, shape=(4,)):
+    """x -> all_reduce -> wait -> sin, with fake example values of `shape` on `device`."""
     mode = FakeTensorMode()
     with mode:
-        val = torch.empty(4, device=device)
+        val = torch.empty(shape, device=device)
     g = torch.fx.Graph()
     x = g.placeholder("x")
     ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group_name))
