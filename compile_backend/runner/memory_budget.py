@@ -361,6 +361,12 @@ class MemoryBudget:
                 "rows": [{"term": n, "bytes": b, "how": h} for n, b, h in self.rows()]}
 
 
+def _check_utilization(gpu_memory_utilization: Any) -> None:
+    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r} "
+                         "(the fraction of the device's memory this process may take, e.g. 0.9)")
+
+
 def plan_memory(terms: MemoryTerms, *, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                 max_model_len: int = 2048, max_num_reqs: int = 256, max_num_tokens: int = 8192,
                 compress_ratio: int = 4) -> MemoryBudget:
@@ -371,9 +377,7 @@ def plan_memory(terms: MemoryTerms, *, gpu_memory_utilization: float = 0.9, bloc
     where `fixed` is every term but the KV cache (MemoryBudget.rows). Raises
     ValueError, naming each term and what to change, when the KV cache would
     not hold one request of max_model_len (its blocks plus the null block)."""
-    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r} "
-                         "(the fraction of the device's memory this process may take, e.g. 0.9)")
+    _check_utilization(gpu_memory_utilization)
     if terms.cache.block_size != block_size:
         raise ValueError(f"the terms were measured with block_size {terms.cache.block_size}, "
                          f"not {block_size}: measure again with this block size")
@@ -593,9 +597,7 @@ def size_kv_cache(model: torch.nn.Module, config: CompilationConfig | None = Non
     unbound, before any capture; then bind and build the runner with the same
     `config`. Raises ValueError, naming each term, when one request of
     max_model_len does not fit."""
-    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r} "
-                         "(the fraction of the device's memory this process may take, e.g. 0.9)")
+    _check_utilization(gpu_memory_utilization)
     limits = dict(block_size=block_size, max_model_len=max_model_len, max_num_reqs=max_num_reqs,
                   max_num_tokens=max_num_tokens, compress_ratio=compress_ratio)
     terms = measure_memory(model, config, device=device, total_bytes=total_bytes,
