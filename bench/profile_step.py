@@ -1,8 +1,9 @@
 """Where a decode step's time goes: host work against device work, and the
 kernels of one step.
 
-    python bench/profile_step.py [--model llama|hybrid] [--batches 1,64]
-                                 [--modes full,piecewise] [--context 500] [--top 12]
+    python bench/profile_step.py [--model llama|hybrid] [--preset bench|llama8b]
+                                 [--batches 1,64] [--modes full,piecewise]
+                                 [--context 500] [--top 12] [--config FIELD=VALUE ...]
 
 Per (mode, batch): the step time (CUDA events around `execute`, as in
 bench/decode.py), the host time of `execute` alone (perf_counter until it
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode as bench  # noqa: E402
-from workload import decode_batch  # noqa: E402
+from workload import config_options, decode_batch  # noqa: E402
 
 import compile_backend as cb  # noqa: E402
 
@@ -62,7 +63,7 @@ def host_profile(fn, top: int, steps: int = 50) -> str:
     return f"  host profile over {steps} steps:\n" + buf.getvalue()
 
 
-def kernel_table(fn, top: int) -> list[str]:
+def kernel_table(fn, top: int, num_layers: int) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -75,7 +76,8 @@ def kernel_table(fn, top: int) -> list[str]:
     rows.sort(key=lambda e: getattr(e, attr), reverse=True)
     total = sum(getattr(e, attr) for e in rows)
     launches = sum(e.count for e in rows)
-    lines = [f"  kernels: {launches} launches, {total / 1e3:.3f} ms device time in all",
+    lines = [f"  kernels: {launches} launches ({launches / num_layers:.1f} per layer), "
+             f"{total / 1e3:.3f} ms device time in all",
              "  | kernel | calls | total us | % |", "  |---|---:|---:|---:|"]
     for e in rows[:top]:
         t = getattr(e, attr)
@@ -92,11 +94,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--host-profile", action="store_true", help="also cProfile the steps")
+    ap.add_argument("--preset", default="bench", help="model size (bench, llama8b, ...)")
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a CompilationConfig field for every runner (repeatable)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    setup = bench.Setup(device="cuda", dtype=torch.bfloat16, preset="bench",
-                        piece_compiler="inductor", context=args.context, graphs=None)
+    setup = bench.Setup(device="cuda", dtype=torch.bfloat16, preset=args.preset,
+                        piece_compiler="inductor", context=args.context, graphs=None,
+                        options=config_options(ap, args.config))
     batches = [int(b) for b in args.batches.split(",")]
     bw = bench.copy_bandwidth(setup)
     peak = bench.gemm_peak_flops(setup.device)
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
             line += f", HBM floor {floor:.3f} ms"
             print(line + ("" if compute is None else f", compute-aware floor {compute:.3f} ms"),
                   flush=True)
-            print("\n".join(kernel_table(target, args.top)), flush=True)
+            print("\n".join(kernel_table(target, args.top, model.cfg.num_layers)), flush=True)
             if args.host_profile:
                 print(host_profile(step, 2 * args.top), flush=True)
         runner = None  # frees its graphs before the next mode builds

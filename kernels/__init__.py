@@ -9,6 +9,8 @@ capture-safe: `register_op` beside each definition, README.md "Op roles"):
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
     mrv2::sibling_linear     (ordinary)       kernels/sibling_linear.py (one matmul
                              for sibling linears: passes/fuse_sibling_linears.py)
+    mrv2::linear_add         (ordinary)       kernels/skinny_linear.py (residual +
+                             linear, one kernel at decode: passes/fuse_linear_residual.py)
     mrv2::all_reduce         (collective)     kernels/all_reduce.py (tensor
                              parallelism's sum: one-shot or NCCL per message,
                              passes/symmetric_all_reduce.py)
@@ -38,11 +40,12 @@ from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
+from .skinny_linear import linear_add, skinny_linear
 from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
 
 __all__ = [
     "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "num_kv_splits", "pack_siblings", "packed_view",
     "reshape_and_cache", "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks",
-    "sibling_linear", "unified_attention", "unified_attention_ref",
+    "linear_add", "sibling_linear", "skinny_linear", "unified_attention", "unified_attention_ref",
 ]

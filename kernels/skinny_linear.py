@@ -1,0 +1,212 @@
+"""Linears of a few rows (decode: M <= 16 tokens) in one Triton kernel,
+with the residual add in its epilogue: `mrv2::linear_add`.
+
+    skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N] | None)
+        == F.linear(x, weight, bias) (+ residual)                    # [M, N]
+
+Why (Note [skinny GEMMs]): at decode a linear reads its whole weight to make
+a few rows, so it is bound by HBM bandwidth, and what else it launches shows
+in the step. On the H200 (bench/results/decode_llama8b_fusion.md, llama-8B
+at one token) cuBLAS ran the o and down projections as split-K GEMMs, each
+followed by a split-K reduce kernel, and Inductor's `addmm` for
+`residual + linear(x)` first copies the residual into the output (a D2D
+memcpy) and then accumulates into it: four launches per layer besides the
+two GEMMs. This kernel gives each program BLOCK_N output columns over the
+whole K (no split, no reduce), streams its [BLOCK_N, K] slice of the weight
+through a pipelined loop, and adds bias and residual to the fp32 accumulator
+before the one rounding to the output dtype (what `addmm` computes too).
+
+Rows: x's M rows are padded to one 16-row dot tile (`tl.dot` needs every
+dimension >= 16); the tensor cores have time to spare at these shapes.
+Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where it fills
+the GPU (`skinny_pays`: at least one program per SM), so a narrow
+projection (a TP shard, a small model) stays with cuBLAS.
+
+`MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
+(benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
+
+The op `mrv2::linear_add(x, weight, bias, residual)` is what
+passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
+`mrv2::sibling_linear` (kernels/sibling_linear.py) calls `skinny_linear` for
+its packed weights too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from compile_backend.core.op_registry import register_op
+
+from ._device import cdiv, interpreting, upcast_dots
+
+MAX_ROWS = 16  # the rows one dot tile holds: decode batches up to 16 tokens
+SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+# Meta-parameters by weight shape, from bench/results/skinny_gemm.md (H200).
+DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_rm, stride_om,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # One program: out[:, n0:n0+BLOCK_N] over all of K. x [M, K] and w [N, K]
+    # have unit stride along K.
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BN, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if UPCAST:  # Note [interpreter bf16 dots]
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def skinny_config(N: int, K: int, config: dict | None = None) -> dict:
+    """The kernel's meta-parameters for a [N, K] weight (`config` overrides)."""
+    cfg = dict(DEFAULT_CONFIG)
+    if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
+        cfg.update(BLOCK_N=16, BLOCK_K=32)
+    cfg.update(config or {})
+    return cfg
+
+
+def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernel take these operands (dtype, rows, strides)?"""
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.dtype in SKINNY_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and 1 <= M <= MAX_ROWS and x.shape[-1] == weight.shape[1] and weight.shape[0] > 0
+            and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
+
+
+def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Use the kernel for F.linear(x, weight)? (module docstring)"""
+    if not (x.is_cuda and skinny_allowed(x, weight)):
+        return False
+    choice = os.environ.get("MRV2_SKINNY_GEMM", "")
+    if choice in ("0", "1"):
+        return choice == "1"
+    programs = cdiv(weight.shape[0], skinny_config(*weight.shape)["BLOCK_N"])
+    return programs >= _num_sms(x.device.index if x.device.index is not None
+                                else torch.cuda.current_device())
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, config: dict | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS, unit
+    stride along K; weight [N, K] with unit stride along K (a row slice of a
+    packed weight is fine); bias [N] or None; residual [..., N] or None.
+    Returns [..., N] in x's dtype (new, or `out`, a contiguous [..., N])."""
+    if not skinny_allowed(x, weight):
+        raise ValueError(
+            f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS} rows and unit stride along K, "
+            f"weight [N, K] of x's dtype (one of {SKINNY_DTYPES}) with unit stride along K, "
+            f"on one device; got x {tuple(x.shape)} {x.dtype} stride {tuple(x.stride())}, "
+            f"weight {tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())} "
+            "(use F.linear for these)")
+    N, K = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise ValueError(f"skinny_linear: bias must be [{N}] on {x.device}, got {tuple(bias.shape)}")
+    r2 = None
+    if residual is not None:
+        if tuple(residual.shape) != (*lead, N) or residual.device != x.device:
+            raise ValueError(f"skinny_linear: residual must be {(*lead, N)} on {x.device}, "
+                             f"got {tuple(residual.shape)} on {residual.device}")
+        r2 = residual.reshape(M, N)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    if out is None:
+        out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (*lead, N) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, N)} {x.dtype} tensor")
+    o2 = out.view(M, N)
+    cfg = skinny_config(N, K, config)
+    grid = (cdiv(N, cfg["BLOCK_N"]),)
+    _skinny_linear_kernel[grid](
+        x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2, o2,
+        M, N, K,
+        x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: torch.Tensor) -> torch.Tensor:
+    """Plain torch: residual + F.linear(x, weight, bias), one rounding where
+    torch has one (`addmm` accumulates the residual into the GEMM)."""
+    if bias is None and x.dim() >= 1 and residual.shape == (*x.shape[:-1], weight.shape[0]):
+        K, N = weight.shape[1], weight.shape[0]
+        return torch.addmm(residual.reshape(-1, N), x.reshape(-1, K), weight.t()).view(residual.shape)
+    return residual + F.linear(x, weight, bias)
+
+
+def _check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor) -> None:
+    want = (*x.shape[:-1], weight.shape[0])
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or tuple(residual.shape) != want:
+        raise ValueError(f"linear_add: expected x [..., K], weight [N, K] and residual [..., N] "
+                         f"= {want}; got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"residual {tuple(residual.shape)}")
+    if residual.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"linear_add: x, weight and residual need one dtype, got {x.dtype}, "
+                         f"{weight.dtype}, {residual.dtype}")
+
+
+@torch.library.custom_op("mrv2::linear_add", mutates_args=())
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+    """`residual + F.linear(x, weight, bias)`: the skinny kernel at decode
+    (`skinny_pays`), else torch (`linear_add_ref`)."""
+    _check_linear_add(x, weight, bias, residual)
+    if skinny_pays(x, weight):
+        return skinny_linear(x, weight, bias, residual)
+    return linear_add_ref(x, weight, bias, residual).contiguous()  # the fake's layout
+
+
+register_op("mrv2::linear_add", capture_safe=True)
+
+
+@linear_add.register_fake
+def _(x, weight, bias, residual):
+    _check_linear_add(x, weight, bias, residual)
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
