@@ -8,8 +8,7 @@ The pass passes/fuse_sibling_linears.py writes it in place of several
 tensor: when the weights lie back to back in one storage, in order (row
 slices of one [sum N_i, K] weight, which is what `pack_siblings` makes of
 them), it runs ONE `F.linear` over a view of that weight, so a decode step
-launches one GEMV and reads the weights once (at up to 16 rows on a GPU:
-kernels/skinny_linear.py's kernel, where it fills the SMs). Otherwise (a parameter was
+launches one GEMV and reads the weights once. Otherwise (a parameter was
 replaced by a new tensor, or never packed) it runs the separate linears and
 concatenates them: slower, never wrong. The check compares storage pointers
 and offsets on the host; under a CUDA graph it runs at capture, and a replay
@@ -31,8 +30,6 @@ import torch.nn.functional as F
 from compile_backend.core.op_registry import register_op
 from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: F401
 
-from .skinny_linear import skinny_linear, skinny_pays
-
 
 def _check(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
     if not weights:
@@ -51,8 +48,6 @@ def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor],
     weight = packed_view(weights)
     bias = packed_view(biases) if biases else None
     if weight is not None and (bias is not None or not biases):
-        if skinny_pays(x, weight):  # decode: one kernel, no split-K reduce
-            return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
     return torch.cat(outs, dim=-1)

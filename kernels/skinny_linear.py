@@ -6,29 +6,34 @@ with the residual add in its epilogue: `mrv2::linear_add`.
 
 Why (Note [skinny GEMMs]): at decode a linear reads its whole weight to make
 a few rows, so it is bound by HBM bandwidth, and what else it launches shows
-in the step. On the H200 (bench/results/decode_llama8b_fusion.md, llama-8B
-at one token) cuBLAS ran the o and down projections as split-K GEMMs, each
-followed by a split-K reduce kernel, and Inductor's `addmm` for
-`residual + linear(x)` first copies the residual into the output (a D2D
-memcpy) and then accumulates into it: four launches per layer besides the
-two GEMMs. This kernel gives each program BLOCK_N output columns over the
-whole K (no split, no reduce), streams its [BLOCK_N, K] slice of the weight
-through a pipelined loop, and adds bias and residual to the fp32 accumulator
-before the one rounding to the output dtype (what `addmm` computes too).
+in the step. On the H200 (llama-8B, one token; bench/profile_step.py) cuBLAS
+ran the o and down projections as split-K GEMMs, each followed by a split-K
+reduce kernel, and Inductor's `addmm` for `residual + linear(x)` first
+copies the residual into the output (a D2D memcpy) and then accumulates
+into it: four launches per layer besides the two GEMMs. This kernel gives
+each program BLOCK_N output columns over the whole K (no split, no reduce),
+streams its [BLOCK_N, K] slice of the weight through a pipelined loop, and
+adds bias and residual to the fp32 accumulator before the one rounding to
+the output dtype (what `addmm` computes too).
+
+Measured (bench/results/skinny_gemm.md, 12 calls in a CUDA graph, weights
+past L2): with the residual, the kernel takes 0.76-0.80x cuBLAS's time for
+the o projection (4096 x 4096) and 0.89x for down (4096 x 14336). Without
+one, cuBLAS's single GEMV is as fast as the best configuration swept
+(qkv 0.97-0.99x, gate_up 1.04x, lm_head 0.96x): so only `mrv2::linear_add`
+uses the kernel, and `mrv2::sibling_linear` keeps cuBLAS.
 
 Rows: x's M rows are padded to one 16-row dot tile (`tl.dot` needs every
 dimension >= 16); the tensor cores have time to spare at these shapes.
-Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where it fills
-the GPU (`skinny_pays`: at least one program per SM), so a narrow
-projection (a TP shard, a small model) stays with cuBLAS.
+Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where its grid
+covers at least half the SMs (`skinny_pays`), so a narrow projection
+(a TP shard, a small model) stays with cuBLAS.
 
 `MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
 (benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
 
 The op `mrv2::linear_add(x, weight, bias, residual)` is what
 passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
-`mrv2::sibling_linear` (kernels/sibling_linear.py) calls `skinny_linear` for
-its packed weights too.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ from ._device import cdiv, interpreting, upcast_dots
 
 MAX_ROWS = 16  # the rows one dot tile holds: decode batches up to 16 tokens
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# Meta-parameters by weight shape, from bench/results/skinny_gemm.md (H200).
-DEFAULT_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
+# The best of a sweep for the o and down projections of llama-8B, 1 and 16
+# rows, on the H200 (bench/results/skinny_gemm_sweep.json).
+DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
 
 
 @triton.jit
@@ -112,16 +118,21 @@ def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
+def skinny_fills(N: int, K: int, num_sms: int) -> bool:
+    """Does a [N, K] weight's grid cover at least half the SMs? (the rule of
+    `skinny_pays`; `MRV2_SKINNY_GEMM=0/1` overrides it)"""
+    choice = os.environ.get("MRV2_SKINNY_GEMM", "")
+    if choice in ("0", "1"):
+        return choice == "1"
+    return 2 * cdiv(N, skinny_config(N, K)["BLOCK_N"]) >= num_sms
+
+
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Use the kernel for F.linear(x, weight)? (module docstring)"""
     if not (x.is_cuda and skinny_allowed(x, weight)):
         return False
-    choice = os.environ.get("MRV2_SKINNY_GEMM", "")
-    if choice in ("0", "1"):
-        return choice == "1"
-    programs = cdiv(weight.shape[0], skinny_config(*weight.shape)["BLOCK_N"])
-    return programs >= _num_sms(x.device.index if x.device.index is not None
-                                else torch.cuda.current_device())
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return skinny_fills(weight.shape[0], weight.shape[1], _num_sms(index))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

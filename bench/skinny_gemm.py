@@ -1,0 +1,199 @@
+"""Decode linears (M <= 16 rows): the skinny Triton kernel
+(kernels/skinny_linear.py) against cuBLAS, inside CUDA graphs, on one GPU.
+
+    python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,8,16]
+                                [--sweep] [--out bench/results]
+
+For each weight shape of a decode step (llama-8B: qkv, o, gate_up, down,
+lm_head; the bench preset's too) and each row count: cuBLAS as a step runs
+it (`F.linear`, or `torch.addmm(residual, x, w.t())` where the step adds a
+residual: what Inductor emits, a memcpy of the residual and then the GEMM,
+often with a split-K reduce), and the kernel with its default
+meta-parameters (`skinny_config`), with the residual in its epilogue where
+the step has one. `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps,
+num_stages) of a small grid and reports the best per shape.
+
+Timing: 12 calls captured in one CUDA graph, cycling through enough weight
+copies that no call finds its weight in L2, median of do_bench's replays
+(warm-up excluded) / 12. The floor: the bytes the call must move (weight,
+x, output, residual) over the copy bandwidth measured in the same run.
+Writes skinny_gemm.md and skinny_gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from compile_backend.kernels.skinny_linear import skinny_config, skinny_linear  # noqa: E402
+
+BF16 = torch.bfloat16
+L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
+CALLS = 12
+# (name, N, K, residual): one decode step's linears.
+SHAPES = {
+    "llama8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, True),
+                ("gate_up", 28672, 4096, False), ("down", 4096, 14336, True),
+                ("lm_head", 128256, 4096, False)],
+    "bench": [("qkv", 2560, 2048, False), ("o", 2048, 2048, True),
+              ("gate_up", 11264, 2048, False), ("down", 2048, 5632, True),
+              ("lm_head", 32000, 2048, False)],
+}
+SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
+         "num_stages": [3, 4]}
+
+
+def ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def graph_ms(fns) -> float:
+    """Median ms per call, CALLS calls cycling through `fns` in one graph."""
+    for f in fns:
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fns[i % len(fns)]()
+    return ms(graph.replay) / CALLS
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    src = torch.randn(n // 2, dtype=BF16, device="cuda")
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (t * 1e-3)
+
+
+def operands(M, N, K, residual, g):
+    copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
+    ws = [(torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(BF16) for _ in range(copies)]
+    x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
+    r = torch.randn(M, N, generator=g, device="cuda").to(BF16) if residual else None
+    return ws, x, r
+
+
+def check(out, ref, what):
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    if not err < 1e-2:
+        raise AssertionError(f"{what}: rel. error {err:.3g}")
+    return err
+
+
+def bench_shape(name, N, K, residual, M, bw, sweep, g):
+    ws, x, r = operands(M, N, K, residual, g)
+    ref = x.double() @ ws[0].double().T + (r.double() if residual else 0)
+    nbytes = N * K * 2 + M * K * 2 + M * N * 2 * (2 if residual else 1)
+    floor_us = nbytes / bw * 1e6
+    if residual:
+        cublas = [lambda w=w: torch.addmm(r, x, w.t()) for w in ws]
+    else:
+        cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in ws]
+    check(cublas[0](), ref, f"{name} cuBLAS")
+    row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "floor_us": floor_us,
+           "cublas_us": graph_ms(cublas) * 1e3}
+    default = skinny_config(N, K)
+    configs = [default]
+    if sweep:
+        configs += [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())]
+    timings = []
+    for cfg in configs:
+        fns = [lambda w=w, c=cfg: skinny_linear(x, w, None, r, config=c) for w in ws]
+        try:
+            poisoned = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+            err = check(skinny_linear(x, ws[0], None, r, config=cfg, out=poisoned), ref, f"{name} {cfg}")
+            t = graph_ms(fns) * 1e3
+        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: listed)
+            timings.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        timings.append({"config": cfg, "us": t, "rel_err": err})
+    ok = [t for t in timings if "us" in t]
+    row["skinny_us"] = ok[0]["us"] if ok and ok[0]["config"] is default else float("nan")
+    row["rel_err"] = ok[0]["rel_err"] if ok else float("nan")
+    best = min(ok, key=lambda t: t["us"]) if ok else None
+    row["best_us"] = best["us"] if best else float("nan")
+    row["best_config"] = best["config"] if best else None
+    row["sweep"] = timings if sweep else []
+    del ws, x, r
+    torch.cuda.empty_cache()
+    return row
+
+
+def fmt(rows, bw) -> str:
+    lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s; times in µs per call (12 calls in one CUDA "
+             "graph, weights rotated past L2, median); x floor = time / (bytes / copy bandwidth)",
+             "",
+             "| weights | N x K | rows | floor | cuBLAS | x floor | skinny | x floor | skinny / cuBLAS "
+             "| best swept | best config |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        best = r["best_config"]
+        cfg = "-" if not best or not r["sweep"] else (
+            f"N{best['BLOCK_N']} K{best['BLOCK_K']} w{best['num_warps']} s{best['num_stages']}")
+        lines.append(
+            f"| {r['shape']}{' + residual' if r['residual'] else ''} | {r['N']} x {r['K']} | {r['M']} "
+            f"| {r['floor_us']:.1f} | {r['cublas_us']:.1f} | {r['cublas_us'] / r['floor_us']:.2f} "
+            f"| {r['skinny_us']:.1f} | {r['skinny_us'] / r['floor_us']:.2f} "
+            f"| {r['skinny_us'] / r['cublas_us']:.2f} "
+            f"| {r['best_us']:.1f} | {cfg} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama8b,bench")
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of meta-parameters")
+    ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the kernel's CPU tests: tests/kernels/test_skinny_linear.py)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    rows = []
+    only = set(filter(None, args.only.split(",")))
+    for preset in args.shapes.split(","):
+        for name, N, K, residual in SHAPES[preset]:
+            if only and name not in only:
+                continue
+            for M in map(int, args.rows.split(",")):
+                row = bench_shape(f"{preset} {name}", N, K, residual, M, bw, args.sweep, g)
+                rows.append(row)
+                print(f"{row['shape']} M={M}: floor {row['floor_us']:.1f} cuBLAS {row['cublas_us']:.1f} "
+                      f"skinny {row['skinny_us']:.1f} best {row['best_us']:.1f} {row['best_config']}",
+                      flush=True)
+    text = fmt(rows, bw)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (f"# Decode linears: skinny kernel against cuBLAS\n\n{stamp}, "
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, command: "
+            f"`python bench/skinny_gemm.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
+    with open(os.path.join(args.out, "skinny_gemm.md"), "w") as f:
+        f.write(head + text + "\n")
+    with open(os.path.join(args.out, "skinny_gemm.json"), "w") as f:
+        json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1, default=str)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""The skinny linear kernel and mrv2::linear_add (kernels/skinny_linear.py):
+against a fp32 reference computed from the same rounded inputs, on fresh
+random inputs, for every row count 1..16, ragged N and K (masked tiles),
+strided x, a row slice of a packed weight, bias and residual; the op's
+choice between the kernel and torch; misuse errors that touch nothing.
+
+Tolerance: relative error ||out - ref|| / ||ref|| per dtype (kernel_cases.REL_TOL:
+one final rounding of the output)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernel_cases import DEVICES, assert_close_rel, gen, randn, stable_seed
+from compile_backend.kernels.skinny_linear import (MAX_ROWS, linear_add, linear_add_ref, skinny_allowed,
+                                                   skinny_config, skinny_fills, skinny_linear,
+                                                   skinny_pays)
+
+LOW = [torch.float16, torch.bfloat16]
+LOW_IDS = ["fp16", "bf16"]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_dot_limits(monkeypatch):
+    """The interpreter checks tl.dot's GPU minimum of 16 too."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
+
+
+def _ref(x, w, b=None, r=None):
+    out = x.double() @ w.double().T
+    if b is not None:
+        out = out + b.double()
+    if r is not None:
+        out = out + r.double()
+    return out
+
+
+def _operands(M, N, K, dtype, device, seed, bias=True, residual=True):
+    g = gen(seed)
+    x = randn((M, K), dtype, device, g)
+    w = randn((N, K), dtype, device, g, scale=K ** -0.5)
+    b = randn((N,), dtype, device, g) if bias else None
+    r = randn((M, N), dtype, device, g) if residual else None
+    return x, w, b, r
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(64, 128), (40, 72), (17, 33)])
+def test_equals_the_reference(device, dtype, M, N, K):
+    for bias in (False, True):
+        for residual in (False, True):
+            x, w, b, r = _operands(M, N, K, dtype, device,
+                                   stable_seed("skinny", M, N, K, bias, residual, str(dtype)),
+                                   bias, residual)
+            out = skinny_linear(x, w, b, r)
+            assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous()
+            assert_close_rel(out, _ref(x, w, b, r), dtype, f"M={M} N={N} K={K} b={bias} r={residual}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_packed_weight_slices_and_leading_dims(device):
+    """x a column slice of a wider tensor (row stride > K); the weight a row
+    slice of a packed [sum N, K] weight (what pack_siblings makes); x and the
+    residual [B, T, K] (HF's layout)."""
+    dtype = torch.bfloat16
+    g = gen(stable_seed("skinny-strided"))
+    wide = randn((5, 96), dtype, device, g)
+    x = wide[:, 16:80]  # [5, 64], row stride 96
+    packed = randn((112, 64), dtype, device, g, scale=0.125)
+    w = packed[48:112]  # rows 48..111
+    r = randn((5, 64), dtype, device, g)
+    assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, "strided")
+    x3, r3 = x.contiguous().view(1, 5, 64), r.view(1, 5, 64)
+    out = skinny_linear(x3, w, None, r3)
+    assert out.shape == (1, 5, 64)
+    assert_close_rel(out.view(5, 64), _ref(x, w, None, r), dtype, "3-d")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_parameter_and_every_row_count(device):
+    dtype = torch.float16
+    for M in range(1, MAX_ROWS + 1):
+        x, w, b, r = _operands(M, 32, 48, dtype, device, stable_seed("rows", M))
+        out = torch.full((M, 32), float("nan"), dtype=dtype, device=device)
+        assert skinny_linear(x, w, b, r, out=out) is out
+        assert_close_rel(out, _ref(x, w, b, r), dtype, f"M={M}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_misuse_raises_with_the_fix_and_leaves_inputs_alone(device):
+    x, w, b, r = _operands(4, 32, 48, torch.float16, device, stable_seed("misuse"))
+    before = [t.clone() for t in (x, w, b, r)]
+    with pytest.raises(ValueError, match="use F.linear"):
+        skinny_linear(torch.zeros(MAX_ROWS + 1, 48, dtype=x.dtype, device=device), w)
+    with pytest.raises(ValueError, match="use F.linear"):
+        skinny_linear(x.float(), w)  # fp32: cuBLAS's
+    with pytest.raises(ValueError, match="use F.linear"):
+        skinny_linear(x, w.t().contiguous().t())  # weight not unit-stride along K
+    with pytest.raises(ValueError, match="residual must be"):
+        skinny_linear(x, w, b, r[:, :16])
+    with pytest.raises(ValueError, match="bias must be"):
+        skinny_linear(x, w, b[:16], r)
+    with pytest.raises(ValueError, match="linear_add"):
+        linear_add(x, w, b, r[:2])
+    with pytest.raises(ValueError, match="one dtype"):
+        linear_add(x, w, b, r.float())
+    for t, t0 in zip((x, w, b, r), before):
+        assert torch.equal(t, t0)
+
+
+def test_the_op_uses_torch_on_a_cpu_and_where_the_kernel_would_not_fill_the_gpu(monkeypatch):
+    """On plain CPU tensors and for wide batches the op is torch's addmm
+    (one rounding, like the kernel); `MRV2_SKINNY_GEMM=0` never uses the kernel."""
+    g = gen(stable_seed("op-cpu"))
+    x, w, r = randn((3, 24), torch.float32, "cpu", g), randn((40, 24), torch.float32, "cpu", g), \
+        randn((3, 40), torch.float32, "cpu", g)
+    assert not skinny_pays(x, w)  # CPU tensors: never
+    torch.testing.assert_close(linear_add(x, w, None, r), r + F.linear(x, w), rtol=1e-6, atol=1e-6)
+    b = randn((40,), torch.float32, "cpu", g)
+    torch.testing.assert_close(linear_add(x, w, b, r), r + F.linear(x, w, b), rtol=1e-6, atol=1e-6)
+    # a non-contiguous residual: the op's output is contiguous, like its fake
+    rt = randn((40, 3), torch.float32, "cpu", g).t()
+    out = linear_add(x, w, None, rt)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, rt + F.linear(x, w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(linear_add_ref(x, w, None, r), torch.addmm(r, x, w.t()))
+
+
+def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
+    """The kernel takes a weight whose grid covers half the SMs, and only
+    operands it can read (<= 16 rows, bf16/fp16, unit stride along K);
+    MRV2_SKINNY_GEMM forces the choice either way."""
+    block_n = skinny_config(4096, 4096)["BLOCK_N"]
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    assert skinny_fills(66 * block_n, 4096, 132)
+    assert not skinny_fills(65 * block_n, 4096, 132)
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    assert skinny_fills(64, 64, 132)
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
+    assert not skinny_fills(66 * block_n, 4096, 132)
+    x, w = torch.empty(16, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
+    assert skinny_allowed(x, w)
+    assert not skinny_allowed(torch.empty(17, 64, dtype=torch.bfloat16), w)
+    assert not skinny_allowed(x.float(), w.float())
+    assert not skinny_allowed(x, torch.empty(64, 32, dtype=torch.bfloat16).t())
+    assert not skinny_allowed(torch.empty(64, 16, dtype=torch.bfloat16).t(), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096),
+                                 (128256, 4096), (2000, 1000)])
+def test_llama_8b_shapes_on_the_gpu_in_a_cuda_graph(dtype, N, K):
+    """The decode shapes of llama-8B (qkv, o, down, gate_up, lm_head) and a
+    ragged one, eager and replayed from a CUDA graph with new values in the
+    captured inputs every time."""
+    dev = "cuda"
+    for M in (1, 7, 16):
+        x, w, b, r = _operands(M, N, K, dtype, dev, stable_seed("gpu", M, N, K, str(dtype)))
+        assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, f"M={M}")
+        assert_close_rel(skinny_linear(x, w, b), _ref(x, w, b), dtype, f"M={M} bias")
+        graph = torch.cuda.CUDAGraph()
+        skinny_linear(x, w, None, r)  # compiled before the capture
+        with torch.cuda.graph(graph):
+            out = skinny_linear(x, w, None, r)
+        for i in range(3):
+            g = gen(stable_seed("replay", i, M, N, K))
+            x.copy_(randn(x.shape, dtype, dev, g))
+            r.copy_(randn(r.shape, dtype, dev, g))
+            graph.replay()
+            assert_close_rel(out, _ref(x, w, None, r), dtype, f"replay {i} M={M}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_the_op_on_the_gpu_picks_the_kernel_for_decode_and_torch_beyond(monkeypatch):
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    x, w, _, r = _operands(1, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu"), bias=False)
+    assert skinny_pays(x, w)
+    assert_close_rel(linear_add(x, w, None, r), _ref(x, w, None, r), torch.bfloat16, "decode")
+    x2, _, _, r2 = _operands(64, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu-64"), bias=False)
+    assert not skinny_pays(x2, w)
+    assert_close_rel(linear_add(x2, w, None, r2), _ref(x2, w, None, r2), torch.bfloat16, "prefill")
+    narrow = w[:1024]  # 32 programs: a quarter of the SMs
+    assert not skinny_pays(x, narrow)
