@@ -1,7 +1,7 @@
-"""Decode linears (M <= 16 rows): the skinny Triton kernel
+"""Decode linears (M <= 64 rows): the skinny Triton kernel
 (kernels/skinny_linear.py) against cuBLAS, inside CUDA graphs, on one GPU.
 
-    python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,8,16]
+    python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,16,32,64]
                                 [--sweep] [--out bench/results]
 
 For each weight shape of a decode step (llama-8B: qkv, o, gate_up, down,
@@ -110,10 +110,12 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     check(cublas[0](), ref, f"{name} cuBLAS")
     row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "floor_us": floor_us,
            "cublas_us": graph_ms(cublas) * 1e3}
-    default = skinny_config(N, K)
+    default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
-        configs += [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())]
+        block_m = default["BLOCK_M"]
+        configs += [dict(zip(SWEEP, v), BLOCK_M=block_m) for v in itertools.product(*SWEEP.values())
+                    if (block_m + v[0]) * v[1] * 2 * v[3] <= 200 * 1024]  # fits shared memory
     timings = []
     for cfg in configs:
         fns = [lambda w=w, c=cfg: skinny_linear(x, w, None, r, config=c) for w in ws]
@@ -160,7 +162,7 @@ def fmt(rows, bw) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama8b,bench")
-    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--rows", default="1,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of meta-parameters")
     ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

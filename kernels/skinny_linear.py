@@ -1,4 +1,4 @@
-"""Linears of a few rows (decode: M <= 16 tokens) in one Triton kernel,
+"""Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel,
 with the residual add in its epilogue: `mrv2::linear_add`.
 
     skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N] | None)
@@ -17,17 +17,19 @@ adds bias and residual to the fp32 accumulator before the one rounding to
 the output dtype (what `addmm` computes too).
 
 Measured (bench/results/skinny_gemm.md, 12 calls in a CUDA graph, weights
-past L2): with the residual, the kernel takes 0.76-0.80x cuBLAS's time for
-the o projection (4096 x 4096) and 0.89x for down (4096 x 14336). Without
+past L2): with the residual, the kernel takes 0.77-0.78x cuBLAS's time for
+the o projection (4096 x 4096) at 1-32 rows and 0.89-0.90x for down
+(4096 x 14336) at 1-16 rows; 0.89-0.95x for both at 32-64 rows. Without
 one, cuBLAS's single GEMV is as fast as the best configuration swept
 (qkv 0.97-0.99x, gate_up 1.04x, lm_head 0.96x): so only `mrv2::linear_add`
 uses the kernel, and `mrv2::sibling_linear` keeps cuBLAS.
 
-Rows: x's M rows are padded to one 16-row dot tile (`tl.dot` needs every
-dimension >= 16); the tensor cores have time to spare at these shapes.
-Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where its grid
-covers at least half the SMs (`skinny_pays`), so a narrow projection
-(a TP shard, a small model) stays with cuBLAS.
+Rows: x's M rows are padded to one dot tile of 16, 32 or 64 rows (`tl.dot`
+needs every dimension >= 16); the tensor cores have time to spare at these
+shapes, and each row tile has its own meta-parameters (`CONFIGS`).
+Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where its grid is
+wide enough to win (`skinny_fills`), so a narrow projection (a TP shard, a
+small model) stays with cuBLAS.
 
 `MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
 (benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
@@ -48,13 +50,17 @@ import triton.language as tl
 
 from compile_backend.core.op_registry import register_op
 
-from ._device import cdiv, interpreting, upcast_dots
+from ._device import cdiv, interpreting, next_pow2, upcast_dots
 
-MAX_ROWS = 16  # the rows one dot tile holds: decode batches up to 16 tokens
+MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# The best of a sweep for the o and down projections of llama-8B, 1 and 16
-# rows, on the H200 (bench/results/skinny_gemm_sweep.json).
-DEFAULT_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
+# Meta-parameters by row tile (BLOCK_M): the best of a sweep for the o and
+# down projections of llama-8B on the H200 (bench/results/skinny_gemm_sweep*.json).
+CONFIGS = {
+    16: {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4},
+    32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+}
 
 
 @triton.jit
@@ -101,9 +107,16 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def skinny_config(N: int, K: int, config: dict | None = None) -> dict:
-    """The kernel's meta-parameters for a [N, K] weight (`config` overrides)."""
-    cfg = dict(DEFAULT_CONFIG)
+def row_tile(M: int) -> int:
+    """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16)."""
+    return max(16, next_pow2(M))
+
+
+def skinny_config(M: int, N: int, K: int, config: dict | None = None) -> dict:
+    """The kernel's meta-parameters for M rows and a [N, K] weight (`config`
+    overrides); BLOCK_M is the row tile."""
+    block_m = row_tile(M)
+    cfg = dict(CONFIGS[block_m], BLOCK_M=block_m)
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
         cfg.update(BLOCK_N=16, BLOCK_K=32)
     cfg.update(config or {})
@@ -118,13 +131,17 @@ def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
-def skinny_fills(N: int, K: int, num_sms: int) -> bool:
-    """Does a [N, K] weight's grid cover at least half the SMs? (the rule of
-    `skinny_pays`; `MRV2_SKINNY_GEMM=0/1` overrides it)"""
+def skinny_fills(M: int, N: int, K: int, num_sms: int) -> bool:
+    """Is the grid for M rows and a [N, K] weight wide enough to beat cuBLAS?
+    Measured (bench/results/skinny_gemm.md): up to 16 rows a grid of a
+    quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
+    rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
+    `MRV2_SKINNY_GEMM=0/1` overrides the rule."""
     choice = os.environ.get("MRV2_SKINNY_GEMM", "")
     if choice in ("0", "1"):
         return choice == "1"
-    return 2 * cdiv(N, skinny_config(N, K)["BLOCK_N"]) >= num_sms
+    programs = cdiv(N, skinny_config(M, N, K)["BLOCK_N"])
+    return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -132,7 +149,8 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (x.is_cuda and skinny_allowed(x, weight)):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return skinny_fills(weight.shape[0], weight.shape[1], _num_sms(index))
+    M = x.numel() // x.shape[-1]
+    return skinny_fills(M, weight.shape[0], weight.shape[1], _num_sms(index))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -168,14 +186,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif tuple(out.shape) != (*lead, N) or not out.is_contiguous() or out.dtype != x.dtype:
         raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, N)} {x.dtype} tensor")
     o2 = out.view(M, N)
-    cfg = skinny_config(N, K, config)
+    cfg = skinny_config(M, N, K, config)
     grid = (cdiv(N, cfg["BLOCK_N"]),)
     _skinny_linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2, o2,
         M, N, K,
         x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -51,7 +51,7 @@ def _operands(M, N, K, dtype, device, seed, bias=True, residual=True):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 40, 64])
 @pytest.mark.parametrize("N,K", [(64, 128), (40, 72), (17, 33)])
 def test_equals_the_reference(device, dtype, M, N, K):
     for bias in (False, True):
@@ -86,7 +86,7 @@ def test_strided_rows_packed_weight_slices_and_leading_dims(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_out_parameter_and_every_row_count(device):
     dtype = torch.float16
-    for M in range(1, MAX_ROWS + 1):
+    for M in list(range(1, 17)) + [31, 32, 33, 63, MAX_ROWS]:
         x, w, b, r = _operands(M, 32, 48, dtype, device, stable_seed("rows", M))
         out = torch.full((M, 32), float("nan"), dtype=dtype, device=device)
         assert skinny_linear(x, w, b, r, out=out) is out
@@ -134,21 +134,27 @@ def test_the_op_uses_torch_on_a_cpu_and_where_the_kernel_would_not_fill_the_gpu(
 
 
 def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
-    """The kernel takes a weight whose grid covers half the SMs, and only
-    operands it can read (<= 16 rows, bf16/fp16, unit stride along K);
+    """The kernel takes a weight whose grid is wide enough (a quarter of the
+    SMs up to 16 rows, nine tenths beyond), and only
+    operands it can read (<= MAX_ROWS rows, bf16/fp16, unit stride along K);
     MRV2_SKINNY_GEMM forces the choice either way."""
-    block_n = skinny_config(4096, 4096)["BLOCK_N"]
+    block_n = skinny_config(1, 4096, 4096)["BLOCK_N"]
     monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
-    assert skinny_fills(66 * block_n, 4096, 132)
-    assert not skinny_fills(65 * block_n, 4096, 132)
+    assert skinny_fills(1, 33 * block_n, 4096, 132)
+    assert not skinny_fills(16, 32 * block_n, 4096, 132)
+    assert skinny_fills(17, 119 * block_n, 4096, 132)
+    assert not skinny_fills(64, 118 * block_n, 4096, 132)
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
-    assert skinny_fills(64, 64, 132)
+    assert skinny_fills(1, 64, 64, 132)
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
-    assert not skinny_fills(66 * block_n, 4096, 132)
-    x, w = torch.empty(16, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
+    assert not skinny_fills(1, 132 * block_n, 4096, 132)
+    assert [skinny_config(M, 4096, 4096)["BLOCK_M"] for M in (1, 16, 17, 32, 33, 64)] == \
+        [16, 16, 32, 32, 64, 64]
+    x, w = torch.empty(MAX_ROWS, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
     assert skinny_allowed(x, w)
-    assert not skinny_allowed(torch.empty(17, 64, dtype=torch.bfloat16), w)
+    assert not skinny_allowed(torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
     assert not skinny_allowed(x.float(), w.float())
+    x = x[:16]
     assert not skinny_allowed(x, torch.empty(64, 32, dtype=torch.bfloat16).t())
     assert not skinny_allowed(torch.empty(64, 16, dtype=torch.bfloat16).t(), w)
 
@@ -163,7 +169,7 @@ def test_llama_8b_shapes_on_the_gpu_in_a_cuda_graph(dtype, N, K):
     ragged one, eager and replayed from a CUDA graph with new values in the
     captured inputs every time."""
     dev = "cuda"
-    for M in (1, 7, 16):
+    for M in (1, 7, 16, 32, 64):
         x, w, b, r = _operands(M, N, K, dtype, dev, stable_seed("gpu", M, N, K, str(dtype)))
         assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, f"M={M}")
         assert_close_rel(skinny_linear(x, w, b), _ref(x, w, b), dtype, f"M={M} bias")
@@ -186,8 +192,8 @@ def test_the_op_on_the_gpu_picks_the_kernel_for_decode_and_torch_beyond(monkeypa
     x, w, _, r = _operands(1, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu"), bias=False)
     assert skinny_pays(x, w)
     assert_close_rel(linear_add(x, w, None, r), _ref(x, w, None, r), torch.bfloat16, "decode")
-    x2, _, _, r2 = _operands(64, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu-64"), bias=False)
+    x2, _, _, r2 = _operands(128, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu-128"), bias=False)
     assert not skinny_pays(x2, w)
     assert_close_rel(linear_add(x2, w, None, r2), _ref(x2, w, None, r2), torch.bfloat16, "prefill")
-    narrow = w[:1024]  # 32 programs: a quarter of the SMs
+    narrow = w[:512]  # 16 programs: an eighth of the SMs
     assert not skinny_pays(x, narrow)
