@@ -16,6 +16,11 @@ splits fixed by the bound, used by the runtime length), and writes
 decode_compare.md / .json:
 
     python bench/kernels.py --decode-compare [--out-dir bench/results]
+
+`--decode-split-sweep` times decode attention at B = 1, 4, 8, 16, 32 (where
+the two-launch form runs) with the plan's default choice and the two-launch
+form at MIN_SPLIT_LEN 32 .. 256, bounds ctx + 64 and 8192, and writes
+decode_splits.md / .json.
 """
 
 from __future__ import annotations
@@ -36,7 +41,15 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
-from compile_backend.kernels.unified_attention import MIN_SPLIT_LEN, num_kv_splits  # noqa: E402
+from compile_backend.kernels.unified_attention import (  # noqa: E402
+    MIN_SPLIT_LEN, TWO_LAUNCH_MIN_SPLIT_LEN, decode_form, num_kv_splits)
+
+
+def decode_splits(B, bound, config):
+    """The grid's splits the plan takes for this decode (B requests, KVH kv
+    heads, max_seq_len `bound`) and config."""
+    two, min_split = decode_form(B, KVH, torch.device(DEV), config)
+    return num_kv_splits(B, KVH, bound, torch.device(DEV), min_split)
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -154,19 +167,21 @@ def decode_rows(B, ctx, copy_bw, g, sweep=()):
     return rows
 
 
-def decode_compare_rows(B, ctx, copy_bw, g, bound=None):
+def decode_compare_rows(B, ctx, copy_bw, g, bound=None, variants=None):
     """Decode attention at B x ctx keys: the two-launch path and the
     one-launch kernel (default MIN_SPLIT_LEN and a sweep), inside CUDA graphs,
-    with max_seq_len = `bound` (default: ctx)."""
+    with max_seq_len = `bound` (default: ctx). `variants`: (label, config,
+    min split) triples instead (the first is the speed-up's base)."""
     bound = bound or ctx
     n_sets = max(1, min(4, (512 << 20) // (2 * B * ctx * KVH * D * 2)))
     sets = [paged(B, ctx, 1, g) for _ in range(n_sets)]
     q = torch.randn(B, H, D, dtype=BF16, device=DEV)
     scale = D ** -0.5
     nbytes = 2 * B * ctx * KVH * D * 2 + 2 * q.numel() * 2 + sets[0][2].numel() * 4
-    variants = [("two launches", dict(TWO_LAUNCH=True), MIN_SPLIT_LEN)]
-    variants += [(f"one launch, min split {m}" + (" (default)" if m == MIN_SPLIT_LEN else ""),
-                  dict(MIN_SPLIT_LEN=m), m) for m in (64, 128, 256, 512)]
+    if variants is None:
+        variants = [("two launches", dict(TWO_LAUNCH=True), MIN_SPLIT_LEN)]
+        variants += [(f"one launch, min split {m}" + (" (default)" if m == MIN_SPLIT_LEN else ""),
+                      dict(MIN_SPLIT_LEN=m), m) for m in (64, 128, 256, 512)]
     rows = []
     for label, config, min_split in variants:
         # The block table is as wide as the bound (a FULL graph's capture).
@@ -177,7 +192,7 @@ def decode_compare_rows(B, ctx, copy_bw, g, bound=None):
             fns.append(lambda kc=kc, vc=vc, table=table, qsl=qsl, seq_lens=seq_lens, config=config:
                        unified_attention(q, kc, vc, qsl, seq_lens, table, scale, 1, bound,
                                          config=config))
-        splits = num_kv_splits(B, KVH, bound, torch.device(DEV), min_split)
+        splits = decode_splits(B, bound, config)
         r = row(f"decode_b{B}_ctx{ctx}" + (f" [bound {bound}]" if bound != ctx else ""),
                 timed(fns), nbytes, copy_bw, extra=dict(splits=splits, path=label, B=B, ctx=ctx,
                                                         bound=bound))
@@ -206,15 +221,26 @@ def fmt_decode_compare(rows, copy_bw):
     return "\n".join(lines)
 
 
-def decode_compare(out_dir) -> None:
+def split_sweep_variants():
+    """--decode-split-sweep: the two-launch path's splits (MIN_SPLIT_LEN bounds
+    them at capture) against the plan's default choice."""
+    out = [("default plan", {}, None)]
+    out += [(f"two launches, min split {m}" + (" (default)" if m == TWO_LAUNCH_MIN_SPLIT_LEN else ""),
+             dict(TWO_LAUNCH=True, MIN_SPLIT_LEN=m), m) for m in (32, 64, 128, 256)]
+    return out
+
+
+def decode_compare(out_dir, split_sweep=False) -> None:
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
     rows = []
-    for B in (1, 8, 64, 256):
+    batches = (1, 4, 8, 16, 32) if split_sweep else (1, 8, 64, 256)
+    variants = split_sweep_variants() if split_sweep else None
+    for B in batches:
         for ctx in (500, 4000):
-            for bound in (ctx, 8192):
+            for bound in ((ctx + 64, 8192) if split_sweep else (ctx, 8192)):
                 try:
-                    rows += decode_compare_rows(B, ctx, copy_bw, g, bound)
+                    rows += decode_compare_rows(B, ctx, copy_bw, g, bound, variants)
                 except Exception:  # noqa: BLE001
                     traceback.print_exc()
                     rows.append(dict(op=f"decode_b{B}_ctx{ctx} bound {bound}",
@@ -228,9 +254,10 @@ def decode_compare(out_dir) -> None:
     )
     table = fmt_decode_compare(rows, copy_bw)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "decode_compare.json"), "w") as f:
+    name = "decode_splits" if split_sweep else "decode_compare"
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(out_dir, "decode_compare.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(f"# Decode attention: one launch vs two\n\n{meta['date']} on {meta['gpu']}, torch "
                 f"{meta['torch']}, triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
     print(table)
@@ -352,9 +379,11 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated ops: decode,kv_write,prefill,sconv,kv_compress")
     ap.add_argument("--decode-compare", action="store_true",
                     help="only decode attention: one launch vs two at llama-8B shapes (decode_compare.md)")
+    ap.add_argument("--decode-split-sweep", action="store_true",
+                    help="only decode attention at B <= 32: the two-launch path's splits (decode_splits.md)")
     args = ap.parse_args()
-    if args.decode_compare:
-        decode_compare(args.out_dir)
+    if args.decode_compare or args.decode_split_sweep:
+        decode_compare(args.out_dir, split_sweep=args.decode_split_sweep)
         return
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()

@@ -106,10 +106,15 @@ from .attention_plan import aligned, find_plan, keep_plan, plannable
 logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
-# Smallest number of keys a decode split should own; below this merging the
+# Smallest number of keys a split of the one-launch decode should own; below this merging the
 # splits costs more than the extra parallelism gains. `config["MIN_SPLIT_LEN"]`
 # overrides it per call (benchmarks).
 MIN_SPLIT_LEN = 256
+# The two-launch form's splits (fixed at capture by max_seq_len) are at least
+# this long. It runs where the (request, kv head) programs are few (B x KVH
+# below 2 x SMs), so more, shorter splits buy parallelism there; measured at
+# llama-8B shapes in bench/results/decode_splits.md.
+TWO_LAUNCH_MIN_SPLIT_LEN = 64
 # Which decode form runs: config["TWO_LAUNCH"] if given, else this environment
 # variable (1: two launches, 0: one launch; for comparisons,
 # bench/kernels.py --decode-compare), else `one_launch_pays`.
@@ -429,6 +434,21 @@ def one_launch_pays(num_reqs: int, num_kv_heads: int, device: torch.device) -> b
     return num_reqs * num_kv_heads >= ONE_LAUNCH_PROGRAMS_PER_SM * _sm_count(device)
 
 
+def decode_form(num_reqs: int, num_kv_heads: int, device: torch.device,
+                config: dict | None = None) -> tuple[bool, int]:
+    """(two launches?, min split length) of a decode plan: config["TWO_LAUNCH"]
+    if given, else $MRV2_DECODE_TWO_LAUNCH (1 or 0), else `one_launch_pays`;
+    config["MIN_SPLIT_LEN"] if given, else the form's default."""
+    config = config or {}
+    two = config.get("TWO_LAUNCH")
+    if two is None:
+        env = os.environ.get(TWO_LAUNCH_ENV, "")
+        two = env == "1" if env in ("0", "1") else not one_launch_pays(num_reqs, num_kv_heads, device)
+    min_split = config.get("MIN_SPLIT_LEN", TWO_LAUNCH_MIN_SPLIT_LEN if two else MIN_SPLIT_LEN)
+    check_int("config['MIN_SPLIT_LEN']", min_split, 1)
+    return bool(two), min_split
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -527,13 +547,8 @@ class _Plan:
         if T == 0:
             self.run = _no_launch
         elif max_query_len == 1 and B > 0:
-            min_split = cfg.get("MIN_SPLIT_LEN", MIN_SPLIT_LEN)
-            check_int("config['MIN_SPLIT_LEN']", min_split, 1)
+            two, min_split = decode_form(B, KVH, query.device, cfg)
             S = num_splits or num_kv_splits(B, KVH, max_seq_len, query.device, min_split)
-            two = cfg.get("TWO_LAUNCH")
-            if two is None:
-                env = os.environ.get(TWO_LAUNCH_ENV, "")
-                two = env == "1" if env in ("0", "1") else not one_launch_pays(B, KVH, query.device)
             self.run = _decode_run(B, T, H, KVH, D, qpk, query.device, query_start_loc, seq_lens,
                                    block_table, strides, common, S, min_split, bool(two), bind)
         else:
