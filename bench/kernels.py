@@ -36,9 +36,12 @@ import traceback
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import copy_bandwidth as timing_copy_bandwidth, graph_ms, median_ms  # noqa: E402
 
 from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
 from compile_backend.kernels.unified_attention import (  # noqa: E402
@@ -59,26 +62,13 @@ TARGETS = {"decode_b64_ctx4096": 0.70, "decode_b1_ctx32768": 0.50, "kv_write_t16
 
 def bench(fn) -> float:
     """Median milliseconds."""
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return median_ms(fn)
 
 
 def bench_graph(fns, calls: int = 12) -> float:
-    """Median ms per call with `calls` calls (cycling through `fns`, separate
-    input sets so that repeats do not hit L2) captured in one CUDA graph: how
-    the ops run in mrv2, without host launch overhead."""
-    for f in fns:
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    return bench(graph.replay) / calls
+    """Median ms per call with `calls` calls (cycling through `fns`) captured
+    in one CUDA graph (bench/timing.py)."""
+    return graph_ms(fns, calls)
 
 
 def timed(fns):
@@ -92,12 +82,8 @@ def timed(fns):
 
 
 def copy_bandwidth() -> float:
-    n = 1 << 30  # 1 GiB read + 1 GiB written
-    src = torch.randn(n // 2, dtype=BF16, device=DEV)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
+    """GB/s of a 1 GiB D2D copy (read + written)."""
+    return timing_copy_bandwidth() / 1e9
 
 
 def paged(B, ctx, q_len=1, g=None):

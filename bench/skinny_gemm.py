@@ -33,6 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
+
 from compile_backend.kernels.skinny_linear import skinny_config, skinny_linear  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -52,35 +56,7 @@ SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8
 
 
 def ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
-
-
-def graph_ms(fns) -> float:
-    """Median ms per call, CALLS calls cycling through `fns` in one graph."""
-    for f in fns:
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fns[i % len(fns)]()
-    return ms(graph.replay) / CALLS
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    src = torch.randn(n // 2, dtype=BF16, device="cuda")
-    dst = torch.empty_like(src)
-    t = ms(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n / (t * 1e-3)
+    return median_ms(fn, warmup=25, rep=150)
 
 
 def operands(M, N, K, residual, g):
@@ -109,7 +85,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
         cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in ws]
     check(cublas[0](), ref, f"{name} cuBLAS")
     row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "floor_us": floor_us,
-           "cublas_us": graph_ms(cublas) * 1e3}
+           "cublas_us": graph_ms(cublas, CALLS, ms) * 1e3}
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
@@ -122,7 +98,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
         try:
             poisoned = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
             err = check(skinny_linear(x, ws[0], None, r, config=cfg, out=poisoned), ref, f"{name} {cfg}")
-            t = graph_ms(fns) * 1e3
+            t = graph_ms(fns, CALLS, ms) * 1e3
         except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: listed)
             timings.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
@@ -170,7 +146,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the kernel's CPU tests: tests/kernels/test_skinny_linear.py)")
     g = torch.Generator(device="cuda").manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(ms)
     rows = []
     only = set(filter(None, args.only.split(",")))
     for preset in args.shapes.split(","):

@@ -1,0 +1,51 @@
+"""Timing helpers shared by the kernel benchmarks (bench/kernels.py,
+bench/skinny_gemm.py), so that neither imports the other.
+
+    median_ms(fn)              do_bench's median, warm-up excluded
+    graph_ms(fns, calls)       ms per call of `calls` calls captured in one
+                               CUDA graph (cycling through `fns`: separate
+                               input sets, so repeats do not hit L2)
+    copy_bandwidth()           bytes/s of a 1 GiB device-to-device copy
+                               (read + written)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 50, rep: int = 300) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_ms(fns: list[Callable[[], object]], calls: int = 12,
+             timer: Callable[[Callable[[], object]], float] = median_ms) -> float:
+    """Median ms per call, `calls` calls in one graph: how the ops run under
+    mrv2, without host launch overhead. Warmed (compiled) eagerly and on a
+    side stream before the capture."""
+    for f in fns:
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return timer(graph.replay) / calls
+
+
+def copy_bandwidth(timer: Callable[[Callable[[], object]], float] = median_ms) -> float:
+    n = 1 << 30  # 1 GiB read + 1 GiB written
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3)
