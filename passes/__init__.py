@@ -1,8 +1,8 @@
 """FX passes that run on the Dynamo graph before it is split into pieces.
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
-capture safety, the all-reduce rewrite, sibling-linear fusion, then
-segment ordering. Each pass is a class with
+capture safety, the all-reduce rewrite, sibling-linear fusion,
+linear + residual fusion, then segment ordering. Each pass is a class with
 `__call__(graph)` and `uuid()` (pass_base.py).
 """
 
@@ -15,6 +15,7 @@ from compile_backend.core.op_registry import (
 )
 
 from .capture_safety import CaptureSafetyError, CaptureSafetyPass
+from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass, PassReport
 from .pass_manager import PassManager
@@ -24,6 +25,7 @@ from .symmetric_all_reduce import SymmetricAllReducePass
 __all__ = [
     "CaptureSafetyError",
     "CaptureSafetyPass",
+    "FuseLinearResidualPass",
     "FuseSiblingLinearsPass",
     "Mrv2Pass",
     "PassManager",

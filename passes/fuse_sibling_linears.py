@@ -54,31 +54,27 @@ from typing import Any, Hashable
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
-from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, OpRole, is_eager_node
+from compile_backend.core.op_registry import EAGER_REASON, OpRegistry
 from compile_backend.core.packed_weights import can_pack
 
-from .pass_base import Mrv2Pass, PassReport, example_value, registered_op, source_line
-from .segment_attention_like import _output_roots, node_effects
+from .pass_base import (
+    Mrv2Pass,
+    PassReport,
+    example_value,
+    graph_input_value,
+    keep_meta,
+    linear_args,
+    motion_barrier,
+    registered_op,
+    source_line,
+    values_fake_mode,
+)
+from .segment_attention_like import _output_roots
 
 logger = logging.getLogger(__name__)
-
-LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
-# Node metadata a new node takes from the node it replaces (dumps and source lines).
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
-
-
-def _linear_args(node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
-    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
-        return None
-    args, kw = node.args, node.kwargs
-    x = args[0] if len(args) > 0 else kw.get("input")
-    w = args[1] if len(args) > 1 else kw.get("weight")
-    b = args[2] if len(args) > 2 else kw.get("bias")
-    return x, w, b
 
 
 def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
@@ -91,16 +87,6 @@ def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
         return t
     return None
-
-
-def _input_tensor(node: Any, ndim: int) -> torch.Tensor | None:
-    """The fake value of a graph input of rank `ndim` (None: not one)."""
-    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
-        return None
-    val = example_value(node)
-    if not isinstance(val, torch.Tensor) or val.dim() != ndim:
-        return None
-    return val
 
 
 class FuseSiblingLinearsPass(Mrv2Pass):
@@ -137,28 +123,18 @@ class FuseSiblingLinearsPass(Mrv2Pass):
 
     # ---- finding groups -------------------------------------------------------
 
-    def _barrier(self, node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> bool:
-        """No computation may move across this node: it writes something,
-        runs eagerly, or is a breakpoint, attention-like op or collective."""
-        if EAGER_REASON in node.meta or is_eager_node(node, self.roles):
-            return True
-        if self.roles.role(node) is not OpRole.ORDINARY:
-            return True
-        eff = node_effects(node, roots)
-        return eff.barrier or bool(eff.writes)
-
     def _key(self, node: torch.fx.Node) -> tuple | None:
         """What siblings must share (None: this linear cannot be fused)."""
-        parts = _linear_args(node)
+        parts = linear_args(node)
         if parts is None or EAGER_REASON in node.meta:
             return None
         x, w, b = parts
-        wv = _input_tensor(w, 2)
+        wv = graph_input_value(w, 2)
         if not isinstance(x, torch.fx.Node) or wv is None:
             return None
         bv = None
         if b is not None:
-            bv = _input_tensor(b, 1)
+            bv = graph_input_value(b, 1)
             if bv is None:
                 return None
         xv = example_value(x)
@@ -189,10 +165,10 @@ class FuseSiblingLinearsPass(Mrv2Pass):
             key = self._key(node)
             if key is not None:
                 members = open_[key]
-                weight = _linear_args(node)[1]
-                if all(_linear_args(m)[1] is not weight for m in members):
+                weight = linear_args(node)[1]
+                if all(linear_args(m)[1] is not weight for m in members):
                     members.append(node)
-            elif self._barrier(node, roots):
+            elif motion_barrier(node, self.roles, roots):
                 close()
             roots[node] = _output_roots(node, roots)
         close()
@@ -202,7 +178,7 @@ class FuseSiblingLinearsPass(Mrv2Pass):
     def _unpackable(members: list[torch.fx.Node]) -> str | None:
         """Why the real weights (or biases) cannot be packed, where known."""
         for i in (1, 2):
-            nodes = [_linear_args(m)[i] for m in members]
+            nodes = [linear_args(m)[i] for m in members]
             if nodes[0] is None:
                 continue
             tensors = [_real_tensor(n) for n in nodes]
@@ -218,28 +194,26 @@ class FuseSiblingLinearsPass(Mrv2Pass):
     @staticmethod
     def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], op: Any) -> dict[str, Any]:
         first = members[0]
-        x = _linear_args(first)[0]
-        weights = [_linear_args(m)[1] for m in members]
-        biases = [_linear_args(m)[2] for m in members]
+        x = linear_args(first)[0]
+        weights = [linear_args(m)[1] for m in members]
+        biases = [linear_args(m)[2] for m in members]
         biases = [] if biases[0] is None else biases
         sizes = [example_value(w).shape[0] for w in weights]
         meta_key = "example_value" if "example_value" in first.meta else "val"
         vals = [example_value(n) for n in [x, *weights, *biases]]
-        # The values' own mode (Dynamo's tracing one), not the backend's.
-        modes = {id(v.fake_mode): v.fake_mode for v in vals if isinstance(v, FakeTensor)}
-        fake_mode = next(iter(modes.values())) if len(modes) == 1 else None
+        fake_mode = values_fake_mode(vals)
         with graph.inserting_before(first):
             fused = graph.call_function(op, (x, list(weights), list(biases)))
-            _keep_meta(fused, first)
+            keep_meta(fused, first)
             fused_val = None
-            if fake_mode is not None and all(isinstance(v, FakeTensor) for v in vals):
+            if fake_mode is not None:
                 with fake_mode:
                     fused_val = op(vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):])
                 fused.meta[meta_key] = fused_val
             start = 0
             for m, n in zip(members, sizes):
                 part = graph.call_function(torch.narrow, (fused, -1, start, n))
-                _keep_meta(part, m)
+                keep_meta(part, m)
                 if fused_val is not None:
                     with fake_mode:
                         part.meta[meta_key] = torch.narrow(fused_val, -1, start, n)
@@ -264,12 +238,6 @@ _NO_OP = ("mrv2::sibling_linear is not registered: import compile_backend.kernel
 def _fused_op() -> Any:
     """The op the fused node calls (kernels/sibling_linear.py), or None."""
     return registered_op("mrv2", "sibling_linear")
-
-
-def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
-    for k in _KEPT_META:
-        if k in old.meta:
-            new.meta[k] = old.meta[k]
 
 
 def fused_groups(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,12 +15,16 @@ import operator
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import torch.fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
-from compile_backend.core.op_registry import node_op_name
+from compile_backend.core.op_registry import (
+    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
+)
 
 
 @dataclass
@@ -215,6 +219,16 @@ def example_value(node: Any) -> Any:
     return node.meta.get("val")
 
 
+def values_fake_mode(values: list[Any]) -> Any:
+    """The one fake mode of `values` (Dynamo's tracing mode, not the
+    backend's), to compute a new node's value in; None unless every value is
+    a FakeTensor of that one mode."""
+    modes = {id(v.fake_mode): v.fake_mode for v in values if isinstance(v, FakeTensor)}
+    if len(modes) != 1 or not all(isinstance(v, FakeTensor) for v in values):
+        return None
+    return next(iter(modes.values()))
+
+
 # Functions that set torch's global state (Dynamo leaves them around `no_grad`
 # and autocast regions): harmless to capture, but nothing may move across them.
 _GLOBAL_STATE_NAMES = frozenset({
@@ -230,3 +244,54 @@ def sets_global_state(node: torch.fx.Node) -> bool:
         and getattr(t, "__name__", None) in _GLOBAL_STATE_NAMES
         and (getattr(t, "__module__", None) or "").startswith("torch")
     )
+
+
+# --- linears and moving computation (the fusion passes) ----------------------
+
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+# Node metadata a new node takes from the node it replaces (dumps and source lines).
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+def linear_args(node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
+    """(input, weight, bias) of a `linear` call (None: not one)."""
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        return None
+    args, kw = node.args, node.kwargs
+    x = args[0] if len(args) > 0 else kw.get("input")
+    w = args[1] if len(args) > 1 else kw.get("weight")
+    b = args[2] if len(args) > 2 else kw.get("bias")
+    return x, w, b
+
+
+def graph_input_value(node: Any, ndim: int) -> torch.Tensor | None:
+    """The fake value of a graph input of rank `ndim` (None: not one)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
+        return None
+    val = example_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() != ndim:
+        return None
+    return val
+
+
+def keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
+    """`new` replaces `old`: it takes the metadata that names the user's code."""
+    for k in _KEPT_META:
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+
+
+def motion_barrier(node: torch.fx.Node, roles: OpRegistry,
+                   roots: dict[torch.fx.Node, set[Hashable]]) -> bool:
+    """No computation may move across this node: it writes something, runs
+    eagerly, or is a breakpoint, attention-like op or collective. `roots`:
+    the storages of the nodes before it (segment_attention_like's
+    `_output_roots`, filled in graph order)."""
+    from .segment_attention_like import node_effects  # local: that module imports this one
+
+    if EAGER_REASON in node.meta or is_eager_node(node, roles):
+        return True
+    if roles.role(node) is not OpRole.ORDINARY:
+        return True
+    eff = node_effects(node, roots)
+    return eff.barrier or bool(eff.writes)

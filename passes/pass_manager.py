@@ -25,7 +25,19 @@ The order, and why:
                               across a piece boundary). Its new nodes are an
                               op declared capture-safe and `torch.narrow`s,
                               so the safety pass's verdicts stay true...
-  4. SegmentAttentionLikePass (always; it moves nodes only when
+  4. FuseLinearResidualPass   (edits only when `fuse_linear_residual`)
+                              replaces `residual + linear(x, w, b)` by one
+                              `mrv2::linear_add` (one kernel at decode).
+                              After the sibling pass: a linear both could
+                              take (a sibling whose output is also added to
+                              a residual) stays in its sibling group, which
+                              saves more; what is left, o_proj and
+                              down_proj, is this pass's. After the safety
+                              pass for the sibling pass's reasons: it never
+                              fuses a node marked eager nor across an eager
+                              node, and its new node is an op declared
+                              capture-safe...
+  5. SegmentAttentionLikePass (always; it moves nodes only when
                               `reorder_for_fewer_pieces`) ...so that the
                               reorder sees the final graph and the final eager
                               set: a fallback op is eager like a breakpoint,
@@ -47,6 +59,7 @@ import torch.fx
 from compile_backend.core.op_registry import OpRegistry
 
 from .capture_safety import CaptureSafetyPass
+from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass
 from .segment_attention_like import SegmentAttentionLikePass
@@ -67,6 +80,7 @@ class PassManager:
             SymmetricAllReducePass(roles, mode=config.tp_all_reduce,
                                    threshold=config.tp_all_reduce_threshold),
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
+            FuseLinearResidualPass(roles, enabled=config.fuse_linear_residual),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])
 

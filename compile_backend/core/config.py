@@ -50,6 +50,10 @@ class CompilationConfig:
     fuse_sibling_linears: linears that read the same input (q/k/v, gate/up)
         become one matmul over their weights, packed once in place
         (passes/fuse_sibling_linears.py).
+    fuse_linear_residual: `residual + linear(x, w, b)` (o_proj, down_proj)
+        becomes one `mrv2::linear_add`: at decode on a GPU one kernel with
+        the residual added in its epilogue, else torch's `addmm`
+        (passes/fuse_linear_residual.py).
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
@@ -86,6 +90,7 @@ class CompilationConfig:
     enable_passes: bool = True
     reorder_for_fewer_pieces: bool = True
     fuse_sibling_linears: bool = True
+    fuse_linear_residual: bool = True
     direct_op_calls: bool = True
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
@@ -152,8 +157,8 @@ class CompilationConfig:
                 f"tp_all_reduce_threshold must be an int of at least 16 (bytes), got "
                 f"{threshold!r}; for example 524288 (512 KiB)")
         for name in ("debug_checks", "strict_capture", "enable_passes",
-                     "reorder_for_fewer_pieces", "fuse_sibling_linears", "direct_op_calls",
-                     "serializable"):
+                     "reorder_for_fewer_pieces", "fuse_sibling_linears", "fuse_linear_residual",
+                     "direct_op_calls", "serializable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -22,6 +22,10 @@ Keys (all ints):
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
   direct_calls           op calls in eager pieces rewritten to skip the dispatcher
+  pass_linears_fused     linears fused into sibling matmuls (passes/fuse_sibling_linears.py)
+  pass_linear_residual_fused
+                         linear + residual adds fused into one mrv2::linear_add
+                         (passes/fuse_linear_residual.py)
 """
 
 from __future__ import annotations

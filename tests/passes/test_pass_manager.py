@@ -9,8 +9,8 @@ import torch
 import compile_backend as cb
 import toy_ops  # noqa: F401
 from compile_backend.passes import (
-    CaptureSafetyPass, FuseSiblingLinearsPass, PassManager, SegmentAttentionLikePass,
-    SymmetricAllReducePass,
+    CaptureSafetyPass, FuseLinearResidualPass, FuseSiblingLinearsPass, PassManager,
+    SegmentAttentionLikePass, SymmetricAllReducePass,
 )
 
 OPTIONS = {"splitting_ops": ["toy::attn"], "attention_like_ops": ["toy::state_mix"],
@@ -28,16 +28,17 @@ def fn(x, state):
     return torch.ops.toy.attn(a, a, a) + s
 
 
-def test_order_is_capture_safety_then_all_reduce_then_fusion_then_segments():
+def test_order_is_capture_safety_then_all_reduce_then_fusions_then_segments():
     m = manager()
     assert [type(p) for p in m.passes] == [
-        CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass, SegmentAttentionLikePass]
-    assert m.passes[0].strict is False and m.passes[3].reorder is True
-    assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True
+        CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass, FuseLinearResidualPass,
+        SegmentAttentionLikePass]
+    assert m.passes[0].strict is False and m.passes[4].reorder is True
+    assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True and m.passes[3].enabled is True
     m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False,
-                tp_all_reduce="auto", tp_all_reduce_threshold=4096)
-    assert m.passes[0].strict is True and m.passes[3].reorder is False
-    assert m.passes[2].enabled is False
+                fuse_linear_residual=False, tp_all_reduce="auto", tp_all_reduce_threshold=4096)
+    assert m.passes[0].strict is True and m.passes[4].reorder is False
+    assert m.passes[2].enabled is False and m.passes[3].enabled is False
     assert (m.passes[1].mode, m.passes[1].threshold) == ("auto", 4096)
 
 
@@ -46,6 +47,7 @@ def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() != manager(reorder_for_fewer_pieces=False).uuid()
     assert manager().uuid() != manager(strict_capture=True).uuid()
     assert manager().uuid() != manager(fuse_sibling_linears=False).uuid()
+    assert manager().uuid() != manager(fuse_linear_residual=False).uuid()
     assert manager().uuid() != manager(tp_all_reduce="auto").uuid()
     assert manager().uuid() != manager(attention_like_ops=[]).uuid()
     assert len(manager().uuid()) == 64
@@ -58,11 +60,11 @@ def test_backend_runs_passes_and_records_log_and_uuid():
     assert step.passes_uuid == manager().uuid()
     assert [e["pass"] for e in step.pass_log] == [
         "CaptureSafetyPass", "SymmetricAllReducePass", "FuseSiblingLinearsPass",
-        "SegmentAttentionLikePass"]
+        "FuseLinearResidualPass", "SegmentAttentionLikePass"]
     for entry in step.pass_log:
         assert set(entry) == {"pass", "uuid", "changed", "details"}
     json.dumps(step.pass_log)  # JSON-friendly
-    seg = step.pass_log[3]
+    seg = step.pass_log[4]
     assert seg["changed"] and seg["details"]["moved"]
     assert step.passed_code != step.original_code
 
@@ -80,7 +82,7 @@ def test_manager_leaves_a_linted_graph_on_a_traced_module():
     m = manager()
     m(gm.graph)
     gm.graph.lint()
-    assert len(m.log) == 4
+    assert len(m.log) == 5
 
 
 @pytest.mark.parametrize("options, message", [
