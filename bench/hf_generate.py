@@ -1,0 +1,185 @@
+"""An unmodified Hugging Face Llama's `generate` under `torch.compile(backend="mrv2")`:
+milliseconds per new token with the linear passes on and off, against eager.
+
+    python bench/hf_generate.py [--layers 8] [--hidden 2048] [--batches 1,8]
+                                [--new-tokens 64] [--prompt 128] [--mode full]
+
+The model: transformers' LlamaForCausalLM with random bf16 weights (seeded),
+hidden 2048, 32 heads, 8 KV heads, intermediate 5632, vocab 32000 (the
+bench preset's widths) unless told otherwise. Variants:
+  eager             the model as is;
+  mrv2 passes on    the defaults: fuse_sibling_linears (q/k/v and gate/up
+                    one GEMM) and fuse_linear_residual (o and down with the
+                    residual in one kernel at decode);
+  mrv2 passes off   both options False.
+Each variant runs on its own copy of the model (compiled in place with
+`Module.compile`, so generate's calls of the module run compiled; Dynamo
+reset in between). `generate` runs greedy with a static cache (one per
+batch size, reset before each call, so its tensors keep their addresses and
+the graphs replay) and HF's own compile off. ms/token = (time of generate with N new tokens - time
+with 1) / (N - 1), CUDA events, median of 5 after 2 warm-up calls. The
+tokens of each variant are compared with eager's (bf16: identical greedy
+tokens are expected for the first steps, not guaranteed for all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compile_backend as cb  # noqa: E402,F401  (registers the backend)
+
+
+def build(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int,
+          device: str, dtype: torch.dtype):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def timed_ms(fn, device: str, warmup: int = 2, reps: int = 5) -> tuple[float, object]:
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
+
+
+def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device):
+    torch._dynamo.reset()
+    target = copy.deepcopy(model)
+    if options is not None:
+        # In place (Module.compile): generate's calls of the module run compiled.
+        target.compile(backend="mrv2", options={"cudagraph_mode": mode, **options})
+
+    from transformers import StaticCache
+
+    caches: dict[int, StaticCache] = {}
+
+    def generate(ids, n):
+        # One static cache per batch size, reset for every call: its tensors
+        # keep their addresses, so the graphs replay (a new cache per call
+        # would be captured again, and the time would be the capture's).
+        cache = caches.get(ids.shape[0])
+        if cache is None:
+            cache = caches[ids.shape[0]] = StaticCache(config=model.config,
+                                                       max_cache_len=ids.shape[1] + new_tokens)
+        cache.reset()
+        return target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               past_key_values=cache, disable_compile=True, pad_token_id=0)
+
+    rows = []
+    with torch.no_grad():
+        for B, ids in ids_by_batch.items():
+            t_one, _ = timed_ms(lambda: generate(ids, 1), device)
+            t_all, out = timed_ms(lambda: generate(ids, new_tokens), device)
+            rows.append({"variant": label, "batch": B, "ms_per_token": (t_all - t_one) / (new_tokens - 1),
+                         "generate_ms": t_all, "prefill_ms": t_one, "tokens": out[:, ids.shape[1]:].cpu()})
+            print(f"{label} b{B}: {rows[-1]['ms_per_token']:.3f} ms/token", flush=True)
+    del target
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--mode", default="full", help="cudagraph_mode of the compiled variants")
+    ap.add_argument("--piece-compiler", default="inductor")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU plumbing check: fp32, eager pieces, graph stand-in (numbers mean nothing)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and not args.dry_run:
+        ap.error("needs a CUDA GPU; --dry-run checks the plumbing on a CPU")
+    device = "cpu" if args.dry_run else "cuda"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    model = build(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
+                  device, dtype)
+    g = torch.Generator().manual_seed(5)
+    ids_by_batch = {int(b): torch.randint(0, args.vocab, (int(b), args.prompt), generator=g).to(device)
+                    for b in args.batches.split(",")}
+    base = {"piece_compiler": "eager" if args.dry_run else args.piece_compiler}
+    variants = [("eager", None),
+                ("mrv2 passes off", {**base, "fuse_sibling_linears": False, "fuse_linear_residual": False}),
+                ("mrv2 passes on", base)]
+    rows = []
+    scope = contextlib.nullcontext()
+    if args.dry_run:
+        from compile_backend.runtime.graph_pool import use_graph_backend
+        from compile_backend.runtime.graph_standin import StandInGraphs
+
+        scope = use_graph_backend(StandInGraphs())
+    with scope:
+        for label, options in variants:
+            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, args.mode, device)
+    eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
+    off = {r["batch"]: r for r in rows if r["variant"] == "mrv2 passes off"}
+    lines = ["| variant | batch | ms / token | vs passes off | vs eager | greedy tokens equal to eager |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        e, o = eager[r["batch"]], off[r["batch"]]
+        same = (r["tokens"] == e["tokens"]).float().mean().item()
+        r["tokens_equal_eager"] = same
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
+                     f"| {r['ms_per_token'] / o['ms_per_token']:.3f}x | {r['ms_per_token'] / e['ms_per_token']:.3f}x "
+                     f"| {100 * same:.1f}% |")
+    table = "\n".join(lines)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python bench/hf_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (numbers mean nothing)"
+    head = (f"# HF Llama generate: the linear passes on and off\n\n{stamp}, {where}, "
+            f"torch {torch.__version__}, command: `{cmd}`\n\nModel: {args.layers} layers, hidden "
+            f"{args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, intermediate "
+            f"{args.intermediate}, vocab {args.vocab}, bf16; prompt {args.prompt} tokens, "
+            f"{args.new_tokens} new tokens, greedy, static cache; compiled variants: "
+            f"cudagraph_mode={args.mode}, {args.piece_compiler} pieces.\n\n")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hf_generate.md"), "w") as f:
+        f.write(head + table + "\n")
+    with open(os.path.join(args.out, "hf_generate.json"), "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
