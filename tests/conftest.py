@@ -12,7 +12,14 @@ if not _HAS_GPU_DEVICE:
 # compiles, and one test's saved step would be another's load.
 os.environ.setdefault("MRV2_CACHE_DIR", "off")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root off sys.path (`python -m pytest` puts the working folder
+# there): kernels/ and passes/ install as compile_backend.kernels and
+# compile_backend.passes, and a library that probes for a top-level `kernels`
+# package (transformers does, for Hugging Face's, and imports what it finds
+# when no metadata names it) would import the folder a second time: every op
+# and direct call registered again. Tests import the installed package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -5,11 +5,8 @@ against eager after every call, through torch.compile and through the
 runner. fp32 on the CPU (the op runs `addmm` there); compared with eager at
 atol=rtol=1e-5 (one rounding of the residual add moves)."""
 
-import contextlib
 import logging
 import operator
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -202,27 +199,11 @@ def _calls(gm, target):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
-@contextlib.contextmanager
-def _repository_root_hidden():
-    root = pathlib.Path(__file__).resolve().parents[2]
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
-
-
 def _transformers():
-    """transformers, its Llama loaded. It probes for the Hugging Face `kernels`
-    package and, finding no metadata, imports whatever `import kernels`
-    finds: with the repository root on sys.path (tests/conftest.py) that is
-    this repository's kernels/ folder, a second copy of the mrv2 kernels
-    (ops and direct calls registered again, Triton kernels decorated under
-    this test's TRITON_INTERPRET). The root is hidden while it probes."""
-    with _repository_root_hidden():
-        transformers = pytest.importorskip("transformers")
-        transformers.LlamaForCausalLM  # noqa: B018  (loads modeling_llama and its probe)
+    """transformers, its Llama loaded (tests/conftest.py keeps the repository
+    root off sys.path, so its probe for a `kernels` package finds none)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM  # noqa: B018  (loads modeling_llama and its probe)
     return transformers
 
 
