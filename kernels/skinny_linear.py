@@ -219,6 +219,10 @@ def _check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if residual.dtype != x.dtype or weight.dtype != x.dtype:
         raise ValueError(f"linear_add: x, weight and residual need one dtype, got {x.dtype}, "
                          f"{weight.dtype}, {residual.dtype}")
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"linear_add: bias must be [{weight.shape[0]}] of x's dtype ({x.dtype}) on "
+                         f"{x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
 
 
 @torch.library.custom_op("mrv2::linear_add", mutates_args=())

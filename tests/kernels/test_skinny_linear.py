@@ -111,6 +111,8 @@ def test_misuse_raises_with_the_fix_and_leaves_inputs_alone(device):
         linear_add(x, w, b, r[:2])
     with pytest.raises(ValueError, match="one dtype"):
         linear_add(x, w, b, r.float())
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_add(x, w, b.float(), r)
     for t, t0 in zip((x, w, b, r), before):
         assert torch.equal(t, t0)
 
