@@ -4,6 +4,8 @@
 Importing this package registers the ops and their facts (role, layer-keyed,
 capture-safe: `register_op` beside each definition, README.md "Op roles"):
     mrv2::reshape_and_cache  (attention-like) kernels/reshape_and_cache.py
+    mrv2::rope_and_cache     (attention-like) kernels/rope_and_cache.py (rotary on
+                             q and k, and the KV cache write, in one kernel)
     mrv2::unified_attention  (breakpoint)     kernels/unified_attention.py
     mrv2::sconv              (attention-like) kernels/sconv.py
     mrv2::kv_compress        (attention-like) kernels/kv_compress.py
@@ -38,6 +40,7 @@ from .all_reduce import all_reduce
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
 from .skinny_linear import linear_add, skinny_linear
@@ -46,6 +49,7 @@ from .unified_attention import num_kv_splits, unified_attention, unified_attenti
 __all__ = [
     "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "num_kv_splits", "pack_siblings", "packed_view",
-    "reshape_and_cache", "reshape_and_cache_ref", "sconv", "sconv_ref", "set_debug_checks",
+    "reshape_and_cache", "reshape_and_cache_ref", "rope_and_cache", "rope_and_cache_ref",
+    "sconv", "sconv_ref", "set_debug_checks",
     "linear_add", "sibling_linear", "skinny_linear", "unified_attention", "unified_attention_ref",
 ]
