@@ -21,6 +21,7 @@ from torch import nn
 
 from . import kv_compress as _kv_compress  # noqa: F401  (registers mrv2::kv_compress)
 from . import reshape_and_cache as _reshape_and_cache  # noqa: F401
+from . import rope_and_cache as _rope_and_cache  # noqa: F401
 from . import sconv as _sconv  # noqa: F401
 from . import unified_attention as _unified_attention  # noqa: F401
 from .unified_attention import MAX_HEAD_DIM
@@ -36,10 +37,25 @@ def _check_size(name: str, value: object, minimum: int, maximum: int | None = No
         raise ValueError(f"{name} must be an int {want}{why}, got {value!r}")
 
 
+def _heads(x: torch.Tensor, T, heads: int, head_dim: int) -> torch.Tensor:
+    """[T, heads * head_dim] or [T, heads, head_dim] -> [T, heads, head_dim].
+    A tensor already of that shape is passed on as is: reshaping a strided
+    one (a column slice of a fused projection, viewed per head) makes the
+    piece compiler's shape checks guard on the token count != 1."""
+    if x.dim() == 3 and x.shape[1] == heads and x.shape[2] == head_dim:
+        return x
+    return x.reshape(T, heads, head_dim)
+
+
 class PagedAttention(nn.Module):
     """Writes k/v into the paged cache, then attends (mrv2::reshape_and_cache,
     mrv2::unified_attention). q [T, H*D] or [T, H, D]; k, v [T, KVH*D] or
-    [T, KVH, D] -> [T, H*D]."""
+    [T, KVH, D] -> [T, H*D].
+
+    With `positions` [T] and `inv_freq` [D/2] (a rotary module's buffer),
+    q and k are un-rotated: one kernel applies rotary (half-split layout) to
+    both and writes the rotated k and v into the cache (mrv2::rope_and_cache),
+    and the attention reads the rotated q it returns."""
 
     metadata_kind = "attention"
 
@@ -65,12 +81,21 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None,
+                inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+        if (positions is None) != (inv_freq is None):
+            raise ValueError("PagedAttention: pass positions and inv_freq together (rotary "
+                             "inside the cache write), or neither")
         T = q.shape[0]
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        torch.ops.mrv2.reshape_and_cache(k, v, self.k_cache, self.v_cache, self.layer_name)
+        q = _heads(q, T, self.num_heads, self.head_dim)
+        k = _heads(k, T, self.num_kv_heads, self.head_dim)
+        v = _heads(v, T, self.num_kv_heads, self.head_dim)
+        if positions is None:
+            torch.ops.mrv2.reshape_and_cache(k, v, self.k_cache, self.v_cache, self.layer_name)
+        else:
+            q = torch.ops.mrv2.rope_and_cache(q, k, v, positions, inv_freq, self.k_cache,
+                                              self.v_cache, self.layer_name)
         # Allocated here, before the breakpoint op: under torch.compile the
         # allocation belongs to the preceding graph piece, and the next piece
         # reads the output where the op wrote it (a replay copies nothing).

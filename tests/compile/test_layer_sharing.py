@@ -139,7 +139,7 @@ def test_llama_layers_share_one_artifact_and_every_layer_runs_at_capture(mode):
     out, trace, counts = run(mode)
     assert out == ref
     assert counts["piece_compiles"] == 3 and counts["piece_compile_reuses"] == 2, counts
-    at_capture = {layer for layer, e in trace if e == "reshape_and_cache@capture"}
+    at_capture = {layer for layer, e in trace if e == "rope_and_cache@capture"}
     assert at_capture == {f"layers.{i}.attn" for i in range(4)}
     step = cb.compiled_steps()[-1]
     shared = [p for p in step.pieces if p.compiled_as]

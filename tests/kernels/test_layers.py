@@ -11,6 +11,7 @@ from compile_backend.core.forward_context import ForwardContext, set_forward_con
 from kernel_cases import DEVICES, assert_close_rel, gen, paged_batch, randn
 from compile_backend.kernels import (KVCompressor, PagedAttention, ShortConv, kv_compress_ref, reshape_and_cache_ref,
                      sconv_ref, unified_attention_ref)
+from compile_backend.demo.models.blocks import Rotary
 
 H, KVH, D, C, K, RATIO, BS = 4, 2, 64, 32, 4, 4, 16
 
@@ -166,6 +167,11 @@ def test_fake_tensor_shapes():
         cache = torch.empty(3, BS, KVH, D, dtype=torch.bfloat16)
         assert torch.ops.mrv2.unified_attention(q, cache, cache, torch.empty_like(q), "l", 0.1) is None
         assert torch.ops.mrv2.reshape_and_cache(cache[0, :5], cache[0, :5], cache, cache, "l") is None
+        qkv = torch.empty(5, (H + 2 * KVH) * D, dtype=torch.bfloat16)
+        q, k, v = (t.view(5, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+        q_rot = torch.ops.mrv2.rope_and_cache(q, k, v, torch.empty(5, dtype=torch.int64),
+                                              torch.empty(D // 2), cache, cache, "l")
+        assert q_rot.shape == (5, H, D) and q_rot.dtype == torch.bfloat16 and q_rot.is_contiguous()
         x = torch.empty(5, C)
         assert torch.ops.mrv2.sconv(x, torch.empty(C, K), None, torch.empty(2, C, K - 1), "l").shape == (5, C)
         key = torch.empty(5, KVH, D)
@@ -184,3 +190,106 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
         a, c = model(x)
         a_ref, c_ref, _ = _reference(model, metas, x, before)
     assert torch.equal(a, a_ref) and torch.equal(c, c_ref)
+
+
+# ---- rotary inside the cache write (mrv2::rope_and_cache) -------------------------
+
+
+class RotaryBlock(nn.Module):
+    """What SelfAttention does: un-rotated q and k, column slices of one fused
+    projection, with positions and the Rotary module's inv_freq to the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, (H + 2 * KVH) * D, bias=False)
+        self.rotary = Rotary(D, 10000.0)
+        self.attn = PagedAttention(H, KVH, D, "layers.0.attn")
+
+    def split(self, x):
+        return self.qkv(x).split([H * D, KVH * D, KVH * D], dim=-1)
+
+    def forward(self, x, positions):
+        q, k, v = self.split(x)
+        return self.attn(q, k, v, positions, self.rotary.inv_freq)
+
+    def old_path(self, x, positions):
+        """Before mrv2::rope_and_cache: Rotary outside, then reshape_and_cache."""
+        q, k, v = self.split(x)
+        T = x.shape[0]
+        q = self.rotary(q.reshape(T, H, D), positions)
+        return self.attn(q, self.rotary(k.reshape(T, KVH, D), positions), v)
+
+
+def _rotary_setup(device, dtype, seed):
+    model, metas, x = _setup(device, dtype, seed)
+    block = RotaryBlock().to(device=device, dtype=dtype)
+    block.qkv.load_state_dict(model.qkv.state_dict())
+    block.attn = model.attn  # its bound, poisoned caches
+    g = gen(seed + 100)
+    positions = torch.randint(0, 100_000, (x.shape[0],), generator=g).to(device)
+    return block, metas, x, positions
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_with_rotary_equals_the_old_path(dtype, device):
+    """PagedAttention(q, k, v, positions, inv_freq) under a forward context
+    equals Rotary applied outside + reshape_and_cache + attention, caches
+    included; the trace shows the one op in place of reshape_and_cache."""
+    block, metas, x, positions = _rotary_setup(device, dtype, seed=7)
+    before = _buffers(block)
+    ctx = ForwardContext(attn_metadata=metas, trace=[])
+    with torch.no_grad(), set_forward_context(ctx):
+        a = block(x, positions)
+        after = _buffers(block)
+        for n, b in block.named_buffers():
+            if n.startswith("attn."):
+                b.copy_(before[n])
+        a_old = block.old_path(x, positions)
+    assert [e for _, e in ctx.trace] == ["rope_and_cache", "unified_attention",
+                                         "reshape_and_cache", "unified_attention"]
+    assert_close_rel(a, a_old, dtype, "attention")
+    for n, b in block.named_buffers():
+        assert_close_rel(after[n], b, dtype, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_with_rotary_cpu_fallback_is_exact(monkeypatch, dtype):
+    """Plain CPU (the torch references): the same numbers as the old path, bit for bit."""
+    block, metas, x, positions = _rotary_setup("cpu", dtype, seed=8)
+    before = _buffers(block)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=metas)):
+        a = block(x, positions)
+        after = _buffers(block)
+        for n, b in block.named_buffers():
+            if n.startswith("attn."):
+                b.copy_(before[n])
+        a_old = block.old_path(x, positions)
+    assert torch.equal(a, a_old)
+    for n, b in block.named_buffers():
+        assert torch.equal(after[n], b), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_with_rotary_under_torch_compile(device):
+    """Dynamo traces mrv2::rope_and_cache (fake: a new [T, H, D]); the compiled
+    step equals the eager one, caches included."""
+    block, metas, x, positions = _rotary_setup(device, torch.float32, seed=9)
+    start = _buffers(block)
+    with torch.no_grad(), set_forward_context(ForwardContext(attn_metadata=metas)):
+        a_eager = block(x, positions)
+        after_eager = _buffers(block)
+        for n, b in block.named_buffers():
+            b.copy_(start[n])
+        a = torch.compile(block, backend="eager", fullgraph=True)(x, positions)
+    assert torch.equal(a, a_eager)
+    for n, b in block.named_buffers():
+        assert torch.equal(b, after_eager[n]), n
+
+
+def test_paged_attention_needs_positions_and_inv_freq_together():
+    layer = PagedAttention(H, KVH, D, "x")
+    q = torch.zeros(1, H * D)
+    with pytest.raises(ValueError, match="positions and inv_freq together"):
+        layer(q, q[:, :KVH * D], q[:, :KVH * D], positions=torch.zeros(1, dtype=torch.int64))

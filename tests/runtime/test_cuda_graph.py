@@ -219,8 +219,8 @@ def test_minimum_pieces_for_the_hybrid_model():
             assert p.breakpoints == ["mrv2::unified_attention"]  # one eager call per layer
     captured = [p for p in step.pieces if p.captured]
     assert sum(p.attention_like.count("mrv2::sconv") for p in captured) == 2
-    # the KV write runs inside the piece before its layer's attention
-    assert [p.attention_like.count("mrv2::reshape_and_cache") for p in captured] == [1, 1, 0]
+    # the KV write (with rotary) runs inside the piece before its layer's attention
+    assert [p.attention_like.count("mrv2::rope_and_cache") for p in captured] == [1, 1, 0]
 
 
 # ---- address checks ------------------------------------------------------------------

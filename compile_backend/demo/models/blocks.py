@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, half-split layout."""
+    """Rotary position embedding, half-split layout. SelfAttention uses only
+    its `inv_freq`: mrv2::rope_and_cache computes this function inside the
+    KV-cache write (kernels/rope_and_cache.py, `rotary_ref`)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -94,9 +96,10 @@ class SelfAttention(nn.Module):
         return self.q_proj(r), self.k_proj(r).view(T, self.KVH, self.D), self.v_proj(r)
 
     def attend(self, q, k, v, positions: torch.Tensor) -> torch.Tensor:
-        T = q.shape[0]
-        q = self.rotary(q.view(T, self.H, self.D), positions)
-        return self.o_proj(self.attn(q, self.rotary(k, positions), v))
+        """q, k un-rotated: the attention layer applies `self.rotary`'s
+        frequencies to both as it writes the KV cache (one kernel,
+        mrv2::rope_and_cache; the same function as `self.rotary`)."""
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary.inv_freq))
 
     def forward(self, r: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.attend(*self.project(r), positions)
