@@ -42,10 +42,10 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_backend.core.counters import counters
-from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, is_eager_node
+from compile_backend.core.op_registry import EAGER_REASON, is_eager_node
 
 from .pass_base import (
-    Mrv2Pass,
+    OptionalPass,
     PassReport,
     example_value,
     graph_input_value,
@@ -88,18 +88,9 @@ def _same_shape(a: torch.Size, b: torch.Size) -> bool:
     return len(a) == len(b) and all(statically_known_true(i == j) for i, j in zip(a, b))
 
 
-class FuseLinearResidualPass(Mrv2Pass):
+class FuseLinearResidualPass(OptionalPass):
     """See the module docstring. `enabled=False` (config
     `fuse_linear_residual`): the pass leaves the graph as it is."""
-
-    MAX_LISTED = 200
-
-    def __init__(self, roles: OpRegistry, enabled: bool = True) -> None:
-        self.roles = roles
-        self.enabled = enabled
-
-    def settings(self) -> dict[str, Any]:
-        return {"enabled": self.enabled}
 
     def apply(self, graph: torch.fx.Graph) -> PassReport:
         details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}

@@ -57,11 +57,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
-from compile_backend.core.op_registry import EAGER_REASON, OpRegistry
+from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.core.packed_weights import can_pack
 
 from .pass_base import (
-    Mrv2Pass,
+    OptionalPass,
     PassReport,
     example_value,
     graph_input_value,
@@ -89,18 +89,9 @@ def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     return None
 
 
-class FuseSiblingLinearsPass(Mrv2Pass):
+class FuseSiblingLinearsPass(OptionalPass):
     """See the module docstring. `enabled=False` (config
     `fuse_sibling_linears`): the pass leaves the graph as it is."""
-
-    MAX_LISTED = 200
-
-    def __init__(self, roles: OpRegistry, enabled: bool = True) -> None:
-        self.roles = roles
-        self.enabled = enabled
-
-    def settings(self) -> dict[str, Any]:
-        return {"enabled": self.enabled}
 
     def apply(self, graph: torch.fx.Graph) -> PassReport:
         details: dict[str, Any] = {"enabled": self.enabled, "groups": [], "not_fused": []}

@@ -63,6 +63,21 @@ class Mrv2Pass:
         return h.hexdigest()
 
 
+class OptionalPass(Mrv2Pass):
+    """A rewrite a config option switches on or off (`enabled`; off: the graph
+    stays as it is), with the op registry it consults. Its report lists at
+    most MAX_LISTED entries per kind."""
+
+    MAX_LISTED = 200
+
+    def __init__(self, roles: Any, enabled: bool = True) -> None:
+        self.roles = roles  # an OpRegistry
+        self.enabled = enabled
+
+    def settings(self) -> dict[str, Any]:
+        return {"enabled": self.enabled}
+
+
 _SOURCES: dict[str, str] = {}
 
 

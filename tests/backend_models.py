@@ -142,3 +142,18 @@ def plain_calls(shapes, repeats, device="cpu", seed=0):
     """`repeats` calls per token count, fresh random inputs each (never zeros)."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(t, D, generator=g).to(device),) for t in shapes for _ in range(repeats)]
+
+
+def small_hf_llama(layers: int = 2, hidden: int = 256, heads: int = 8, kv_heads: int = 2,
+                   vocab: int = 256, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """An unmodified transformers LlamaForCausalLM (SDPA attention), seeded
+    weights, eval mode; skips the test when transformers is missing."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device, dtype).eval()

@@ -27,6 +27,7 @@ from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.testing import check_against_eager
+from backend_models import small_hf_llama
 from runtime_helpers import (  # noqa: F401  (_torch_reference_kernels: autouse fixture)
     CAPTURE_SIZES, _torch_reference_kernels, kv_config, random_prompts, random_schedule,
 )
@@ -197,14 +198,6 @@ def _apply(gm, **kw):
 
 def _calls(gm, target):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
-
-
-def _transformers():
-    """transformers, its Llama loaded (tests/conftest.py keeps the repository
-    root off sys.path, so its probe for a `kernels` package finds none)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaForCausalLM  # noqa: B018  (loads modeling_llama and its probe)
-    return transformers
 
 
 @pytest.fixture(autouse=True)
@@ -427,13 +420,7 @@ def test_reference_llama_runner_equals_eager_after_every_step(mode):
 def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
     """An unmodified transformers LlamaForCausalLM (fp32, eager pieces, stand-in
     graphs): o_proj and down_proj of every layer fused."""
-    transformers = _transformers()
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = small_hf_llama(2, hidden=64, heads=4, kv_heads=2, vocab=128)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 128, (1, t), generator=g) for t in (6, 6, 6, 1, 1, 1)]
     calls = [lambda m, i=i: m(i, use_cache=False).logits for i in ids]
@@ -447,13 +434,7 @@ def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
 
 
 def _hf_llama_bf16(layers=2):
-    transformers = _transformers()
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    return small_hf_llama(layers, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

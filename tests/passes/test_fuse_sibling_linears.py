@@ -19,6 +19,7 @@ from compile_backend.runtime.graph_standin import StandInGraphs
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.models import build_model, preset
 from compile_backend.testing import check_against_eager
+from backend_models import small_hf_llama
 from runtime_helpers import CAPTURE_SIZES, kv_config, random_prompts
 
 D = 16
@@ -372,13 +373,7 @@ def test_inductor_pieces_equal_eager_with_standin_graphs():
 
 
 def _hf_llama_bf16(layers=2):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    return small_hf_llama(layers, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
