@@ -10,6 +10,7 @@ so that a model built on these ops runs on any CPU machine.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,6 +26,19 @@ def interpreting() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Should an op on `t` run the Triton launcher (else: the torch reference)?"""
     return t.is_cuda or interpreting()
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (grids are sized by
+    them); 4 elsewhere (the interpreter: any small number)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def upcast_dots(dtype: torch.dtype) -> bool:

@@ -40,7 +40,6 @@ passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -50,7 +49,7 @@ import triton.language as tl
 
 from compile_backend.core.op_registry import register_op
 
-from ._device import cdiv, interpreting, next_pow2, upcast_dots
+from ._device import cdiv, interpreting, next_pow2, sm_count, upcast_dots
 
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,11 +101,6 @@ def _skinny_linear_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def row_tile(M: int) -> int:
     """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16)."""
     return max(16, next_pow2(M))
@@ -148,9 +142,8 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Use the kernel for F.linear(x, weight)? (module docstring)"""
     if not (x.is_cuda and skinny_allowed(x, weight)):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     M = x.numel() // x.shape[-1]
-    return skinny_fills(M, weight.shape[0], weight.shape[1], _num_sms(index))
+    return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -203,7 +196,7 @@ def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    residual: torch.Tensor) -> torch.Tensor:
     """Plain torch: residual + F.linear(x, weight, bias), one rounding where
     torch has one (`addmm` accumulates the residual into the GEMM)."""
-    if bias is None and x.dim() >= 1 and residual.shape == (*x.shape[:-1], weight.shape[0]):
+    if bias is None and residual.shape == (*x.shape[:-1], weight.shape[0]):
         K, N = weight.shape[1], weight.shape[0]
         return torch.addmm(residual.reshape(-1, N), x.reshape(-1, K), weight.t()).view(residual.shape)
     return residual + F.linear(x, weight, bias)

@@ -99,6 +99,7 @@ from ._device import (
     SEARCH, cdiv, dot_precision, interpreting, next_pow2, request_grid, request_tile, upcast_dots,
     use_triton,
 )
+from ._device import sm_count as _sm_count  # a module name tests replace (a GPU's count)
 from ._launch import Launch, current_device, current_stream, hooks_unset, stream_capturing
 from ._metadata import layer_metadata
 from .attention_plan import aligned, find_plan, keep_plan, plannable
@@ -447,12 +448,6 @@ def decode_form(num_reqs: int, num_kv_heads: int, device: torch.device,
     min_split = config.get("MIN_SPLIT_LEN", TWO_LAUNCH_MIN_SPLIT_LEN if two else MIN_SPLIT_LEN)
     check_int("config['MIN_SPLIT_LEN']", min_split, 1)
     return bool(two), min_split
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: any small number
 
 
 def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
