@@ -195,6 +195,16 @@ def test_reference_is_the_models_rotary():
         x = randn((7, 4, 64), dtype, "cpu", g)
         pos = _positions(7, g, "cpu")
         assert torch.equal(rotary_ref(x, pos, rot.inv_freq), rot(x, pos))
+    # ... and that function turns each pair (x_j, x_{j+D/2}) by the angle
+    # pos * inv_freq_j (taken as fp32 computes it): float64 complex arithmetic.
+    rot = Rotary(64, 500000.0)
+    x = randn((7, 4, 64), torch.float32, "cpu", g)
+    pos = _positions(7, g, "cpu")
+    z = torch.complex(x[..., :32].double(), x[..., 32:].double())
+    ang = (pos.float()[:, None] * rot.inv_freq).double()[:, None, :]
+    turned = z * torch.polar(torch.ones_like(ang), ang)
+    want = torch.cat([turned.real, turned.imag], dim=-1)
+    torch.testing.assert_close(rotary_ref(x, pos, rot.inv_freq).double(), want, rtol=1e-5, atol=1e-5)
 
 
 # ---- misuse ----------------------------------------------------------------

@@ -7,6 +7,7 @@ from torch import nn
 
 from compile_backend.core.parallel import TensorParallel, check_divides
 from compile_backend.kernels.layers import PagedAttention
+from compile_backend.kernels.rope_and_cache import rotary_ref
 
 from .config import ModelConfig
 from .sharding import column_linear, row_linear
@@ -38,9 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, half-split layout. SelfAttention uses only
-    its `inv_freq`: mrv2::rope_and_cache computes this function inside the
-    KV-cache write (kernels/rope_and_cache.py, `rotary_ref`)."""
+    """Rotary position embedding, half-split layout (`rotary_ref`). SelfAttention
+    uses only its `inv_freq`: mrv2::rope_and_cache computes this function
+    inside the KV-cache write (kernels/rope_and_cache.py)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -49,10 +50,7 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, heads, D]; positions [T]
-        ang = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return rotary_ref(x, positions, self.inv_freq)
 
 
 class SwiGLU(nn.Module):
