@@ -202,6 +202,9 @@ def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
 
     from compile_backend.runtime import graph_pool
 
+    # Graphs of earlier tests in this process (Dynamo keeps their steps in the
+    # traced modules' globals) may hold the shared pool: start without them.
+    cb.release_graphs()
     model = ToyHybrid()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         f = torch.compile(model, backend="mrv2", options={"piece_compiler": "eager", **TOY_OPTIONS})
