@@ -9,9 +9,11 @@ hidden 2048, 32 heads, 8 KV heads, intermediate 5632, vocab 32000 (the
 bench preset's widths) unless told otherwise. Variants:
   eager             the model as is;
   mrv2 passes on    the defaults: fuse_sibling_linears (q/k/v and gate/up
-                    one GEMM) and fuse_linear_residual (o and down with the
-                    residual in one kernel at decode);
-  mrv2 passes off   both options False.
+                    one GEMM), fuse_linear_residual (o and down with the
+                    residual in one kernel at decode) and fuse_norm_linear
+                    (the RMSNorms and the SiLU·mul inside the q/k/v and
+                    gate/up GEMMs at decode);
+  mrv2 passes off   the three options False.
 Each variant runs on its own copy of the model (compiled in place with
 `Module.compile`, so generate's calls of the module run compiled; Dynamo
 reset in between). `generate` runs greedy with a static cache (one per
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
                     for b in args.batches.split(",")}
     base = {"piece_compiler": "eager" if args.dry_run else args.piece_compiler}
     variants = [("eager", None),
-                ("mrv2 passes off", {**base, "fuse_sibling_linears": False, "fuse_linear_residual": False}),
+                ("mrv2 passes off", {**base, "fuse_sibling_linears": False, "fuse_linear_residual": False,
+                                         "fuse_norm_linear": False}),
                 ("mrv2 passes on", base)]
     rows = []
     scope = contextlib.nullcontext()

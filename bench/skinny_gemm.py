@@ -3,6 +3,7 @@
 
     python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,16,32,64]
                                 [--sweep] [--out bench/results]
+    python bench/skinny_gemm.py --fused [--rows 1,16,32,64] [--unfused compiled|eager]
 
 For each weight shape of a decode step (llama-8B: qkv, o, gate_up, down,
 lm_head; the bench preset's too) and each row count: cuBLAS as a step runs
@@ -18,6 +19,17 @@ copies that no call finds its weight in L2, median of do_bench's replays
 (warm-up excluded) / 12. The floor: the bytes the call must move (weight,
 x, output, residual) over the copy bandwidth measured in the same run.
 Writes skinny_gemm.md and skinny_gemm.json.
+
+`--fused` times `mrv2::norm_linear` (kernels/norm_linear.py: RMSNorm in the
+kernel's prologue, SiLU·mul in its epilogue) at llama-8B's shapes in bf16
+against the unfused sequence a compiled model runs: "qkv" = RMSNorm, then
+one F.linear over the packed [6144, 4096] q/k/v weight; "gate_up" = RMSNorm,
+F.linear over the packed [28672, 4096] gate/up weight, silu(g) * u. The
+unfused sequence goes through `torch.compile` (Inductor: one kernel for the
+norm, cuBLAS for the GEMM, one for silu * mul), or with `--unfused eager` as
+plain torch ops (a kernel per op); the fused op runs the kernel
+(MRV2_SKINNY_GEMM=1). Same timing as above; the floor here is the weight's
+bytes over the copy bandwidth. Writes norm_linear.md and norm_linear.json.
 """
 
 from __future__ import annotations
@@ -37,7 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
 
-from compile_backend.kernels.skinny_linear import skinny_config, skinny_linear  # noqa: E402
+from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: E402
+from compile_backend.kernels.norm_linear import norm_linear_ref, rms_norm_ref  # noqa: E402
+from compile_backend.kernels.skinny_linear import skinny_config, skinny_linear, skinny_pays  # noqa: E402
 
 BF16 = torch.bfloat16
 L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
@@ -53,6 +67,11 @@ SHAPES = {
 }
 SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
          "num_stages": [3, 4]}
+# --fused: (name, the siblings' output features, gated) at llama-8B's hidden
+# size; RMSNorm's eps as Llama-3 sets it.
+FUSED = [("qkv", [4096, 1024, 1024], False), ("gate_up", [14336, 14336], True)]
+FUSED_K = 4096
+FUSED_EPS = 1e-5
 
 
 def ms(fn) -> float:
@@ -67,9 +86,9 @@ def operands(M, N, K, residual, g):
     return ws, x, r
 
 
-def check(out, ref, what):
+def check(out, ref, what, tol=1e-2):
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
-    if not err < 1e-2:
+    if not err < tol:
         raise AssertionError(f"{what}: rel. error {err:.3g}")
     return err
 
@@ -135,16 +154,165 @@ def fmt(rows, bw) -> str:
     return "\n".join(lines)
 
 
+def unfused_norm_linear(x, norm_weight, weight, gated: bool):
+    """What a model runs without the fusion: RMSNorm, the packed linear, SiLU·mul."""
+    y = torch.nn.functional.linear(rms_norm_ref(x, norm_weight, FUSED_EPS), weight)
+    if gated:
+        g, u = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(g) * u
+    return y
+
+
+def bench_fused(name, sizes, gated, M, bw, unfused_mode, g, device="cuda"):
+    """One row of the --fused table: unfused (compiled or eager) and
+    `mrv2::norm_linear` with the kernel, weights rotated past L2."""
+    N, K = sum(sizes), FUSED_K
+    copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
+    groups = []
+    for _ in range(copies):  # each copy: the siblings packed into one [N, K] weight
+        ws = [(torch.randn(n, K, generator=g, device=device) * K ** -0.5).to(BF16) for n in sizes]
+        if pack_siblings(ws) != "packed":
+            raise AssertionError(f"{name}: the siblings did not pack")
+        groups.append(ws)
+    x = torch.randn(M, K, generator=g, device=device).to(BF16)
+    nw = (1.0 + 0.5 * torch.randn(K, generator=g, device=device)).to(BF16)
+    if device == "cuda" and not skinny_pays(x, packed_view(groups[0]), gated):
+        raise AssertionError(f"{name} M={M}: the op would not run the kernel (MRV2_SKINNY_GEMM=1?)")
+    ref = norm_linear_ref(x, nw, FUSED_EPS, groups[0], [], gated)
+    torch._dynamo.reset()  # a fresh compile per (shape, rows): no recompile limit to reach
+    step = torch.compile(unfused_norm_linear, dynamic=False) if unfused_mode == "compiled" \
+        else unfused_norm_linear
+    unfused = [lambda w=packed_view(ws): step(x, nw, w, gated) for ws in groups]
+    fused = [lambda ws=ws: torch.ops.mrv2.norm_linear(x, nw, FUSED_EPS, ws, [], gated) for ws in groups]
+    # bf16: the fused kernel rounds once where the reference rounds four or
+    # five times (kernels/norm_linear.py, "Rounding")
+    unfused_err = check(unfused[0](), ref, f"{name} M={M} unfused", tol=2e-2)
+    fused_err = check(fused[0](), ref, f"{name} M={M} fused", tol=2e-2)
+    row = {"shape": name, "N": N, "K": K, "M": M, "gated": gated, "unfused": unfused_mode,
+           "floor_us": N * K * 2 / bw * 1e6, "unfused_rel_err": unfused_err, "fused_rel_err": fused_err,
+           "unfused_us": time_us(unfused), "fused_us": time_us(fused)}
+    del groups, x, nw
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def time_us(fns) -> float:
+    return graph_ms(fns, CALLS, ms) * 1e3
+
+
+def fmt_fused(rows, bw, unfused_mode) -> str:
+    how = ("torch.compile (Inductor: the norm and silu * mul as its kernels, the GEMM cuBLAS)"
+           if unfused_mode == "compiled" else "plain torch ops (eager: a kernel per op)")
+    lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s; times in µs per call ({CALLS} calls in one CUDA "
+             "graph, weights rotated past L2, median); unfused = RMSNorm, the packed linear (and "
+             f"silu(g) * u for gate_up) run as {how}; fused = mrv2::norm_linear (the skinny kernel, "
+             "MRV2_SKINNY_GEMM=1); HBM floor = weight bytes / copy bandwidth",
+             "",
+             "| weights | N x K | rows | HBM floor | unfused | fused | fused / unfused | fused x floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']}{' (gated)' if r['gated'] else ''} | {r['N']} x {r['K']} | {r['M']} "
+            f"| {r['floor_us']:.1f} | {r['unfused_us']:.1f} | {r['fused_us']:.1f} "
+            f"| {r['fused_us'] / r['unfused_us']:.2f} | {r['fused_us'] / r['floor_us']:.2f} |")
+    return "\n".join(lines)
+
+
+def run_fused(args, argv) -> int:
+    os.environ["MRV2_SKINNY_GEMM"] = "1"  # the op runs the kernel at every row count timed
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth(ms)
+    rows = []
+    for name, sizes, gated in FUSED:
+        if args.only and name not in set(args.only.split(",")):
+            continue
+        for M in map(int, args.rows.split(",")):
+            row = bench_fused(name, sizes, gated, M, bw, args.unfused, g)
+            rows.append(row)
+            print(f"{name} M={M}: floor {row['floor_us']:.1f} unfused {row['unfused_us']:.1f} "
+                  f"fused {row['fused_us']:.1f}", flush=True)
+    text = fmt_fused(rows, bw, args.unfused)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (f"# RMSNorm + linear (+ SiLU·mul): mrv2::norm_linear against the unfused sequence\n\n"
+            f"{stamp}, {torch.cuda.get_device_name()}, torch {torch.__version__}, command: "
+            f"`python bench/skinny_gemm.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
+    with open(os.path.join(args.out, "norm_linear.md"), "w") as f:
+        f.write(head + text + "\n")
+    with open(os.path.join(args.out, "norm_linear.json"), "w") as f:
+        json.dump({"copy_bandwidth": bw, "unfused": args.unfused, "rows": rows}, f, indent=1)
+    print(text)
+    return 0
+
+
+FUSED_SWEEP = {"BLOCK_N": [16, 32], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8],
+               "num_stages": [2, 3, 4]}
+
+
+def run_fused_sweep(args) -> int:
+    """--fused --sweep: the norm_linear kernel's meta-parameters (BLOCK_N is
+    the gate's columns when gated), timed like the table, the best per row
+    tile printed and written to norm_linear_sweep.json."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for name, sizes, gated in FUSED:
+        if args.only and name not in set(args.only.split(",")):
+            continue
+        N, K = sum(sizes), FUSED_K
+        copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
+        groups = [[(torch.randn(n, K, generator=g, device="cuda") * K ** -0.5).to(BF16)
+                   for n in sizes] for _ in range(copies)]
+        for ws in groups:
+            pack_siblings(ws)
+        weights = [packed_view(ws) for ws in groups]
+        nw = (1.0 + 0.5 * torch.randn(K, generator=g, device="cuda")).to(BF16)
+        for M in map(int, args.rows.split(",")):
+            x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
+            ref = norm_linear_ref(x, nw, FUSED_EPS, groups[0], [], gated)
+            base = skinny_config(M, N, K, gated=gated)
+            timings = []
+            for v in itertools.product(*FUSED_SWEEP.values()):
+                cfg = dict(zip(FUSED_SWEEP, v), BLOCK_M=base["BLOCK_M"])
+                fns = [lambda w=w, c=cfg: skinny_linear(x, w, None, norm_weight=nw, eps=FUSED_EPS,
+                                                        gated=gated, config=c) for w in weights]
+                try:
+                    check(fns[0](), ref, f"{name} {cfg}", tol=2e-2)
+                    t = graph_ms(fns, CALLS, ms) * 1e3
+                except Exception as e:  # noqa: BLE001 (does not compile or fit: listed)
+                    timings.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                    continue
+                timings.append({"config": cfg, "us": t})
+            ok = sorted((t for t in timings if "us" in t), key=lambda t: t["us"])
+            print(f"{name} M={M} default {base}: best " + "; ".join(
+                f"{t['us']:.1f} {t['config']}" for t in ok[:3]), flush=True)
+            out.append({"shape": name, "M": M, "gated": gated, "timings": timings})
+        del groups, weights
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "norm_linear_sweep.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama8b,bench")
     ap.add_argument("--rows", default="1,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of meta-parameters")
     ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
+    ap.add_argument("--fused", action="store_true",
+                    help="time mrv2::norm_linear (RMSNorm + qkv, RMSNorm + gate_up + SiLU·mul) "
+                         "against the unfused sequence at llama-8B's shapes")
+    ap.add_argument("--unfused", choices=["compiled", "eager"], default="compiled",
+                    help="--fused: run the unfused sequence through torch.compile or as eager ops")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (the kernel's CPU tests: tests/kernels/test_skinny_linear.py)")
+        ap.error("needs a CUDA GPU (the kernel's CPU tests: tests/kernels/test_skinny_linear.py"
+                 + (" and tests/kernels/test_norm_linear.py)" if args.fused else ")"))
+    if args.fused:
+        return run_fused_sweep(args) if args.sweep else run_fused(args, argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth(ms)
     rows = []

@@ -13,6 +13,8 @@ capture-safe: `register_op` beside each definition, README.md "Op roles"):
                              for sibling linears: passes/fuse_sibling_linears.py)
     mrv2::linear_add         (ordinary)       kernels/skinny_linear.py (residual +
                              linear, one kernel at decode: passes/fuse_linear_residual.py)
+    mrv2::norm_linear        (ordinary)       kernels/norm_linear.py (RMSNorm, linear(s)
+                             and SiLU·mul, one kernel at decode: passes/fuse_norm_linear.py)
     mrv2::all_reduce         (collective)     kernels/all_reduce.py (tensor
                              parallelism's sum: one-shot or NCCL per message,
                              passes/symmetric_all_reduce.py)
@@ -40,6 +42,7 @@ from .all_reduce import all_reduce
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from .norm_linear import norm_linear, norm_linear_ref, rms_norm_ref
 from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
@@ -48,8 +51,8 @@ from .unified_attention import num_kv_splits, unified_attention, unified_attenti
 
 __all__ = [
     "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
-    "kv_compress", "kv_compress_ref", "num_kv_splits", "pack_siblings", "packed_view",
+    "kv_compress", "kv_compress_ref", "norm_linear", "norm_linear_ref", "num_kv_splits", "pack_siblings", "packed_view",
     "reshape_and_cache", "reshape_and_cache_ref", "rope_and_cache", "rope_and_cache_ref",
-    "sconv", "sconv_ref", "set_debug_checks",
+    "rms_norm_ref", "sconv", "sconv_ref", "set_debug_checks",
     "linear_add", "sibling_linear", "skinny_linear", "unified_attention", "unified_attention_ref",
 ]

@@ -1,8 +1,14 @@
 """Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel,
-with the residual add in its epilogue: `mrv2::linear_add`.
+with the residual add in its epilogue (`mrv2::linear_add`), and optionally
+an RMSNorm of x in its prologue and SiLU·mul in its epilogue
+(`mrv2::norm_linear`, kernels/norm_linear.py).
 
-    skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N] | None)
-        == F.linear(x, weight, bias) (+ residual)                    # [M, N]
+    skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N_out] | None,
+                  norm_weight [K] | None, eps, gated)
+        h = rms_norm(x, norm_weight, eps)                 (x when norm_weight is None)
+        y = F.linear(h, weight, bias)                                 # [M, N]
+        gated: y = silu(y[:, :N/2]) * y[:, N/2:]                      # [M, N_out = N/2]
+        == y (+ residual)                                             # [M, N_out]
 
 Why (Note [skinny GEMMs]): at decode a linear reads its whole weight to make
 a few rows, so it is bound by HBM bandwidth, and what else it launches shows
@@ -21,13 +27,27 @@ past L2): with the residual, the kernel takes 0.77-0.78x cuBLAS's time for
 the o projection (4096 x 4096) at 1-32 rows and 0.89-0.90x for down
 (4096 x 14336) at 1-16 rows; 0.89-0.95x for both at 32-64 rows. Without
 one, cuBLAS's single GEMV is as fast as the best configuration swept
-(qkv 0.97-0.99x, gate_up 1.04x, lm_head 0.96x): so only `mrv2::linear_add`
-uses the kernel, and `mrv2::sibling_linear` keeps cuBLAS.
+(qkv 0.97-0.99x, gate_up 1.04x, lm_head 0.96x): so a plain linear never
+uses the kernel (`mrv2::sibling_linear` keeps cuBLAS); `mrv2::linear_add`
+does, and `mrv2::norm_linear` does where it also saves the RMSNorm and
+SiLU·mul kernels (`python bench/skinny_gemm.py --fused` times that against
+the unfused sequence).
+
+Norm and gate (Note [norm and gate in the GEMM], kernels/norm_linear.py):
+out[m, n] = rstd[m] * sum_k (x[m,k] nw[k]) w[n,k], so with a norm weight
+the K loop also sums x[m,k]^2 in fp32 from the x tile it loaded for the dot
+(no second pass over x), feeds the dot x * nw rounded to x's dtype, and
+scales the accumulator by rstd[m] = 1/sqrt(mean_k x^2 + eps) after the
+loop. Gated, program p keeps two accumulators, for the gate's weight rows n
+and the up projection's rows N/2 + n (n in its BLOCK_N columns), adds the
+packed bias's entries n and N/2 + n, and stores silu(g) * u (+ residual)
+from fp32, one rounding. Its BLOCK_N is half the ungated one (`skinny_config`),
+so a pipeline stage holds as many weight rows as the swept configuration.
 
 Rows: x's M rows are padded to one dot tile of 16, 32 or 64 rows (`tl.dot`
 needs every dimension >= 16); the tensor cores have time to spare at these
 shapes, and each row tile has its own meta-parameters (`CONFIGS`).
-Grid: cdiv(N, BLOCK_N) programs. The kernel is used only where its grid is
+Grid: cdiv(N_out, BLOCK_N) programs. The kernel is used only where its grid is
 wide enough to win (`skinny_fills`), so a narrow projection (a TP shard, a
 small model) stays with cuBLAS.
 
@@ -36,6 +56,8 @@ small model) stays with cuBLAS.
 
 The op `mrv2::linear_add(x, weight, bias, residual)` is what
 passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
+`mrv2::norm_linear` (kernels/norm_linear.py) calls the launcher with
+`norm_weight`, `eps` and `gated`.
 """
 
 from __future__ import annotations
@@ -64,35 +86,64 @@ CONFIGS = {
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr,
-    M, N, K,
+    x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr,
+    M, N, K, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     # One program: out[:, n0:n0+BLOCK_N] over all of K. x [M, K] and w [N, K]
-    # have unit stride along K.
+    # have unit stride along K. The output has N_out columns: N, or N / 2
+    # when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
     n0 = tl.program_id(0) * BLOCK_N
+    if GATED:
+        N_out = N // 2
+    else:
+        N_out = N
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    n_ok = offs_n < N
+    n_ok = offs_n < N_out
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BM, 1]
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:  # the up projection's rows N/2 + n, beside the gate's rows n
+        u_rows = w_ptr + (N_out + offs_n)[:, None] * stride_wn  # [BN, 1]
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NORM:  # sum_k x[m, k]^2 of each row, in fp32, from the x tiles of the dot
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        if NORM:  # the dot takes x * nw rounded to x's dtype; rstd scales the sum after the loop
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            xt = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         if UPCAST:  # Note [interpreter bf16 dots]
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
-    if HAS_BIAS:
+        if GATED:
+            ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+            if UPCAST:
+                ut = ut.to(tl.float32)
+            acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
+    if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
+        rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BM]
+        acc = acc * rstd[:, None]
+        if GATED:
+            acc_u = acc_u * rstd[:, None]
+    if HAS_BIAS:  # the packed bias [N]: entries n (gate) and N/2 + n (up) when GATED
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + N_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # silu(g) * u in fp32: g * sigmoid(g) * u
+        acc = acc * tl.sigmoid(acc) * acc_u
     mask = m_ok[:, None] & n_ok[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
@@ -106,13 +157,19 @@ def row_tile(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def skinny_config(M: int, N: int, K: int, config: dict | None = None) -> dict:
+def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: bool = False) -> dict:
     """The kernel's meta-parameters for M rows and a [N, K] weight (`config`
-    overrides); BLOCK_M is the row tile."""
+    overrides); BLOCK_M is the row tile. Gated, a program reads BLOCK_N gate
+    rows and BLOCK_N up rows, so BLOCK_N is halved (down to 16, tl.dot's
+    minimum): the weight tile of a pipeline stage, and with it the shared
+    memory of the swept configuration, and the program count stay those of
+    the ungated kernel over the same [N, K] weight."""
     block_m = row_tile(M)
     cfg = dict(CONFIGS[block_m], BLOCK_M=block_m)
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
         cfg.update(BLOCK_N=16, BLOCK_K=32)
+    if gated:
+        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
     cfg.update(config or {})
     return cfg
 
@@ -125,8 +182,9 @@ def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
-def skinny_fills(M: int, N: int, K: int, num_sms: int) -> bool:
-    """Is the grid for M rows and a [N, K] weight wide enough to beat cuBLAS?
+def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False) -> bool:
+    """Is the grid for M rows and a [N, K] weight (N / 2 output columns when
+    gated) wide enough to beat cuBLAS?
     Measured (bench/results/skinny_gemm.md): up to 16 rows a grid of a
     quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
     rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
@@ -134,25 +192,31 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int) -> bool:
     choice = os.environ.get("MRV2_SKINNY_GEMM", "")
     if choice in ("0", "1"):
         return choice == "1"
-    programs = cdiv(N, skinny_config(M, N, K)["BLOCK_N"])
+    n_out = N // 2 if gated else N
+    programs = cdiv(n_out, skinny_config(M, N, K, gated=gated)["BLOCK_N"])
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 
-def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Use the kernel for F.linear(x, weight)? (module docstring)"""
+def skinny_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Use the kernel for F.linear(x, weight) (followed by SiLU·mul when
+    gated)? (module docstring)"""
     if not (x.is_cuda and skinny_allowed(x, weight)):
         return False
     M = x.numel() // x.shape[-1]
-    return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device))
+    return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device), gated)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: dict | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS, unit
     stride along K; weight [N, K] with unit stride along K (a row slice of a
-    packed weight is fine); bias [N] or None; residual [..., N] or None.
-    Returns [..., N] in x's dtype (new, or `out`, a contiguous [..., N])."""
+    packed weight is fine); bias [N] or None; norm_weight [K] or None (then
+    x is RMS-normalized with `eps` first); gated: the output is
+    silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
+    [..., N_out] or None, N_out = N / 2 when gated, else N.
+    Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out])."""
     if not skinny_allowed(x, weight):
         raise ValueError(
             f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS} rows and unit stride along K, "
@@ -161,31 +225,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             f"weight {tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())} "
             "(use F.linear for these)")
     N, K = weight.shape
+    if gated and N % 2:
+        raise ValueError(f"skinny_linear: gated needs an even N (the gate's rows, then the up "
+                         f"projection's, as many), got weight {tuple(weight.shape)}")
+    n_out = N // 2 if gated else N
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):
         raise ValueError(f"skinny_linear: bias must be [{N}] on {x.device}, got {tuple(bias.shape)}")
+    if norm_weight is not None:
+        if (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype
+                or norm_weight.device != x.device):
+            raise ValueError(f"skinny_linear: norm_weight must be [{K}] of x's dtype ({x.dtype}) on "
+                             f"{x.device}, got {tuple(norm_weight.shape)} {norm_weight.dtype} on "
+                             f"{norm_weight.device}")
+        if not eps >= 0.0:
+            raise ValueError(f"skinny_linear: eps must be a number >= 0, got {eps}")
+        if norm_weight.stride(0) != 1:
+            norm_weight = norm_weight.contiguous()
     r2 = None
     if residual is not None:
-        if tuple(residual.shape) != (*lead, N) or residual.device != x.device:
-            raise ValueError(f"skinny_linear: residual must be {(*lead, N)} on {x.device}, "
+        if tuple(residual.shape) != (*lead, n_out) or residual.device != x.device:
+            raise ValueError(f"skinny_linear: residual must be {(*lead, n_out)} on {x.device}, "
                              f"got {tuple(residual.shape)} on {residual.device}")
-        r2 = residual.reshape(M, N)
+        r2 = residual.reshape(M, n_out)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
     if out is None:
-        out = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (*lead, N) or not out.is_contiguous() or out.dtype != x.dtype:
-        raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, N)} {x.dtype} tensor")
-    o2 = out.view(M, N)
-    cfg = skinny_config(M, N, K, config)
-    grid = (cdiv(N, cfg["BLOCK_N"]),)
+        out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (*lead, n_out) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
+    o2 = out.view(M, n_out)
+    cfg = skinny_config(M, N, K, config, gated)
+    grid = (cdiv(n_out, cfg["BLOCK_N"]),)
     _skinny_linear_kernel[grid](
-        x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2, o2,
-        M, N, K,
+        x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
+        norm_weight if norm_weight is not None else weight, o2,
+        M, N, K, float(eps),
         x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
+        NORM=norm_weight is not None, GATED=gated,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -16,6 +16,7 @@ from compile_backend.core.op_registry import (
 
 from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
+from .fuse_norm_linear import FuseNormLinearPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass, PassReport
 from .pass_manager import PassManager
@@ -26,6 +27,7 @@ __all__ = [
     "CaptureSafetyError",
     "CaptureSafetyPass",
     "FuseLinearResidualPass",
+    "FuseNormLinearPass",
     "FuseSiblingLinearsPass",
     "Mrv2Pass",
     "PassManager",

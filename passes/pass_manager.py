@@ -37,7 +37,18 @@ The order, and why:
                               fuses a node marked eager nor across an eager
                               node, and its new node is an op declared
                               capture-safe...
-  5. SegmentAttentionLikePass (always; it moves nodes only when
+  5. FuseNormLinearPass       (edits only when `fuse_norm_linear`) replaces
+                              an RMSNorm and the linear or sibling_linear
+                              that reads it, and a `silu(g) * u` over that
+                              linear's halves, by one `mrv2::norm_linear`.
+                              After the sibling pass: it takes the packed
+                              q/k/v and gate/up groups, so one kernel
+                              normalizes, projects and gates. Independent
+                              of pass 4 (that one takes o_proj and down_proj,
+                              which read no norm). Its new node is an op
+                              declared capture-safe, and it never fuses a
+                              node marked eager nor across an eager node.
+  6. SegmentAttentionLikePass (always; it moves nodes only when
                               `reorder_for_fewer_pieces`) ...so that the
                               reorder sees the final graph and the final eager
                               set: a fallback op is eager like a breakpoint,
@@ -60,6 +71,7 @@ from compile_backend.core.op_registry import OpRegistry
 
 from .capture_safety import CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
+from .fuse_norm_linear import FuseNormLinearPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .pass_base import Mrv2Pass
 from .segment_attention_like import SegmentAttentionLikePass
@@ -81,6 +93,7 @@ class PassManager:
                                    threshold=config.tp_all_reduce_threshold),
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             FuseLinearResidualPass(roles, enabled=config.fuse_linear_residual),
+            FuseNormLinearPass(roles, enabled=config.fuse_norm_linear),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])
 

@@ -54,6 +54,13 @@ class CompilationConfig:
         becomes one `mrv2::linear_add`: at decode on a GPU one kernel with
         the residual added in its epilogue, else torch's `addmm`
         (passes/fuse_linear_residual.py).
+    fuse_norm_linear: an RMSNorm and the linear(s) that read it, and a
+        SwiGLU gate `silu(g) * u` over a linear's two halves, become one
+        `mrv2::norm_linear`: at decode on a GPU one kernel that normalizes
+        and gates inside the GEMM, else the same ops in torch
+        (passes/fuse_norm_linear.py). Off by default: measured slower than
+        the unfused kernels on the H200 (docs/design.md, "RMSNorm,
+        projection and gate").
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
@@ -91,6 +98,7 @@ class CompilationConfig:
     reorder_for_fewer_pieces: bool = True
     fuse_sibling_linears: bool = True
     fuse_linear_residual: bool = True
+    fuse_norm_linear: bool = False
     direct_op_calls: bool = True
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
@@ -158,6 +166,7 @@ class CompilationConfig:
                 f"{threshold!r}; for example 524288 (512 KiB)")
         for name in ("debug_checks", "strict_capture", "enable_passes",
                      "reorder_for_fewer_pieces", "fuse_sibling_linears", "fuse_linear_residual",
+                     "fuse_norm_linear",
                      "direct_op_calls", "serializable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

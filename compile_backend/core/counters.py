@@ -26,6 +26,8 @@ Keys (all ints):
   pass_linear_residual_fused
                          linear + residual adds fused into one mrv2::linear_add
                          (passes/fuse_linear_residual.py)
+  pass_norm_linear_fused RMSNorm / linear / SiLU·mul groups fused into one
+                         mrv2::norm_linear (passes/fuse_norm_linear.py)
 """
 
 from __future__ import annotations

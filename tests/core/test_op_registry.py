@@ -255,12 +255,13 @@ def test_core_names_no_kernel_op_and_the_kernels_register_their_own():
         assert reg.role_of_name(ops[0]) is OpRole.BREAKPOINT
         assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[1:])
         assert reg.layer_keyed_ops() == sorted(ops)
-        # sibling_linear, linear_add: ordinary ops (no role, no layer name),
-        # capture-safe; all_reduce: a collective, capture-safe
+        # sibling_linear, linear_add, norm_linear: ordinary ops (no role, no
+        # layer name), capture-safe; all_reduce: a collective, capture-safe
         assert reg.capture_safe_ops() == sorted(ops + ["mrv2::sibling_linear", "mrv2::linear_add",
-                                                       "mrv2::all_reduce"])
+                                                       "mrv2::norm_linear", "mrv2::all_reduce"])
         assert reg.role_of_name("mrv2::sibling_linear") is OpRole.ORDINARY
         assert reg.role_of_name("mrv2::linear_add") is OpRole.ORDINARY
+        assert reg.role_of_name("mrv2::norm_linear") is OpRole.ORDINARY
         assert reg.role_of_name("mrv2::all_reduce") is OpRole.COLLECTIVE
         print("ok")
     """)

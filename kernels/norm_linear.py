@@ -1,0 +1,131 @@
+"""RMSNorm, a linear (or sibling linears) and the SwiGLU gate as one op:
+`mrv2::norm_linear`.
+
+    norm_linear(x [..., K], norm_weight [K] | None, eps, [w_0, ..., w_n], [b_i] or [], gated)
+        h = rms_norm_ref(x, norm_weight, eps)          (x itself when norm_weight is None)
+        y = torch.cat([F.linear(h, w_i, b_i) for i], -1)                # [..., N = sum N_i]
+        gated:  g, u = y.chunk(2, -1);  y = silu(g) * u                  # [..., N / 2]
+        == y
+
+Why (Note [norm and gate in the GEMM]): at decode, a layer's RMSNorms and
+its SiLU·mul are three small kernels, each a launch and a round trip
+through memory for a few rows; on the H200 at one token they cost about
+2.2, 2.2 and 1.4 µs a layer besides their launch gaps
+(bench/results/profile_llama8b.md). The linear that reads their output can
+do their work on the way:
+  - RMSNorm: out[m, n] = sum_k (x[m,k] rstd[m] nw[k]) w[n,k]
+                       = rstd[m] * sum_k (x[m,k] nw[k]) w[n,k],
+    so the kernel accumulates sum_k x[m,k]^2 next to the dot, from the x
+    tiles it loads anyway, and scales the accumulator by rstd[m] at the end:
+    no second pass over x and no extra memory traffic.
+  - SiLU·mul: a program computes the gate column n and the up column n
+    (weight rows n and N/2 + n) side by side and stores silu(g) * u.
+The pass passes/fuse_norm_linear.py writes this op for `RMSNorm -> linear`
+and `RMSNorm -> sibling linears`, and takes the `silu(gate) * up` after them
+in too.
+
+Rounding: the reference rounds where eager torch rounds (the normalized x
+to x's dtype, then times the norm weight; each linear; silu; the product).
+The kernel keeps fp32 from the accumulator to the one rounding of the
+output, and rounds x * nw to x's dtype for the dot (what the tensor cores
+take): within the bf16 tolerances the model tests state.
+
+Dispatch: CUDA tensors at decode shapes, with the weights packed back to
+back (`packed_view`, as sibling_linear needs), run the skinny kernel
+(kernels/skinny_linear.py) when `skinny_pays`; everything else runs the
+reference, which is the eager computation.
+
+Measured on the H200 (bench/results/norm_linear.md): correct, and 3-4x
+slower than the unfused Inductor norm + cuBLAS (+ SiLU·mul) at 1-64 rows,
+so passes/fuse_norm_linear.py is off by default (config `fuse_norm_linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compile_backend.core.op_registry import register_op
+from compile_backend.core.packed_weights import packed_view
+
+from .skinny_linear import skinny_linear, skinny_pays
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama family computes it: fp32 statistics, the
+    normalized x rounded to x's dtype, then times the weight."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                    weights: list[torch.Tensor], biases: list[torch.Tensor],
+                    gated: bool) -> torch.Tensor:
+    """Plain torch, op by op as eager runs it (module docstring)."""
+    h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
+    weight = packed_view(weights)
+    bias = packed_view(biases) if biases else None
+    if weight is not None and (bias is not None or not biases):
+        y = F.linear(h, weight, bias)
+    else:
+        y = torch.cat([F.linear(h, w, biases[i] if biases else None)
+                       for i, w in enumerate(weights)], dim=-1)
+    if gated:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    return y
+
+
+def out_features(weights: list[torch.Tensor], gated: bool) -> int:
+    n = sum(w.shape[0] for w in weights)
+    return n // 2 if gated else n
+
+
+def _check(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+           weights: list[torch.Tensor], biases: list[torch.Tensor], gated: bool) -> None:
+    if not weights:
+        raise ValueError("norm_linear: no weights (give the linear's weight, or the siblings')")
+    K = x.shape[-1]
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(
+                f"norm_linear: each weight must be [N, {K}] of x's dtype ({x.dtype}) on {x.device}; "
+                f"got {tuple(w.shape)} {w.dtype} on {w.device}")
+    if biases and (len(biases) != len(weights) or any(
+            tuple(b.shape) != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device
+            for b, w in zip(biases, weights))):
+        raise ValueError(f"norm_linear: give one bias [N_i] of x's dtype per weight, or none; got "
+                         f"{[tuple(b.shape) for b in biases]} for weights "
+                         f"{[tuple(w.shape) for w in weights]}")
+    if norm_weight is not None and (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype
+                                    or norm_weight.device != x.device):
+        raise ValueError(f"norm_linear: norm_weight must be [{K}] of x's dtype ({x.dtype}) on "
+                         f"{x.device}; got {tuple(norm_weight.shape)} {norm_weight.dtype} on "
+                         f"{norm_weight.device}")
+    if not eps >= 0.0:
+        raise ValueError(f"norm_linear: eps must be a number >= 0, got {eps}")
+    if gated and sum(w.shape[0] for w in weights) % 2:
+        raise ValueError("norm_linear: gated needs an even number of output features "
+                         "(the gate's columns, then the up projection's)")
+
+
+@torch.library.custom_op("mrv2::norm_linear", mutates_args=())
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                weights: list[torch.Tensor], biases: list[torch.Tensor],
+                gated: bool) -> torch.Tensor:
+    """RMSNorm -> linear(s) -> optional SiLU·mul (module docstring)."""
+    _check(x, norm_weight, eps, weights, biases, gated)
+    weight = packed_view(weights)
+    bias = packed_view(biases) if biases else None
+    if weight is not None and (bias is not None or not biases) and skinny_pays(x, weight, gated):
+        return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+    return norm_linear_ref(x, norm_weight, eps, weights, biases, gated).contiguous()
+
+
+register_op("mrv2::norm_linear", capture_safe=True)
+
+
+@norm_linear.register_fake
+def _(x, norm_weight, eps, weights, biases, gated):
+    _check(x, norm_weight, eps, weights, biases, gated)
+    return x.new_empty((*x.shape[:-1], out_features(weights, gated)))

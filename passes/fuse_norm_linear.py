@@ -1,0 +1,418 @@
+"""An RMSNorm, the linear(s) that read it and the SwiGLU gate after them
+become one op.
+
+At decode each of these is a small kernel of its own: the RMSNorm before
+q/k/v, the one before gate/up, and the SiLU·mul between gate/up and down.
+`mrv2::norm_linear` (kernels/norm_linear.py) does their work inside the
+GEMM that reads them (Note [norm and gate in the GEMM]): one kernel where
+there were three (or two).
+
+Before:                                       After:
+    a = x.to(float32)  (or x.float())             y = mrv2::norm_linear(x, nw, eps, [w...], [b...], gated)
+    v = a.pow(2).mean(-1, keepdim=True)
+    h = (a * rsqrt(v + eps)).to(x.dtype) * nw     (or nw * (...))
+    y = linear(h, w, b)  |  mrv2::sibling_linear(h, [w...], [b...])
+  and, when the linear's output is only the gate and the up halves:
+    g, u = halves of y  (narrow at 0 and N/2 | chunk(2, -1)[0], [1])
+    y = silu(g) * u     (or u * silu(g))
+
+Either part alone is taken too: a norm before a linear with no gate after
+it (q/k/v), and a gate after a linear with no norm before it.
+
+Fires only when all of these hold:
+  - the linear is `linear(x, w, b)` with `w` a 2-D and `b` a 1-D graph
+    input, or `mrv2::sibling_linear` (passes/fuse_sibling_linears.py, which
+    runs first); not marked eager;
+  - norm: the nodes are exactly the pattern above, with the dtype cast back
+    to x's dtype, `nw` a 1-D graph input of x's dtype, and every
+    intermediate used only inside the pattern (the normalized `h` only by
+    the linear); no node between the norm's first node and the linear
+    writes anything, runs eagerly, sets global state or is a breakpoint,
+    attention-like op or collective (`motion_barrier`): the fused node reads
+    x at the linear's place;
+  - gate: the linear has an even number of output features and its output
+    is used only by its two halves; the gate half only by `silu`, the up
+    half and the silu only by the product;
+  - dtypes and devices of x, nw, weights and biases agree (the op's checks).
+The report lists what was fused and, for each norm or gate that was
+recognized and not taken, why.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Hashable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from compile_backend.core.counters import counters
+from compile_backend.core.op_registry import EAGER_REASON, is_eager_node
+
+from .pass_base import (
+    OptionalPass,
+    PassReport,
+    example_value,
+    graph_input_value,
+    keep_meta,
+    linear_args,
+    motion_barrier,
+    op_label,
+    registered_op,
+    source_line,
+    values_fake_mode,
+)
+from .segment_attention_like import _output_roots
+
+logger = logging.getLogger(__name__)
+
+_NO_OP = ("mrv2::norm_linear is not registered: import compile_backend.kernels "
+          "(the backend does, before the passes)")
+MUL_TARGETS = (operator.mul, torch.mul)
+ADD_TARGETS = (operator.add, torch.add)
+
+
+def _fused_op() -> Any:
+    """The op the fused node calls (kernels/norm_linear.py), or None."""
+    return registered_op("mrv2", "norm_linear")
+
+
+def _is_call(node: Any, targets: tuple[Any, ...] = (), method: str | None = None) -> bool:
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if method is not None and node.op == "call_method" and node.target == method:
+        return True
+    return node.op == "call_function" and node.target in targets
+
+
+def _binary(node: torch.fx.Node, targets: tuple[Any, ...]) -> tuple[Any, Any] | None:
+    """(a, b) of `a <op> b` with no keyword arguments (None: not one)."""
+    if node.op == "call_function" and node.target in targets and len(node.args) == 2 \
+            and not node.kwargs:
+        return node.args[0], node.args[1]
+    return None
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def _dtype_of(node: Any) -> torch.dtype | None:
+    v = example_value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+class _Norm:
+    """A matched RMSNorm: `out = (a * rsqrt(mean(a^2) + eps)).to(x.dtype) * nw`."""
+
+    def __init__(self, x: torch.fx.Node, weight: torch.fx.Node, eps: float,
+                 nodes: list[torch.fx.Node]) -> None:
+        self.x, self.weight, self.eps = x, weight, float(eps)
+        self.nodes = nodes  # the pattern's nodes in graph order; nodes[-1] is the output
+
+
+def _to_dtype(node: Any) -> tuple[torch.fx.Node, torch.dtype] | None:
+    """(input, dtype) of `t.to(dtype)` / `t.to(dtype=dtype)` / `t.float()`."""
+    if _is_call(node, method="float") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0], torch.float32
+    if not _is_call(node, method="to"):
+        return None
+    args, kw = node.args, dict(node.kwargs)
+    if len(args) == 2 and isinstance(args[1], torch.dtype) and not kw:
+        return args[0], args[1]
+    if len(args) == 1 and set(kw) == {"dtype"} and isinstance(kw["dtype"], torch.dtype):
+        return args[0], kw["dtype"]
+    return None
+
+
+def match_rms_norm(h: Any) -> tuple[_Norm | None, str | None]:
+    """The RMSNorm whose output is `h`, or (None, why not) when `h` looks
+    like one but is not exactly the pattern; (None, None): not a norm."""
+    if not isinstance(h, torch.fx.Node):
+        return None, None
+    mul = _binary(h, MUL_TARGETS)
+    if mul is None:
+        return None, None
+    for nw, c in (mul, mul[::-1]):
+        cast = _to_dtype(c)
+        if cast is None or not isinstance(nw, torch.fx.Node) or nw.op != "placeholder":
+            continue
+        n, dtype = cast
+        nm = _binary(n, MUL_TARGETS) if isinstance(n, torch.fx.Node) else None
+        if nm is None:
+            continue
+        for a, r in (nm, nm[::-1]):
+            if not (_is_call(r, (torch.rsqrt,), method="rsqrt") and len(r.args) == 1
+                    and not r.kwargs):
+                continue
+            e = r.args[0]
+            add = _binary(e, ADD_TARGETS) if isinstance(e, torch.fx.Node) else None
+            if add is None:
+                continue
+            m, eps = add if isinstance(add[1], (int, float)) else add[::-1]
+            if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not \
+                    _is_mean_of_square(m, a):
+                continue
+            a_in = _to_dtype(a)
+            if a_in is None or a_in[1] != torch.float32:
+                continue
+            x = a_in[0]
+            return _checked_norm(h, x, nw, float(eps), dtype, [a, m.args[0], m, e, r, n, c, h])
+    return None, None
+
+
+def _is_mean_of_square(m: Any, a: Any) -> bool:
+    """`m` is `a.pow(2).mean(-1, keepdim=True)` (or torch.pow / torch.mean)."""
+    if not (_is_call(m, (torch.mean,), method="mean") and m.args):
+        return False
+    p = m.args[0]
+    av = example_value(a)
+    ndim = av.dim() if isinstance(av, torch.Tensor) else -1
+    dim = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim")
+    keepdim = m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False)
+    extra = set(m.kwargs) - {"dim", "keepdim"}
+    if extra or keepdim is not True or not _last_dim(dim, ndim) or len(m.args) > 3:
+        return False
+    if not (_is_call(p, (torch.pow, operator.pow), method="pow") and len(p.args) == 2
+            and not p.kwargs):
+        return False
+    return p.args[0] is a and p.args[1] in (2, 2.0)
+
+
+def _checked_norm(h: torch.fx.Node, x: Any, nw: torch.fx.Node, eps: float, dtype: torch.dtype,
+                  nodes: list[torch.fx.Node]) -> tuple[_Norm | None, str | None]:
+    """The norm, if its values and users allow fusing (else why not)."""
+    a, p, m, e, r, n, c, _ = nodes
+    xd = _dtype_of(x)
+    if xd is None:
+        return None, "no example value for the norm's input"
+    if dtype != xd:
+        return None, f"the norm casts to {dtype}, not to its input's dtype {xd}"
+    wv = graph_input_value(nw, 1)
+    if wv is None or wv.dtype != xd:
+        return None, (f"the norm's weight is not a 1-D graph input of the input's dtype {xd} "
+                      f"(got {_dtype_of(nw)})")
+    if eps < 0:
+        return None, f"eps {eps} < 0"
+    if set(a.users) != {p, n}:
+        return None, "the norm's fp32 input has users outside the norm"
+    for node in (p, m, e, r, n, c):
+        if len(node.users) != 1:
+            return None, f"`{node.name}` inside the norm has {len(node.users)} users"
+    if len(h.users) != 1:
+        return None, f"the norm's output has {len(h.users)} users (fusing needs the linear only)"
+    return _Norm(x, nw, eps, nodes), None
+
+
+class _Gate:
+    """`silu(g) * u` over the two halves of a linear's output."""
+
+    def __init__(self, product: torch.fx.Node, nodes: list[torch.fx.Node]) -> None:
+        self.product = product
+        self.nodes = nodes  # halves, chunk, silu, product: erased after the rewrite
+
+
+def _halves(y: torch.fx.Node, n_out: int) -> tuple[torch.fx.Node, torch.fx.Node,
+                                                    list[torch.fx.Node]] | None:
+    """(gate half, up half, their nodes) when `y`'s only users split its
+    last dimension in two equal halves."""
+    users = list(y.users)
+    yv = example_value(y)
+    ndim = yv.dim() if isinstance(yv, torch.Tensor) else -1
+    half = n_out // 2
+    if len(users) == 2 and all(_is_call(u, (torch.narrow,), method="narrow") and not u.kwargs
+                               and len(u.args) == 4 and u.args[0] is y for u in users):
+        by_start = {u.args[2]: u for u in users if _last_dim(u.args[1], ndim) and u.args[3] == half}
+        if set(by_start) == {0, half}:
+            return by_start[0], by_start[half], [by_start[0], by_start[half]]
+    if len(users) == 1 and _is_call(users[0], (torch.chunk,), method="chunk"):
+        ch = users[0]
+        chunks = ch.args[1] if len(ch.args) > 1 else ch.kwargs.get("chunks")
+        dim = ch.args[2] if len(ch.args) > 2 else ch.kwargs.get("dim", 0)
+        items = list(ch.users)
+        if chunks == 2 and _last_dim(dim, ndim) and len(items) == 2 and all(
+                i.op == "call_function" and i.target is operator.getitem for i in items):
+            by_index = {i.args[1]: i for i in items}
+            if set(by_index) == {0, 1}:
+                return by_index[0], by_index[1], [ch, by_index[0], by_index[1]]
+    return None
+
+
+def match_gate(y: torch.fx.Node, n_out: int) -> tuple[_Gate | None, str | None]:
+    """`silu(g) * u` over `y`'s halves, or (None, why not) when `y` is split
+    in halves but not gated that way; (None, None): not split in halves."""
+    if n_out % 2:
+        return None, None
+    found = _halves(y, n_out)
+    if found is None:
+        return None, None
+    g, u, split_nodes = found
+    if len(g.users) != 1:
+        return None, f"the gate half has {len(g.users)} users"
+    s = next(iter(g.users))
+    silu = _is_call(s, (F.silu, torch.nn.functional.silu)) and s.args == (g,) and \
+        not s.kwargs.get("inplace", False) and set(s.kwargs) <= {"inplace"}
+    if not silu:
+        return None, f"the gate half goes to `{op_label(s)}`, not silu"
+    if len(s.users) != 1 or len(u.users) != 1:
+        return None, "the silu or the up half has other users than their product"
+    prod = next(iter(s.users))
+    operands = _binary(prod, MUL_TARGETS)
+    if operands is None or set(operands) != {s, u} or next(iter(u.users)) is not prod:
+        return None, "silu(gate) is not multiplied by the up half"
+    return _Gate(prod, [*split_nodes, s, prod]), None
+
+
+class FuseNormLinearPass(OptionalPass):
+    """See the module docstring. `enabled=False` (config `fuse_norm_linear`):
+    the pass leaves the graph as it is."""
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}
+        if not self.enabled:
+            return PassReport(changed=False, details=details)
+        not_fused: list[dict[str, Any]] = []
+        matches = self._find(graph, not_fused)
+        op = _fused_op()
+        if matches and op is None:
+            not_fused += [{"linear": y.name, "reason": _NO_OP, "source": source_line(y)}
+                          for y, _, _ in matches]
+            matches = []
+        fused = [self._fuse(graph, y, norm, gate, op) for y, norm, gate in matches]
+        counters["pass_norm_linear_fused"] += len(fused)
+        if fused:
+            logger.info("mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear",
+                        len(fused))
+        details["fused"] = fused[: self.MAX_LISTED]
+        details["not_fused"] = not_fused[: self.MAX_LISTED]
+        details["num_fused"] = len(fused)
+        return PassReport(changed=bool(fused), details=details)
+
+    # ---- finding ------------------------------------------------------------------
+
+    def _eager(self, node: torch.fx.Node) -> bool:
+        return EAGER_REASON in node.meta or is_eager_node(node, self.roles)
+
+    def _linear(self, node: torch.fx.Node) -> tuple[Any, list[Any], list[Any]] | None:
+        """(input, weights, biases) of a linear or sibling_linear whose
+        weights are graph inputs (None: not one)."""
+        sibling = registered_op("mrv2", "sibling_linear")
+        if sibling is not None and node.op == "call_function" and node.target is sibling:
+            x, weights, biases = node.args
+            return x, list(weights), list(biases)
+        args = linear_args(node)
+        if args is None:
+            return None
+        x, w, b = args
+        if graph_input_value(w, 2) is None or (b is not None and graph_input_value(b, 1) is None):
+            return None
+        return x, [w], [] if b is None else [b]
+
+    def _find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]
+              ) -> list[tuple[torch.fx.Node, _Norm | None, _Gate | None]]:
+        order: dict[torch.fx.Node, int] = {}
+        barriers: list[int] = []
+        roots: dict[torch.fx.Node, set[Hashable]] = {}
+        for i, node in enumerate(graph.nodes):
+            order[node] = i
+            if node.op not in ("placeholder", "get_attr", "output") and \
+                    motion_barrier(node, self.roles, roots):
+                barriers.append(i)
+            roots[node] = _output_roots(node, roots)
+        matches = []
+        for y in list(graph.nodes):
+            lin = self._linear(y) if y.op == "call_function" else None
+            if lin is None or self._eager(y):
+                continue
+            x, weights, biases = lin
+            norm, why_norm = match_rms_norm(x)
+            if norm is not None:
+                first = order[norm.nodes[0]]
+                barrier = next((b for b in barriers if first < b < order[y]), None)
+                eager = [n.name for n in norm.nodes if self._eager(n)]
+                if eager:
+                    norm, why_norm = None, f"the norm's {', '.join(eager)} run(s) eagerly"
+                elif barrier is not None:
+                    node = next(n for n, i in order.items() if i == barrier)
+                    norm, why_norm = None, (
+                        f"`{op_label(node)}` ({node.name}) between the norm and the linear "
+                        "writes something, runs eagerly or is a breakpoint, attention-like op "
+                        "or collective")
+            n_out = sum(int(example_value(w).shape[0]) for w in weights
+                        if isinstance(example_value(w), torch.Tensor))
+            gate, why_gate = match_gate(y, n_out)
+            if gate is not None and any(self._eager(n) for n in gate.nodes):
+                gate, why_gate = None, "a node of the gate runs eagerly"
+            for what, why in (("norm", why_norm), ("gate", why_gate)):
+                if why is not None:
+                    not_fused.append({"linear": y.name, "part": what, "reason": why,
+                                      "source": source_line(y)})
+            if (norm is None and gate is None) or not self._values_agree(x, norm, weights, biases):
+                continue
+            matches.append((y, norm, gate))
+        return matches
+
+    @staticmethod
+    def _values_agree(x: Any, norm: _Norm | None, weights: list[Any], biases: list[Any]) -> bool:
+        """The op's dtype/device rules hold for the example values."""
+        vals = [example_value(n) for n in [norm.x if norm else x, *weights, *biases]
+                + ([norm.weight] if norm else [])]
+        if not all(isinstance(v, torch.Tensor) for v in vals):
+            return False
+        return len({v.dtype for v in vals}) == 1 and len({v.device for v in vals}) == 1
+
+    # ---- rewriting ---------------------------------------------------------------------
+
+    @staticmethod
+    def _fuse(graph: torch.fx.Graph, y: torch.fx.Node, norm: _Norm | None, gate: _Gate | None,
+              op: Any) -> dict[str, Any]:
+        x, weights, biases = FuseNormLinearPass._linear_args(y)
+        src = norm.x if norm is not None else x
+        nw = norm.weight if norm is not None else None
+        eps = norm.eps if norm is not None else 0.0
+        out = gate.product if gate is not None else y
+        meta_key = "example_value" if "example_value" in out.meta else "val"
+        vals = [example_value(n) for n in [src, *weights, *biases] + ([nw] if nw is not None else [])]
+        fake_mode = values_fake_mode(vals)
+        with graph.inserting_before(y):
+            fused = graph.call_function(op, (src, nw, eps, list(weights), list(biases),
+                                             gate is not None))
+        keep_meta(fused, y)
+        if fake_mode is not None:
+            sv, ws, bs = vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):][:len(biases)]
+            with fake_mode:
+                fused.meta[meta_key] = op(sv, example_value(nw) if nw is not None else None, eps,
+                                          ws, bs, gate is not None)
+        entry = {
+            "node": fused.name,
+            "linear": y.name,
+            "norm": norm.nodes[-1].name if norm is not None else None,
+            "norm_weight": nw.name if nw is not None else None,
+            "gated": gate is not None,
+            "weights": [w.name for w in weights],
+            "source": source_line(y),
+        }
+        out.replace_all_uses_with(fused)
+        dead = ([*reversed(gate.nodes)] if gate is not None else []) + [y] + \
+            ([*reversed(norm.nodes)] if norm is not None else [])
+        for node in dead:
+            assert not node.users, (node, list(node.users))
+            graph.erase_node(node)
+        return entry
+
+    @staticmethod
+    def _linear_args(y: torch.fx.Node) -> tuple[Any, list[Any], list[Any]]:
+        args = linear_args(y)
+        if args is None:  # sibling_linear
+            x, weights, biases = y.args
+            return x, list(weights), list(biases)
+        x, w, b = args
+        return x, [w], [] if b is None else [b]
+
+
+def fused_norm_linears(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What this pass fused, from a PassManager log."""
+    return [f for entry in pass_log if entry.get("pass") == FuseNormLinearPass.__name__
+            for f in entry.get("details", {}).get("fused", [])]
