@@ -13,7 +13,15 @@ bench preset's widths) unless told otherwise. Variants:
                     residual in one kernel at decode) and fuse_norm_linear
                     (the RMSNorms and the SiLU·mul inside the q/k/v and
                     gate/up GEMMs at decode);
-  mrv2 passes off   the three options False.
+  mrv2 passes off   the three options False;
+  mrv2 sibling only / mrv2 residual only
+                    one linear pass on, to tell which one a change between
+                    "off" and "on" comes from.
+`--variants` picks some (eager, off, sibling, residual, on); `--profile`
+adds, per variant and batch, the kernels of one generate call of
+`--profile-tokens` new tokens (torch.profiler) and the device time per new
+token beside the wall time: a step whose kernels take much less than its
+time waits on the host.
 Each variant runs on its own copy of the model (compiled in place with
 `Module.compile`, so generate's calls of the module run compiled; Dynamo
 reset in between). `generate` runs greedy with a static cache (one per
@@ -39,6 +47,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import kernel_profile  # noqa: E402
 
 import compile_backend as cb  # noqa: E402,F401  (registers the backend)
 
@@ -76,7 +87,7 @@ def timed_ms(fn, device: str, warmup: int = 2, reps: int = 5) -> tuple[float, ob
     return statistics.median(times), out
 
 
-def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device):
+def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, profile_tokens=0):
     torch._dynamo.reset()
     target = copy.deepcopy(model)
     if options is not None:
@@ -107,6 +118,13 @@ def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device):
             rows.append({"variant": label, "batch": B, "ms_per_token": (t_all - t_one) / (new_tokens - 1),
                          "generate_ms": t_all, "prefill_ms": t_one, "tokens": out[:, ids.shape[1]:].cpu()})
             print(f"{label} b{B}: {rows[-1]['ms_per_token']:.3f} ms/token", flush=True)
+            if profile_tokens and device == "cuda":
+                kernels = kernel_profile(lambda: generate(ids, profile_tokens))
+                rows[-1]["profile"] = {"kernels": kernels, "launches": sum(k[1] for k in kernels),
+                                       "device_ms": sum(k[2] for k in kernels) / 1e3}
+                print(f"  {rows[-1]['profile']['launches']} launches, "
+                      f"{rows[-1]['profile']['device_ms']:.3f} ms device time in one generate "
+                      f"call of {profile_tokens} tokens", flush=True)
     del target
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -125,6 +143,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--mode", default="full", help="cudagraph_mode of the compiled variants")
+    ap.add_argument("--variants", default="eager,off,sibling,residual,on",
+                    help="comma-separated: eager, off, sibling, residual, on")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the kernels of one generate call per variant and batch (CUDA)")
+    ap.add_argument("--profile-tokens", type=int, default=8)
+    ap.add_argument("--top", type=int, default=12, help="--profile: kernels listed")
     ap.add_argument("--piece-compiler", default="inductor")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--dry-run", action="store_true",
@@ -140,10 +164,18 @@ def main(argv=None) -> int:
     ids_by_batch = {int(b): torch.randint(0, args.vocab, (int(b), args.prompt), generator=g).to(device)
                     for b in args.batches.split(",")}
     base = {"piece_compiler": "eager" if args.dry_run else args.piece_compiler}
-    variants = [("eager", None),
-                ("mrv2 passes off", {**base, "fuse_sibling_linears": False, "fuse_linear_residual": False,
-                                         "fuse_norm_linear": False}),
-                ("mrv2 passes on", base)]
+    off = {"fuse_sibling_linears": False, "fuse_linear_residual": False, "fuse_norm_linear": False}
+    known = {"eager": ("eager", None),
+             "off": ("mrv2 passes off", {**base, **off}),
+             "sibling": ("mrv2 sibling only", {**base, **off, "fuse_sibling_linears": True}),
+             "residual": ("mrv2 residual only", {**base, **off, "fuse_linear_residual": True}),
+             "on": ("mrv2 passes on", base)}
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown or "eager" not in names or "off" not in names:
+        ap.error(f"--variants: names among {', '.join(known)}, with eager and off (the "
+                 f"table's references); got {args.variants!r}")
+    variants = [known[n] for n in names]
     rows = []
     scope = contextlib.nullcontext()
     if args.dry_run:
@@ -153,7 +185,8 @@ def main(argv=None) -> int:
         scope = use_graph_backend(StandInGraphs())
     with scope:
         for label, options in variants:
-            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, args.mode, device)
+            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, args.mode, device,
+                                profile_tokens=args.profile_tokens if args.profile else 0)
     eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
     off = {r["batch"]: r for r in rows if r["variant"] == "mrv2 passes off"}
     lines = ["| variant | batch | ms / token | vs passes off | vs eager | greedy tokens equal to eager |",
@@ -165,6 +198,16 @@ def main(argv=None) -> int:
         lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
                      f"| {r['ms_per_token'] / o['ms_per_token']:.3f}x | {r['ms_per_token'] / e['ms_per_token']:.3f}x "
                      f"| {100 * same:.1f}% |")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            lines += ["", f"{r['variant']}, batch {r['batch']}: one generate call of "
+                      f"{args.profile_tokens} new tokens launched {p['launches']} kernels, "
+                      f"{p['device_ms']:.3f} ms of device time "
+                      f"({p['device_ms'] / args.profile_tokens:.3f} ms per new token, the prefill "
+                      f"included; wall {r['ms_per_token']:.3f} ms per decode token)", "",
+                      "| kernel | calls | total us |", "|---|---:|---:|"]
+            lines += [f"| {k[:70]} | {c} | {t:.1f} |" for k, c, t in p["kernels"][:args.top]]
     table = "\n".join(lines)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python bench/hf_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -179,7 +222,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "hf_generate.md"), "w") as f:
         f.write(head + table + "\n")
     with open(os.path.join(args.out, "hf_generate.json"), "w") as f:
-        json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1)
+        json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1,
+                  default=str)
     print(table)
     return 0
 

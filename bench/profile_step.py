@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode as bench  # noqa: E402
+from timing import kernel_table  # noqa: E402
 from workload import config_options, decode_batch  # noqa: E402
 
 import compile_backend as cb  # noqa: E402
@@ -61,28 +62,6 @@ def host_profile(fn, top: int, steps: int = 50) -> str:
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
     return f"  host profile over {steps} steps:\n" + buf.getvalue()
-
-
-def kernel_table(fn, top: int, num_layers: int) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    attr = "device_time_total" if hasattr(rows[0], "device_time_total") else "cuda_time_total"
-    rows.sort(key=lambda e: getattr(e, attr), reverse=True)
-    total = sum(getattr(e, attr) for e in rows)
-    launches = sum(e.count for e in rows)
-    lines = [f"  kernels: {launches} launches ({launches / num_layers:.1f} per layer), "
-             f"{total / 1e3:.3f} ms device time in all",
-             "  | kernel | calls | total us | % |", "  |---|---:|---:|---:|"]
-    for e in rows[:top]:
-        t = getattr(e, attr)
-        lines.append(f"  | {e.key[:70]} | {e.count} | {t:.1f} | {100 * t / max(total, 1e-9):.1f} |")
-    return lines
 
 
 @torch.no_grad()

@@ -49,3 +49,34 @@ def copy_bandwidth(timer: Callable[[Callable[[], object]], float] = median_ms) -
     ms = timer(lambda: dst.copy_(src))
     del src, dst
     return 2 * n / (ms * 1e-3)
+
+
+def kernel_profile(fn: Callable[[], object]) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, device µs) of one call of `fn` (after one
+    call to warm up), by device time, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not rows:
+        return []
+    attr = "device_time_total" if hasattr(rows[0], "device_time_total") else "cuda_time_total"
+    out = [(e.key, e.count, float(getattr(e, attr))) for e in rows]
+    return sorted(out, key=lambda r: r[2], reverse=True)
+
+
+def kernel_table(fn: Callable[[], object], top: int, num_layers: int) -> list[str]:
+    """Markdown lines: the kernels of one call of `fn`, launches per layer."""
+    rows = kernel_profile(fn)
+    total = sum(r[2] for r in rows)
+    launches = sum(r[1] for r in rows)
+    lines = [f"  kernels: {launches} launches ({launches / num_layers:.1f} per layer), "
+             f"{total / 1e3:.3f} ms device time in all",
+             "  | kernel | calls | total us | % |", "  |---|---:|---:|---:|"]
+    for name, count, t in rows[:top]:
+        lines.append(f"  | {name[:70]} | {count} | {t:.1f} | {100 * t / max(total, 1e-9):.1f} |")
+    return lines

@@ -235,3 +235,23 @@ def test_tp_dry_run_on_one_process_writes_its_table(monkeypatch, tmp_path):
         (1, "none", 1, "none"), (1, "none", 2, "none")]
     assert all(r["rel_err"] == 0 and r["ms"] > 0 and r["b2b_ms"] > 0 for r in rows)
     assert "| llama | 1 | none | 2 |" in (tmp_path / "decode_tp.md").read_text()
+
+
+def test_hf_generate_dry_run_bisects_the_passes_and_checks_its_variants(monkeypatch, tmp_path):
+    """bench/hf_generate.py on the CPU (fp32, eager pieces, stand-in graphs):
+    every variant, the one-pass ones too, gives eager's greedy tokens; an
+    unknown variant, or a table without its references, is refused."""
+    pytest.importorskip("transformers")
+    hf = load_bench_script("hf_generate", monkeypatch)
+    tiny = ["--dry-run", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+            "--intermediate", "128", "--vocab", "256", "--batches", "1", "--new-tokens", "3",
+            "--prompt", "6", "--out", str(tmp_path)]
+    assert hf.main(tiny + ["--variants", "eager,off,sibling,residual"]) == 0
+    rows = json.loads((tmp_path / "hf_generate.json").read_text())
+    assert [r["variant"] for r in rows] == ["eager", "mrv2 passes off", "mrv2 sibling only",
+                                            "mrv2 residual only"]
+    assert all(r["tokens_equal_eager"] == 1.0 for r in rows), rows
+    assert "| mrv2 sibling only | 1 |" in (tmp_path / "hf_generate.md").read_text()
+    for bad in ("eager,off,fast", "eager,on"):
+        with pytest.raises(SystemExit):
+            hf.main(tiny + ["--variants", bad])
