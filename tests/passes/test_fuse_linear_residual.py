@@ -16,6 +16,7 @@ from torch import nn
 import compile_backend as cb
 import compile_backend.kernels  # noqa: F401  (registers mrv2::linear_add)
 import pass_ops  # noqa: F401  (registers passtest::host_read)
+from fx_helpers import calls, dynamo_graph
 from compile_backend.compile.step_artifacts import deserialize_step, serialize_step
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.demo.engine import Engine
@@ -174,30 +175,11 @@ def _run_and_compare(model, compiled, sizes=(3, 1, 5, 8)):
         torch.testing.assert_close(compiled(x.clone()), model(x.clone()), atol=1e-5, rtol=1e-5)
 
 
-def _dynamo_graph(model, x):
-    """The graph Dynamo hands a backend for model(x), and its inputs."""
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=grab, fullgraph=True)(x)
-    ((gm, inputs),) = graphs
-    return gm, inputs
-
-
 def _apply(gm, **kw):
     report = FuseLinearResidualPass(cb.OpRegistry(), **kw)(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return report
-
-
-def _calls(gm, target):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
 @pytest.fixture(autouse=True)
@@ -217,7 +199,7 @@ def test_fires_on_a_dynamo_graph_and_computes_the_same(bias, linear_first, caplo
     torch.manual_seed(0)
     model = HFLikeBlock(bias=bias, linear_first=linear_first).eval()
     x = torch.randn(5, D)
-    gm, inputs = _dynamo_graph(model, x)
+    gm, inputs = dynamo_graph(model, x)
     with caplog.at_level(logging.INFO, logger=fuse_linear_residual.__name__):
         report = _apply(gm)
     assert report.changed and report.details["enabled"] and report.details["num_fused"] == 2
@@ -227,9 +209,9 @@ def test_fires_on_a_dynamo_graph_and_computes_the_same(bias, linear_first, caplo
     assert all(f["source"].startswith("test_fuse_linear_residual.py:") for f in fused)
     assert report.details["not_fused"] == []
     # Two linear_adds with the weights as graph inputs; q/k/v and gate/up stay linears.
-    adds = _calls(gm, LINEAR_ADD)
+    adds = calls(gm, LINEAR_ADD)
     assert [n.args[1].name for n in adds] == [f["weight"] for f in fused]
-    linears = [n.args[1].name for n in _calls(gm, torch._C._nn.linear)]
+    linears = [n.args[1].name for n in calls(gm, torch._C._nn.linear)]
     assert len(linears) == 5 and not {f["weight"] for f in fused} & set(linears)
     assert all(isinstance(n.meta["example_value"], torch.Tensor) for n in adds)
     assert "fused 2 linear + residual add(s)" in caplog.text
@@ -274,10 +256,10 @@ def test_nodes_marked_eager_are_not_fused(marked):
     torch.manual_seed(2)
     model = Residual().eval()
     x = torch.randn(4, D)
-    gm, inputs = _dynamo_graph(model, x)
-    (linear,) = _calls(gm, torch._C._nn.linear)
-    (add,) = _calls(gm, operator.add)
-    (sin,) = _calls(gm, torch.sin)
+    gm, inputs = dynamo_graph(model, x)
+    (linear,) = calls(gm, torch._C._nn.linear)
+    (add,) = calls(gm, operator.add)
+    (sin,) = calls(gm, torch.sin)
     node = {"linear": linear, "add": add, "between": sin}[marked]
     node.meta[EAGER_REASON] = "marked by the test"
     before = str(gm.graph)
@@ -289,13 +271,13 @@ def test_nodes_marked_eager_are_not_fused(marked):
     assert (why["linear"], why["add"]) == (linear.name, add.name) and want in why["reason"]
     # Unmarked, the same graph fuses.
     del node.meta[EAGER_REASON]
-    assert _apply(gm).changed and _calls(gm, LINEAR_ADD)
+    assert _apply(gm).changed and calls(gm, LINEAR_ADD)
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
 
 
 def test_without_the_op_the_graph_is_unchanged_and_the_report_says_why(monkeypatch):
-    gm, _ = _dynamo_graph(Residual().eval(), torch.randn(4, D))
+    gm, _ = dynamo_graph(Residual().eval(), torch.randn(4, D))
     monkeypatch.setattr(fuse_linear_residual, "_fused_op", lambda: None)
     before = str(gm.graph)
     report = _apply(gm)

@@ -16,6 +16,7 @@ from torch import nn
 import compile_backend as cb
 import compile_backend.kernels  # noqa: F401  (registers mrv2::norm_linear)
 import pass_ops  # noqa: F401  (registers passtest::host_read)
+from fx_helpers import calls, dynamo_graph
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.demo.models import build_model, preset
 from compile_backend.passes import FuseNormLinearPass, PassManager
@@ -194,20 +195,6 @@ def _summary(fused):
     return [(_module(f["weights"][0]), f["norm"] is not None, f["gated"]) for f in fused]
 
 
-def _dynamo_graph(model, x):
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=grab, fullgraph=True)(x)
-    ((gm, inputs),) = graphs
-    return gm, inputs
-
-
 def _passes(gm, **kw):
     """The sibling pass (q/k/v, gate/up), then this one, as the manager runs them."""
     config = cb.CompilationConfig(fuse_linear_residual=False, fuse_norm_linear=True, **kw)
@@ -217,10 +204,6 @@ def _passes(gm, **kw):
     gm.recompile()
     (entry,) = [e for e in manager.log if e["pass"] == "FuseNormLinearPass"]
     return entry
-
-
-def _calls(gm, target):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
 @pytest.fixture(autouse=True)
@@ -241,7 +224,7 @@ def test_fires_on_a_dynamo_graph_and_computes_the_same(norm, packed, bias, caplo
     torch.manual_seed(0)
     model = Block(norm, packed, bias).eval()
     x = torch.randn(5, D)
-    gm, inputs = _dynamo_graph(model, x)
+    gm, inputs = dynamo_graph(model, x)
     with caplog.at_level(logging.INFO, logger=fuse_norm_linear.__name__):
         entry = _passes(gm)
     details = entry["details"]
@@ -249,15 +232,15 @@ def test_fires_on_a_dynamo_graph_and_computes_the_same(norm, packed, bias, caplo
     first_up = "gate_up" if packed else "gate_proj"
     assert _summary(details["fused"]) == [("q_proj", True, False), (first_up, True, True)]
     assert all(f["source"].startswith("test_fuse_norm_linear.py:") for f in details["fused"])
-    nodes = _calls(gm, NORM_LINEAR)
+    nodes = calls(gm, NORM_LINEAR)
     assert len(nodes) == 2
     # eps travels as a constant; the norm weights are graph inputs
     assert [n.args[2] for n in nodes] == [1e-6, 1e-5]
     assert all(n.args[1].op == "placeholder" for n in nodes)
     assert [n.args[5] for n in nodes] == [False, True]
     # no rsqrt, silu or sibling_linear is left; o_proj and down_proj stay linears
-    assert not _calls(gm, torch.rsqrt) and not _calls(gm, F.silu)
-    assert len(_calls(gm, torch._C._nn.linear)) == 2
+    assert not calls(gm, torch.rsqrt) and not calls(gm, F.silu)
+    assert len(calls(gm, torch._C._nn.linear)) == 2
     assert all(isinstance(n.meta["example_value"], torch.Tensor) for n in nodes)
     assert "fused 2 norm/linear/gate group(s)" in caplog.text
     assert cb.counters["pass_norm_linear_fused"] == 2
@@ -271,11 +254,11 @@ def test_a_gate_without_a_norm_and_a_norm_without_a_gate_fuse_alone():
     torch.manual_seed(1)
     model = nn.Sequential(HFNorm(), nn.Linear(D, D), SiluGate()).eval()
     x = torch.randn(3, D)
-    gm, inputs = _dynamo_graph(model, x)
+    gm, inputs = dynamo_graph(model, x)
     details = _passes(gm)["details"]
     assert [(f["norm"] is not None, f["gated"]) for f in details["fused"]] == \
         [(True, False), (False, True)]
-    (_, gated) = _calls(gm, NORM_LINEAR)
+    (_, gated) = calls(gm, NORM_LINEAR)
     assert gated.args[1] is None  # no norm weight
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
@@ -312,9 +295,9 @@ def test_nodes_marked_eager_are_not_fused(marked):
     torch.manual_seed(3)
     model = nn.Sequential(HFNorm(), SiluGate()).eval()
     x = torch.randn(4, D)
-    gm, inputs = _dynamo_graph(model, x)
-    node = {"norm": _calls(gm, torch.rsqrt)[0], "linear": _calls(gm, torch._C._nn.linear)[0],
-            "gate": _calls(gm, F.silu)[0]}[marked]
+    gm, inputs = dynamo_graph(model, x)
+    node = {"norm": calls(gm, torch.rsqrt)[0], "linear": calls(gm, torch._C._nn.linear)[0],
+            "gate": calls(gm, F.silu)[0]}[marked]
     node.meta[EAGER_REASON] = "marked by the test"
     report = FuseNormLinearPass(cb.OpRegistry())(gm.graph)
     gm.graph.lint()
@@ -332,7 +315,7 @@ def test_nodes_marked_eager_are_not_fused(marked):
 
 
 def test_without_the_op_the_graph_is_unchanged_and_the_report_says_why(monkeypatch):
-    gm, _ = _dynamo_graph(nn.Sequential(HFNorm(), nn.Linear(D, D)).eval(), torch.randn(4, D))
+    gm, _ = dynamo_graph(nn.Sequential(HFNorm(), nn.Linear(D, D)).eval(), torch.randn(4, D))
     monkeypatch.setattr(fuse_norm_linear, "_fused_op", lambda: None)
     before = str(gm.graph)
     report = FuseNormLinearPass(cb.OpRegistry())(gm.graph)

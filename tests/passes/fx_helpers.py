@@ -1,0 +1,25 @@
+"""FX graph helpers the pass tests share."""
+
+import torch
+import torch._dynamo
+
+
+def dynamo_graph(model, x):
+    """The graph Dynamo hands a backend for model(x) (one graph, no
+    breaks), and its example inputs."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=grab, fullgraph=True)(x)
+    ((gm, inputs),) = graphs
+    return gm, inputs
+
+
+def calls(gm, target):
+    """The call_function nodes of `gm` that call `target`, in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
