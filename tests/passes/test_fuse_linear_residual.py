@@ -182,14 +182,6 @@ def _apply(gm, **kw):
     return report
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    cb.reset_counters()
-    yield
-    torch._dynamo.reset()
-
-
 # ---- where it fires ---------------------------------------------------------------------
 
 

@@ -206,14 +206,6 @@ def _passes(gm, **kw):
     return entry
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    cb.reset_counters()
-    yield
-    torch._dynamo.reset()
-
-
 # ---- where it fires ------------------------------------------------------------------------
 
 
