@@ -38,6 +38,8 @@ reference, which is the eager computation.
 Measured on the H200 (bench/results/norm_linear.md): correct, and 3-4x
 slower than the unfused Inductor norm + cuBLAS (+ SiLU·mul) at 1-64 rows,
 so passes/fuse_norm_linear.py is off by default (config `fuse_norm_linear`).
+The kernel's loop and tiles were reworked after that measurement (docs/design.md,
+"RMSNorm, projection and gate") and are not yet timed.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     _check(x, norm_weight, eps, weights, biases, gated)
     weight = packed_view(weights)
     bias = packed_view(biases) if biases else None
-    if weight is not None and (bias is not None or not biases) and skinny_pays(x, weight, gated):
+    if weight is not None and (bias is not None or not biases) and \
+            skinny_pays(x, weight, gated, norm=norm_weight is not None):
         return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
     return norm_linear_ref(x, norm_weight, eps, weights, biases, gated).contiguous()
 

@@ -41,8 +41,8 @@ scales the accumulator by rstd[m] = 1/sqrt(mean_k x^2 + eps) after the
 loop. Gated, program p keeps two accumulators, for the gate's weight rows n
 and the up projection's rows N/2 + n (n in its BLOCK_N columns), adds the
 packed bias's entries n and N/2 + n, and stores silu(g) * u (+ residual)
-from fp32, one rounding. Its BLOCK_N is half the ungated one (`skinny_config`),
-so a pipeline stage holds as many weight rows as the swept configuration.
+from fp32, one rounding. These variants take their own meta-parameters
+(`FUSED_CONFIGS`): with the norm's fp32 tiles the plain ones spill registers.
 
 Rows: x's M rows are padded to one dot tile of 16, 32 or 64 rows (`tl.dot`
 needs every dimension >= 16); the tensor cores have time to spare at these
@@ -82,6 +82,20 @@ CONFIGS = {
     32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
 }
+# With the norm's prologue or the gate's second weight tile (kernels/norm_linear.py),
+# by (BLOCK_M, gated): the largest tiles that ptxas compiles for sm_90a without
+# spilling registers (Triton 3.9, checked offline: the swept plain configurations
+# above spill there once the norm's fp32 tiles join). BLOCK_N counts output
+# columns: gated, a program also reads the up projection's BLOCK_N rows. Not
+# yet timed on the H200 (`python bench/skinny_gemm.py --fused [--sweep]`).
+FUSED_CONFIGS = {
+    (16, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    (32, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    (64, False): {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    (16, True): {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    (32, True): {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    (64, True): {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+}
 
 
 @triton.jit
@@ -112,29 +126,33 @@ def _skinny_linear_kernel(
     if GATED:  # the up projection's rows N/2 + n, beside the gate's rows n
         u_rows = w_ptr + (N_out + offs_n)[:, None] * stride_wn  # [BN, 1]
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if NORM:  # sum_k x[m, k]^2 of each row, in fp32, from the x tiles of the dot
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:  # x[m, k]^2 in fp32, summed over the tiles elementwise; over k once, after the loop
+        ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
+        # Every load of the tile first, so that their latencies overlap: the
+        # norm's arithmetic between them would put a memory round trip before
+        # the weight's (measured 3-4x slower: bench/results/norm_linear.md).
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        if NORM:  # the dot takes x * nw rounded to x's dtype; rstd scales the sum after the loop
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            xt = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if GATED:
+            ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if NORM:  # the dot takes x * nw rounded to x's dtype; rstd scales the sum after the loop
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            xf = xt.to(tl.float32)
+            ss += xf * xf  # no cross-warp sum (a barrier) per tile
+            xt = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
         if UPCAST:  # Note [interpreter bf16 dots]
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
         if GATED:
-            ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
             if UPCAST:
                 ut = ut.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
     if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
-        rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BM]
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
         acc = acc * rstd[:, None]
         if GATED:
             acc_u = acc_u * rstd[:, None]
@@ -157,19 +175,16 @@ def row_tile(M: int) -> int:
     return max(16, next_pow2(M))
 
 
-def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: bool = False) -> dict:
+def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: bool = False,
+                  norm: bool = False) -> dict:
     """The kernel's meta-parameters for M rows and a [N, K] weight (`config`
-    overrides); BLOCK_M is the row tile. Gated, a program reads BLOCK_N gate
-    rows and BLOCK_N up rows, so BLOCK_N is halved (down to 16, tl.dot's
-    minimum): the weight tile of a pipeline stage, and with it the shared
-    memory of the swept configuration, and the program count stay those of
-    the ungated kernel over the same [N, K] weight."""
+    overrides); BLOCK_M is the row tile. With a norm or gated: FUSED_CONFIGS
+    (a gated program reads BLOCK_N gate rows and BLOCK_N up rows)."""
     block_m = row_tile(M)
-    cfg = dict(CONFIGS[block_m], BLOCK_M=block_m)
+    table = FUSED_CONFIGS[(block_m, gated)] if (gated or norm) else CONFIGS[block_m]
+    cfg = dict(table, BLOCK_M=block_m)
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
         cfg.update(BLOCK_N=16, BLOCK_K=32)
-    if gated:
-        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
     cfg.update(config or {})
     return cfg
 
@@ -182,7 +197,8 @@ def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
-def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False) -> bool:
+def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
+                 norm: bool = False) -> bool:
     """Is the grid for M rows and a [N, K] weight (N / 2 output columns when
     gated) wide enough to beat cuBLAS?
     Measured (bench/results/skinny_gemm.md): up to 16 rows a grid of a
@@ -193,17 +209,18 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False) -> b
     if choice in ("0", "1"):
         return choice == "1"
     n_out = N // 2 if gated else N
-    programs = cdiv(n_out, skinny_config(M, N, K, gated=gated)["BLOCK_N"])
+    programs = cdiv(n_out, skinny_config(M, N, K, gated=gated, norm=norm)["BLOCK_N"])
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 
-def skinny_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def skinny_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
+                norm: bool = False) -> bool:
     """Use the kernel for F.linear(x, weight) (followed by SiLU·mul when
     gated)? (module docstring)"""
     if not (x.is_cuda and skinny_allowed(x, weight)):
         return False
     M = x.numel() // x.shape[-1]
-    return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device), gated)
+    return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device), gated, norm)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -257,7 +274,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif tuple(out.shape) != (*lead, n_out) or not out.is_contiguous() or out.dtype != x.dtype:
         raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
     o2 = out.view(M, n_out)
-    cfg = skinny_config(M, N, K, config, gated)
+    cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
     grid = (cdiv(n_out, cfg["BLOCK_N"]),)
     _skinny_linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,

@@ -16,6 +16,7 @@ and N_out not a multiple of BLOCK_N (masked tiles); weights packed with
 tensors (the reference), its misuse errors (nothing touched) and its fake.
 """
 
+import importlib
 import os
 
 import pytest
@@ -23,8 +24,8 @@ import torch
 
 from kernel_cases import assert_close_rel, gen, randn, rel_err, stable_seed
 from compile_backend.kernels.norm_linear import norm_linear_ref  # registers mrv2::norm_linear
-from compile_backend.kernels.skinny_linear import (skinny_config, skinny_fills, skinny_linear,
-                                                   skinny_pays)
+from compile_backend.kernels.skinny_linear import (CONFIGS, FUSED_CONFIGS, skinny_config,
+                                                   skinny_fills, skinny_linear, skinny_pays)
 from compile_backend.core.packed_weights import pack_siblings, packed_view
 
 LOW = [torch.float16, torch.bfloat16]
@@ -183,15 +184,18 @@ def test_kernel_misuse_raises_with_the_fix_and_leaves_inputs_alone():
 
 
 def test_gated_programs_count_the_output_columns(monkeypatch):
-    """Gated, a program reads BLOCK_N gate rows and BLOCK_N up rows: BLOCK_N
-    is halved, so the weight tile per stage and the program count are the
-    ungated kernel's over the same weight, and the choice counts N_out / BLOCK_N."""
+    """With a norm or gated, the kernel takes FUSED_CONFIGS (a gated program
+    reads BLOCK_N gate rows and BLOCK_N up rows), and the choice counts
+    N_out / BLOCK_N programs (the GPU's tiles: not the interpreter's small ones)."""
+    skinny = importlib.import_module("compile_backend.kernels.skinny_linear")  # the module
     monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    monkeypatch.setattr(skinny, "interpreting", lambda: False)
     for M in (1, 16, 33, 64):
-        plain, gated = skinny_config(M, 28672, 4096), skinny_config(M, 28672, 4096, gated=True)
-        assert gated["BLOCK_N"] == max(16, plain["BLOCK_N"] // 2)
-        assert {k: v for k, v in gated.items() if k != "BLOCK_N"} == \
-            {k: v for k, v in plain.items() if k != "BLOCK_N"}
+        bm = skinny_config(M, 4096, 4096)["BLOCK_M"]
+        for gated, norm in ((True, False), (True, True), (False, True)):
+            assert skinny_config(M, 28672, 4096, gated=gated, norm=norm) == \
+                dict(FUSED_CONFIGS[(bm, gated)], BLOCK_M=bm)
+        assert skinny_config(M, 28672, 4096) == dict(CONFIGS[bm], BLOCK_M=bm)
     bn = skinny_config(1, 4096, 4096, gated=True)["BLOCK_N"]
     assert skinny_fills(1, 2 * 33 * bn, 4096, 132, gated=True)  # 33 programs: a quarter of 132
     assert not skinny_fills(1, 2 * 32 * bn, 4096, 132, gated=True)
