@@ -117,7 +117,8 @@ def op_label(node: torch.fx.Node) -> str:
     if name.startswith("method::"):
         return "Tensor." + name[len("method::"):]
     t = node.target
-    if node.op == "call_function" and not isinstance(t, torch._ops.OperatorBase):
+    if node.op == "call_function" and not isinstance(
+            t, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)):
         if is_tensor_method(t):
             return f"Tensor.{t.__name__}"
         module = getattr(t, "__module__", None) or "torch"

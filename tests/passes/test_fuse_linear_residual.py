@@ -146,7 +146,7 @@ NOT_FIRING = [
     (DtypeMismatch, "dtypes differ"),
     (Alpha, "keyword arguments (alpha)"),
     (WriteBetween, "`Tensor.mul_` (mul_) between"),
-    (EagerBetween, "host_read` (s) between"),
+    (EagerBetween, "`passtest::host_read` (s) between"),
     (ComputedWeight, "not a 2-D graph input"),
 ]
 

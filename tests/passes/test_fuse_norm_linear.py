@@ -164,7 +164,7 @@ class SiluUsedTwice(GeluGate):
 NOT_FIRING = [
     (NormUsedTwice, "norm", "the norm's output has 2 users"),
     (WriteBetween, "norm", "`Tensor.mul_` (mul_) between the norm and the linear"),
-    (EagerBetween, "norm", "host_read` (s) between the norm and the linear"),
+    (EagerBetween, "norm", "`passtest::host_read` (s) between the norm and the linear"),
     (CastElsewhere, "norm", "casts to torch.float16, not to its input's dtype torch.float32"),
     (GeluGate, "gate", "gelu`, not silu"),
     (SiluUsedTwice, "gate", "other users than their product"),
