@@ -34,7 +34,6 @@ why.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any, Hashable
 
 import torch
@@ -42,9 +41,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_backend.core.counters import counters
-from compile_backend.core.op_registry import EAGER_REASON, is_eager_node
 
 from .pass_base import (
+    ADD_TARGETS,
     OptionalPass,
     PassReport,
     example_value,
@@ -60,8 +59,6 @@ from .pass_base import (
 from .segment_attention_like import _output_roots
 
 logger = logging.getLogger(__name__)
-
-ADD_TARGETS = (operator.add, torch.add)
 
 _NO_OP = ("mrv2::linear_add is not registered: import compile_backend.kernels "
           "(the backend does, before the passes)")
@@ -114,9 +111,6 @@ class FuseLinearResidualPass(OptionalPass):
 
     # ---- finding the pairs ---------------------------------------------------------
 
-    def _eager(self, node: torch.fx.Node) -> bool:
-        return EAGER_REASON in node.meta or is_eager_node(node, self.roles)
-
     def _find(self, graph: torch.fx.Graph,
               not_fused: list[dict[str, Any]]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
         """(add, linear) pairs to fuse, in graph order."""
@@ -134,7 +128,7 @@ class FuseLinearResidualPass(OptionalPass):
                 if found is not None:
                     matches.append((node, found))
                     open_.discard(found)
-            if linear_args(node) is not None and not self._eager(node):
+            if linear_args(node) is not None and not self.eager(node):
                 open_.add(node)
             elif motion_barrier(node, self.roles, roots):
                 for linear in open_:
@@ -167,9 +161,9 @@ class FuseLinearResidualPass(OptionalPass):
         """Why `add = r + y` (y a linear) cannot become one linear_add (None: it can)."""
         if add.kwargs:
             return f"the add has keyword arguments ({', '.join(sorted(add.kwargs))})"
-        if self._eager(add):
+        if self.eager(add):
             return "the add runs eagerly"
-        if self._eager(y):
+        if self.eager(y):
             return "the linear runs eagerly"
         if len(y.users) != 1:
             return f"the linear's output has {len(y.users)} users (fusing needs the add only)"

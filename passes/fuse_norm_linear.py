@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
@@ -49,9 +50,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from compile_backend.core.counters import counters
-from compile_backend.core.op_registry import EAGER_REASON, is_eager_node
 
 from .pass_base import (
+    ADD_TARGETS,
+    MUL_TARGETS,
     OptionalPass,
     PassReport,
     example_value,
@@ -70,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 _NO_OP = ("mrv2::norm_linear is not registered: import compile_backend.kernels "
           "(the backend does, before the passes)")
-MUL_TARGETS = (operator.mul, torch.mul)
-ADD_TARGETS = (operator.add, torch.add)
 
 
 def _fused_op() -> Any:
@@ -107,10 +107,15 @@ def _dtype_of(node: Any) -> torch.dtype | None:
 class _Norm:
     """A matched RMSNorm: `out = (a * rsqrt(mean(a^2) + eps)).to(x.dtype) * nw`."""
 
-    def __init__(self, x: torch.fx.Node, weight: torch.fx.Node, eps: float,
-                 nodes: list[torch.fx.Node]) -> None:
-        self.x, self.weight, self.eps = x, weight, float(eps)
+    def __init__(self, weight: torch.fx.Node, eps: float, nodes: list[torch.fx.Node]) -> None:
+        self.weight, self.eps = weight, float(eps)
         self.nodes = nodes  # the pattern's nodes in graph order; nodes[-1] is the output
+
+    @property
+    def x(self) -> Any:
+        """The norm's input, read from its first node (`x.to(float32)`) when
+        asked: a rewrite before this one may have replaced it."""
+        return self.nodes[0].args[0]
 
 
 def _to_dtype(node: Any) -> tuple[torch.fx.Node, torch.dtype] | None:
@@ -203,7 +208,7 @@ def _checked_norm(h: torch.fx.Node, x: Any, nw: torch.fx.Node, eps: float, dtype
             return None, f"`{node.name}` inside the norm has {len(node.users)} users"
     if len(h.users) != 1:
         return None, f"the norm's output has {len(h.users)} users (fusing needs the linear only)"
-    return _Norm(x, nw, eps, nodes), None
+    return _Norm(nw, eps, nodes), None
 
 
 class _Gate:
@@ -265,6 +270,25 @@ def match_gate(y: torch.fx.Node, n_out: int) -> tuple[_Gate | None, str | None]:
     return _Gate(prod, [*split_nodes, s, prod]), None
 
 
+@dataclass
+class _Match:
+    """A linear `y` (its weights and biases: graph inputs, which no rewrite
+    replaces) and the norm before it and/or the gate after it."""
+
+    y: torch.fx.Node
+    weights: list[Any]
+    biases: list[Any]
+    norm: _Norm | None
+    gate: _Gate | None
+
+    @property
+    def x(self) -> Any:
+        """The linear's input, read when asked: fusing the gate of an earlier
+        linear replaces its product, which may be this input."""
+        args = linear_args(self.y)
+        return args[0] if args is not None else self.y.args[0]  # sibling_linear(x, ...)
+
+
 class FuseNormLinearPass(OptionalPass):
     """See the module docstring. `enabled=False` (config `fuse_norm_linear`):
     the pass leaves the graph as it is."""
@@ -277,10 +301,10 @@ class FuseNormLinearPass(OptionalPass):
         matches = self._find(graph, not_fused)
         op = _fused_op()
         if matches and op is None:
-            not_fused += [{"linear": y.name, "reason": _NO_OP, "source": source_line(y)}
-                          for y, _, _ in matches]
+            not_fused += [{"linear": m.y.name, "reason": _NO_OP, "source": source_line(m.y)}
+                          for m in matches]
             matches = []
-        fused = [self._fuse(graph, y, norm, gate, op) for y, norm, gate in matches]
+        fused = [self._fuse(graph, m, op) for m in matches]
         counters["pass_norm_linear_fused"] += len(fused)
         if fused:
             logger.info("mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear",
@@ -292,13 +316,10 @@ class FuseNormLinearPass(OptionalPass):
 
     # ---- finding ------------------------------------------------------------------
 
-    def _eager(self, node: torch.fx.Node) -> bool:
-        return EAGER_REASON in node.meta or is_eager_node(node, self.roles)
-
-    def _linear(self, node: torch.fx.Node) -> tuple[Any, list[Any], list[Any]] | None:
-        """(input, weights, biases) of a linear or sibling_linear whose
-        weights are graph inputs (None: not one)."""
-        sibling = registered_op("mrv2", "sibling_linear")
+    @staticmethod
+    def _linear(node: torch.fx.Node, sibling: Any) -> tuple[Any, list[Any], list[Any]] | None:
+        """(input, weights, biases) of a linear, or of `sibling` (the
+        sibling_linear op), whose weights are graph inputs (None: not one)."""
         if sibling is not None and node.op == "call_function" and node.target is sibling:
             x, weights, biases = node.args
             return x, list(weights), list(biases)
@@ -310,40 +331,39 @@ class FuseNormLinearPass(OptionalPass):
             return None
         return x, [w], [] if b is None else [b]
 
-    def _find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]
-              ) -> list[tuple[torch.fx.Node, _Norm | None, _Gate | None]]:
+    def _find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[_Match]:
         order: dict[torch.fx.Node, int] = {}
-        barriers: list[int] = []
+        barriers: list[tuple[int, torch.fx.Node]] = []
         roots: dict[torch.fx.Node, set[Hashable]] = {}
         for i, node in enumerate(graph.nodes):
             order[node] = i
             if node.op not in ("placeholder", "get_attr", "output") and \
                     motion_barrier(node, self.roles, roots):
-                barriers.append(i)
+                barriers.append((i, node))
             roots[node] = _output_roots(node, roots)
+        sibling = registered_op("mrv2", "sibling_linear")
         matches = []
         for y in list(graph.nodes):
-            lin = self._linear(y) if y.op == "call_function" else None
-            if lin is None or self._eager(y):
+            lin = self._linear(y, sibling) if y.op == "call_function" else None
+            if lin is None or self.eager(y):
                 continue
             x, weights, biases = lin
             norm, why_norm = match_rms_norm(x)
             if norm is not None:
                 first = order[norm.nodes[0]]
-                barrier = next((b for b in barriers if first < b < order[y]), None)
-                eager = [n.name for n in norm.nodes if self._eager(n)]
+                barrier = next((n for i, n in barriers if first < i < order[y]), None)
+                eager = [n.name for n in norm.nodes if self.eager(n)]
                 if eager:
                     norm, why_norm = None, f"the norm's {', '.join(eager)} run(s) eagerly"
                 elif barrier is not None:
-                    node = next(n for n, i in order.items() if i == barrier)
                     norm, why_norm = None, (
-                        f"`{op_label(node)}` ({node.name}) between the norm and the linear "
+                        f"`{op_label(barrier)}` ({barrier.name}) between the norm and the linear "
                         "writes something, runs eagerly or is a breakpoint, attention-like op "
                         "or collective")
             n_out = sum(int(example_value(w).shape[0]) for w in weights
                         if isinstance(example_value(w), torch.Tensor))
             gate, why_gate = match_gate(y, n_out)
-            if gate is not None and any(self._eager(n) for n in gate.nodes):
+            if gate is not None and any(self.eager(n) for n in gate.nodes):
                 gate, why_gate = None, "a node of the gate runs eagerly"
             for what, why in (("norm", why_norm), ("gate", why_gate)):
                 if why is not None:
@@ -351,7 +371,7 @@ class FuseNormLinearPass(OptionalPass):
                                       "source": source_line(y)})
             if (norm is None and gate is None) or not self._values_agree(x, norm, weights, biases):
                 continue
-            matches.append((y, norm, gate))
+            matches.append(_Match(y, weights, biases, norm, gate))
         return matches
 
     @staticmethod
@@ -366,9 +386,8 @@ class FuseNormLinearPass(OptionalPass):
     # ---- rewriting ---------------------------------------------------------------------
 
     @staticmethod
-    def _fuse(graph: torch.fx.Graph, y: torch.fx.Node, norm: _Norm | None, gate: _Gate | None,
-              op: Any) -> dict[str, Any]:
-        x, weights, biases = FuseNormLinearPass._linear_args(y)
+    def _fuse(graph: torch.fx.Graph, m: _Match, op: Any) -> dict[str, Any]:
+        y, x, weights, biases, norm, gate = m.y, m.x, m.weights, m.biases, m.norm, m.gate
         src = norm.x if norm is not None else x
         nw = norm.weight if norm is not None else None
         eps = norm.eps if norm is not None else 0.0
@@ -401,15 +420,6 @@ class FuseNormLinearPass(OptionalPass):
             assert not node.users, (node, list(node.users))
             graph.erase_node(node)
         return entry
-
-    @staticmethod
-    def _linear_args(y: torch.fx.Node) -> tuple[Any, list[Any], list[Any]]:
-        args = linear_args(y)
-        if args is None:  # sibling_linear
-            x, weights, biases = y.args
-            return x, list(weights), list(biases)
-        x, w, b = args
-        return x, [w], [] if b is None else [b]
 
 
 def fused_norm_linears(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:

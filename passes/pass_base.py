@@ -77,6 +77,10 @@ class OptionalPass(Mrv2Pass):
     def settings(self) -> dict[str, Any]:
         return {"enabled": self.enabled}
 
+    def eager(self, node: torch.fx.Node) -> bool:
+        """Does `node` run eagerly (marked by the safety pass, or by role)?"""
+        return runs_eagerly(node, self.roles)
+
 
 _SOURCES: dict[str, str] = {}
 
@@ -297,6 +301,15 @@ def keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
             new.meta[k] = old.meta[k]
 
 
+ADD_TARGETS = (operator.add, torch.add)
+MUL_TARGETS = (operator.mul, torch.mul)
+
+
+def runs_eagerly(node: torch.fx.Node, roles: OpRegistry) -> bool:
+    """Marked eager by the capture-safety pass, or eager by its op's role."""
+    return EAGER_REASON in node.meta or is_eager_node(node, roles)
+
+
 def motion_barrier(node: torch.fx.Node, roles: OpRegistry,
                    roots: dict[torch.fx.Node, set[Hashable]]) -> bool:
     """No computation may move across this node: it writes something, runs
@@ -305,7 +318,7 @@ def motion_barrier(node: torch.fx.Node, roles: OpRegistry,
     `_output_roots`, filled in graph order)."""
     from .segment_attention_like import node_effects  # local: that module imports this one
 
-    if EAGER_REASON in node.meta or is_eager_node(node, roles):
+    if runs_eagerly(node, roles):
         return True
     if roles.role(node) is not OpRole.ORDINARY:
         return True

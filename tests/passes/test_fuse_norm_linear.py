@@ -256,6 +256,22 @@ def test_a_gate_without_a_norm_and_a_norm_without_a_gate_fuse_alone():
         torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_norm_of_a_fused_gate_reads_the_fused_node():
+    """gate -> norm -> linear: fusing the gate first replaces its product,
+    which is the norm's input; the second fused node must read the first."""
+    torch.manual_seed(9)
+    model = nn.Sequential(SiluGate(), HFNorm(), nn.Linear(D, D)).eval()
+    x = torch.randn(3, D)
+    gm, inputs = dynamo_graph(model, x)
+    details = _passes(gm)["details"]
+    assert [(f["norm"] is not None, f["gated"]) for f in details["fused"]] == \
+        [(False, True), (True, False)]
+    first, second = calls(gm, NORM_LINEAR)
+    assert second.args[0] is first
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_fires_through_the_backend_and_not_without_sibling_packing():
     """Through the backend q/k/v and gate/up (packed by the sibling pass) take
     their norms; with the sibling pass off, three linears read one norm, so
