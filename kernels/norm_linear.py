@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from compile_backend.core.op_registry import register_op
-from compile_backend.core.packed_weights import packed_view
 
-from .skinny_linear import skinny_linear, skinny_pays
+from .sibling_linear import packed_weight_and_bias, sibling_linear_ref
+from .skinny_linear import check_norm_weight, skinny_linear, skinny_pays
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,13 +65,7 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: floa
                     gated: bool) -> torch.Tensor:
     """Plain torch, op by op as eager runs it (module docstring)."""
     h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
-    weight = packed_view(weights)
-    bias = packed_view(biases) if biases else None
-    if weight is not None and (bias is not None or not biases):
-        y = F.linear(h, weight, bias)
-    else:
-        y = torch.cat([F.linear(h, w, biases[i] if biases else None)
-                       for i, w in enumerate(weights)], dim=-1)
+    y = sibling_linear_ref(h, weights, biases)
     if gated:
         g, u = y.chunk(2, dim=-1)
         y = F.silu(g) * u
@@ -99,13 +93,8 @@ def _check(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
         raise ValueError(f"norm_linear: give one bias [N_i] of x's dtype per weight, or none; got "
                          f"{[tuple(b.shape) for b in biases]} for weights "
                          f"{[tuple(w.shape) for w in weights]}")
-    if norm_weight is not None and (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.device != x.device):
-        raise ValueError(f"norm_linear: norm_weight must be [{K}] of x's dtype ({x.dtype}) on "
-                         f"{x.device}; got {tuple(norm_weight.shape)} {norm_weight.dtype} on "
-                         f"{norm_weight.device}")
-    if not eps >= 0.0:
-        raise ValueError(f"norm_linear: eps must be a number >= 0, got {eps}")
+    if norm_weight is not None:
+        check_norm_weight("norm_linear", x, norm_weight, eps)
     if gated and sum(w.shape[0] for w in weights) % 2:
         raise ValueError("norm_linear: gated needs an even number of output features "
                          "(the gate's columns, then the up projection's)")
@@ -117,11 +106,9 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                 gated: bool) -> torch.Tensor:
     """RMSNorm -> linear(s) -> optional SiLU·mul (module docstring)."""
     _check(x, norm_weight, eps, weights, biases, gated)
-    weight = packed_view(weights)
-    bias = packed_view(biases) if biases else None
-    if weight is not None and (bias is not None or not biases) and \
-            skinny_pays(x, weight, gated, norm=norm_weight is not None):
-        return skinny_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+    packed = packed_weight_and_bias(weights, biases)
+    if packed is not None and skinny_pays(x, packed[0], gated, norm=norm_weight is not None):
+        return skinny_linear(x, *packed, norm_weight=norm_weight, eps=eps, gated=gated)
     return norm_linear_ref(x, norm_weight, eps, weights, biases, gated).contiguous()
 
 

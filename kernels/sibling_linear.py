@@ -39,18 +39,35 @@ def _check(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
                          "(give one bias per weight, or none)")
 
 
+def packed_weight_and_bias(weights: list[torch.Tensor], biases: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The [sum N_i, K] weight (and [sum N_i] bias, None without biases) the
+    siblings are row slices of, or None when they are not packed."""
+    weight = packed_view(weights)
+    bias = packed_view(biases) if biases else None
+    if weight is None or (biases and bias is None):
+        return None
+    return weight, bias
+
+
+def sibling_linear_ref(x: torch.Tensor, weights: list[torch.Tensor],
+                       biases: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat([F.linear(x, w, b) ...], -1)`: one F.linear over the packed
+    weight when the siblings are packed, else one per sibling."""
+    packed = packed_weight_and_bias(weights, biases)
+    if packed is not None:
+        return F.linear(x, *packed)
+    outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
+    return torch.cat(outs, dim=-1)
+
+
 @torch.library.custom_op("mrv2::sibling_linear", mutates_args=())
 def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor],
                    biases: list[torch.Tensor]) -> torch.Tensor:
     """`torch.cat([F.linear(x, w, b) ...], -1)`, as one matmul when the
     weights (and biases) are packed (module docstring)."""
     _check(x, weights, biases)
-    weight = packed_view(weights)
-    bias = packed_view(biases) if biases else None
-    if weight is not None and (bias is not None or not biases):
-        return F.linear(x, weight, bias)
-    outs = [F.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
-    return torch.cat(outs, dim=-1)
+    return sibling_linear_ref(x, weights, biases)
 
 
 register_op("mrv2::sibling_linear", capture_safe=True)

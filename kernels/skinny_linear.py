@@ -223,6 +223,19 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device), gated, norm)
 
 
+def check_norm_weight(op: str, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> None:
+    """Raise (naming `op`) unless norm_weight is [K] of x's dtype and device
+    and eps >= 0."""
+    K = x.shape[-1]
+    if (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype
+            or norm_weight.device != x.device):
+        raise ValueError(f"{op}: norm_weight must be [{K}] of x's dtype ({x.dtype}) on "
+                         f"{x.device}, got {tuple(norm_weight.shape)} {norm_weight.dtype} on "
+                         f"{norm_weight.device}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be a number >= 0, got {eps}")
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: dict | None = None,
                   out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
@@ -252,13 +265,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):
         raise ValueError(f"skinny_linear: bias must be [{N}] on {x.device}, got {tuple(bias.shape)}")
     if norm_weight is not None:
-        if (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype
-                or norm_weight.device != x.device):
-            raise ValueError(f"skinny_linear: norm_weight must be [{K}] of x's dtype ({x.dtype}) on "
-                             f"{x.device}, got {tuple(norm_weight.shape)} {norm_weight.dtype} on "
-                             f"{norm_weight.device}")
-        if not eps >= 0.0:
-            raise ValueError(f"skinny_linear: eps must be a number >= 0, got {eps}")
+        check_norm_weight("skinny_linear", x, norm_weight, eps)
         if norm_weight.stride(0) != 1:
             norm_weight = norm_weight.contiguous()
     r2 = None
