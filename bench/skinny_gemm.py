@@ -78,8 +78,14 @@ def ms(fn) -> float:
     return median_ms(fn, warmup=25, rep=150)
 
 
+def rotations(N, K) -> int:
+    """Copies of a bf16 [N, K] weight that together pass L2 (1 to 4): timed
+    calls rotate through them, so each reads its weight from HBM."""
+    return max(1, min(4, -(-L2_BYTES // (N * K * 2))))
+
+
 def operands(M, N, K, residual, g):
-    copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
+    copies = rotations(N, K)
     ws = [(torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(BF16) for _ in range(copies)]
     x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
     r = torch.randn(M, N, generator=g, device="cuda").to(BF16) if residual else None
@@ -163,20 +169,27 @@ def unfused_norm_linear(x, norm_weight, weight, gated: bool):
     return y
 
 
-def bench_fused(name, sizes, gated, M, bw, unfused_mode, g, device="cuda"):
-    """One row of the --fused table: unfused (compiled or eager) and
-    `mrv2::norm_linear` with the kernel, weights rotated past L2."""
+def packed_groups(name, sizes, g, device="cuda"):
+    """rotations() copies of the siblings (out features `sizes`, K = FUSED_K),
+    each packed into one [sum sizes, K] weight."""
     N, K = sum(sizes), FUSED_K
-    copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
     groups = []
-    for _ in range(copies):  # each copy: the siblings packed into one [N, K] weight
+    for _ in range(rotations(N, K)):
         ws = [(torch.randn(n, K, generator=g, device=device) * K ** -0.5).to(BF16) for n in sizes]
         if pack_siblings(ws) != "packed":
             raise AssertionError(f"{name}: the siblings did not pack")
         groups.append(ws)
+    return groups
+
+
+def bench_fused(name, sizes, gated, M, bw, unfused_mode, g, device="cuda"):
+    """One row of the --fused table: unfused (compiled or eager) and
+    `mrv2::norm_linear` with the kernel, weights rotated past L2."""
+    N, K = sum(sizes), FUSED_K
+    groups = packed_groups(name, sizes, g, device)
     x = torch.randn(M, K, generator=g, device=device).to(BF16)
     nw = (1.0 + 0.5 * torch.randn(K, generator=g, device=device)).to(BF16)
-    if device == "cuda" and not skinny_pays(x, packed_view(groups[0]), gated):
+    if device == "cuda" and not skinny_pays(x, packed_view(groups[0]), gated, norm=True):
         raise AssertionError(f"{name} M={M}: the op would not run the kernel (MRV2_SKINNY_GEMM=1?)")
     ref = norm_linear_ref(x, nw, FUSED_EPS, groups[0], [], gated)
     torch._dynamo.reset()  # a fresh compile per (shape, rows): no recompile limit to reach
@@ -233,17 +246,25 @@ def run_fused(args, argv) -> int:
             print(f"{name} M={M}: floor {row['floor_us']:.1f} unfused {row['unfused_us']:.1f} "
                   f"fused {row['fused_us']:.1f}", flush=True)
     text = fmt_fused(rows, bw, args.unfused)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = (f"# RMSNorm + linear (+ SiLU·mul): mrv2::norm_linear against the unfused sequence\n\n"
-            f"{stamp}, {torch.cuda.get_device_name()}, torch {torch.__version__}, command: "
-            f"`python bench/skinny_gemm.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
-    with open(os.path.join(args.out, "norm_linear.md"), "w") as f:
-        f.write(head + text + "\n")
-    with open(os.path.join(args.out, "norm_linear.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "unfused": args.unfused, "rows": rows}, f, indent=1)
+    write_results(args.out, "norm_linear",
+                  "RMSNorm + linear (+ SiLU·mul): mrv2::norm_linear against the unfused sequence",
+                  argv, text, {"copy_bandwidth": bw, "unfused": args.unfused, "rows": rows})
     print(text)
     return 0
+
+
+def write_results(out, stem, title, argv, text, payload) -> None:
+    """<out>/<stem>.md (title, date, GPU, torch, the command, `text`) and
+    <out>/<stem>.json (`payload`)."""
+    os.makedirs(out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (f"# {title}\n\n{stamp}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"command: `python bench/skinny_gemm.py "
+            f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(head + text + "\n")
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(payload, f, indent=1, default=str)
 
 
 FUSED_SWEEP = {"BLOCK_N": [16, 32], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8],
@@ -260,17 +281,13 @@ def run_fused_sweep(args) -> int:
         if args.only and name not in set(args.only.split(",")):
             continue
         N, K = sum(sizes), FUSED_K
-        copies = max(1, min(4, -(-L2_BYTES // (N * K * 2))))
-        groups = [[(torch.randn(n, K, generator=g, device="cuda") * K ** -0.5).to(BF16)
-                   for n in sizes] for _ in range(copies)]
-        for ws in groups:
-            pack_siblings(ws)
+        groups = packed_groups(name, sizes, g)
         weights = [packed_view(ws) for ws in groups]
         nw = (1.0 + 0.5 * torch.randn(K, generator=g, device="cuda")).to(BF16)
         for M in map(int, args.rows.split(",")):
             x = torch.randn(M, K, generator=g, device="cuda").to(BF16)
             ref = norm_linear_ref(x, nw, FUSED_EPS, groups[0], [], gated)
-            base = skinny_config(M, N, K, gated=gated)
+            base = skinny_config(M, N, K, gated=gated, norm=True)
             timings = []
             for v in itertools.product(*FUSED_SWEEP.values()):
                 cfg = dict(zip(FUSED_SWEEP, v), BLOCK_M=base["BLOCK_M"])
@@ -328,15 +345,8 @@ def main(argv=None) -> int:
                       f"skinny {row['skinny_us']:.1f} best {row['best_us']:.1f} {row['best_config']}",
                       flush=True)
     text = fmt(rows, bw)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = (f"# Decode linears: skinny kernel against cuBLAS\n\n{stamp}, "
-            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, command: "
-            f"`python bench/skinny_gemm.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
-    with open(os.path.join(args.out, "skinny_gemm.md"), "w") as f:
-        f.write(head + text + "\n")
-    with open(os.path.join(args.out, "skinny_gemm.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1, default=str)
+    write_results(args.out, "skinny_gemm", "Decode linears: skinny kernel against cuBLAS", argv, text,
+                  {"copy_bandwidth": bw, "rows": rows})
     print(text)
     return 0
 
