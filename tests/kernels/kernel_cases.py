@@ -45,6 +45,17 @@ GPU_HEAD_DIMS = [1, 4, 8, 12, 24, 40, 96, 256]
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
+@pytest.fixture(autouse=True)
+def gpu_dot_limits(monkeypatch):
+    """Triton's interpreter accepts tl.dot of any size; the GPU needs every
+    dimension >= 16 (Note [dot tiles]). Make the interpreter check that too.
+    Autouse in the test modules that import it."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     assert torch.isfinite(out).all(), "non-finite output"

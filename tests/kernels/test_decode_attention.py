@@ -17,6 +17,7 @@ import torch
 
 from kernel_cases import (DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, SMALL_HEAD_DIMS, assert_close_rel, gen,
                           randn, stable_seed)
+from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
 from compile_backend.kernels.unified_attention import (LOG2E, _Plan, unified_attention,
                                                        unified_attention_ref)
 
@@ -24,15 +25,6 @@ ua = importlib.import_module("compile_backend.kernels.unified_attention")
 
 needs_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                   reason="CPU kernels need TRITON_INTERPRET=1")
-
-
-@pytest.fixture(autouse=True)
-def _gpu_dot_limits(monkeypatch):
-    """The interpreter checks tl.dot's GPU minimum of 16 too (Note [dot tiles])."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
 
 
 def _tickets_zero() -> bool:

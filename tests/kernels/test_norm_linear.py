@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kernel_cases import assert_close_rel, gen, randn, rel_err, stable_seed
+from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
 from compile_backend.kernels.norm_linear import norm_linear_ref  # registers mrv2::norm_linear
 from compile_backend.kernels.skinny_linear import (CONFIGS, FUSED_CONFIGS, skinny_config,
                                                    skinny_fills, skinny_linear, skinny_pays)
@@ -35,15 +36,6 @@ REF_TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 EPS = 1e-5
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU kernels need TRITON_INTERPRET=1")
-
-
-@pytest.fixture(autouse=True)
-def _gpu_dot_limits(monkeypatch):
-    """The interpreter checks tl.dot's GPU minimum of 16 too."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
 
 
 def _siblings(N: int, gated: bool) -> list[int]:

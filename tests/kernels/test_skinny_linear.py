@@ -7,28 +7,19 @@ choice between the kernel and torch; misuse errors that touch nothing.
 Tolerance: relative error ||out - ref|| / ||ref|| per dtype (kernel_cases.REL_TOL:
 one final rounding of the output)."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernel_cases import DEVICES, assert_close_rel, gen, randn, stable_seed
+from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
 from compile_backend.kernels.skinny_linear import (MAX_ROWS, linear_add, linear_add_ref, skinny_allowed,
                                                    skinny_config, skinny_fills, skinny_linear,
                                                    skinny_pays)
 
 LOW = [torch.float16, torch.bfloat16]
 LOW_IDS = ["fp16", "bf16"]
-
-
-@pytest.fixture(autouse=True)
-def _gpu_dot_limits(monkeypatch):
-    """The interpreter checks tl.dot's GPU minimum of 16 too."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
 
 
 def _ref(x, w, b=None, r=None):

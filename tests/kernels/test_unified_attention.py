@@ -3,25 +3,15 @@ dtype: kernel_cases.REL_TOL), over decode, prefill, mixed, padded and long
 batches and head sizes from 1 to MAX_HEAD_DIM."""
 
 import importlib
-import os
 
 import pytest
 import torch
 
 from kernel_cases import (stable_seed, DEVICES, DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, SMALL_HEAD_DIMS, assert_close_rel,
                           gen, paged_batch, randn)
+from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
 from compile_backend.kernels.unified_attention import (MAX_HEAD_DIM, num_kv_splits, unified_attention,
                                        unified_attention_ref)
-
-@pytest.fixture(autouse=True)
-def _gpu_dot_limits(monkeypatch):
-    """Triton's interpreter accepts tl.dot of any size; the GPU needs every
-    dimension >= 16 (Note [dot tiles]). Make the interpreter check that too."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setitem(interpreter_builder.codegen_fns, "min_dot_size", lambda a, b: (16, 16, 16))
-
 
 # name: (q_lens, seq_lens, padding tokens beyond qsl[B])
 CASES = {
