@@ -20,8 +20,12 @@ bench preset's widths) unless told otherwise. Variants:
 `--variants` picks some (eager, off, sibling, residual, on); `--profile`
 adds, per variant and batch, the kernels of one generate call of
 `--profile-tokens` new tokens (torch.profiler) and the device time per new
-token beside the wall time: a step whose kernels take much less than its
-time waits on the host.
+token beside the wall time (device ms / token: a call of
+`--profile-tokens` new tokens minus a call of one, per decode token): a
+step whose kernels take much less than its time waits on the host.
+`--host-profile N` prints, per variant and batch, the N functions with the
+most host time in one generate call (cProfile); the table's "of it GC"
+column is the time garbage collection took inside the timed calls.
 Each variant runs on its own copy of the model (compiled in place with
 `Module.compile`, so generate's calls of the module run compiled; Dynamo
 reset in between). `generate` runs greedy with a static cache (one per
@@ -38,6 +42,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -52,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import kernel_profile  # noqa: E402
 
 import compile_backend as cb  # noqa: E402,F401  (registers the backend)
+from compile_backend.core.counters import counters  # noqa: E402
 
 
 def build(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int,
@@ -67,28 +73,80 @@ def build(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab
     return model.to(dtype).eval()
 
 
-def timed_ms(fn, device: str, warmup: int = 2, reps: int = 5) -> tuple[float, object]:
+class GcPauses:
+    """Milliseconds the interpreter spent in garbage collection while active
+    (gc.callbacks): a host-bound step's time can hide there."""
+
+    def __init__(self):
+        self.ms = 0.0
+        self.collections = 0
+        self._t0 = 0.0
+        self.active = False
+
+    def __call__(self, phase, info):
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.collections += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def timed_ms(fn, device: str, warmup: int = 2, reps: int = 5) -> tuple[float, object, float]:
+    """(median ms of `reps` calls after `warmup`, the last output, median ms
+    of garbage collection inside a call)."""
     out = None
     for _ in range(warmup):
         out = fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            out = fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
+    times, gc_times = [], []
+    with GcPauses() as pauses:
+        for _ in range(reps):
+            pauses.ms, pauses.active = 0.0, True
+            if device == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                out = fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            pauses.active = False
+            gc_times.append(pauses.ms)
+    return statistics.median(times), out, statistics.median(gc_times)
 
 
-def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, profile_tokens=0):
+def host_profile(fn, top: int) -> list[str]:
+    """The functions that took most host time (cProfile, own time) in one
+    call of `fn`: where a host-bound step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
+
+
+def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, profile_tokens=0,
+                host_top=0):
     torch._dynamo.reset()
+    counters.clear()
     target = copy.deepcopy(model)
     if options is not None:
         # In place (Module.compile): generate's calls of the module run compiled.
@@ -113,18 +171,36 @@ def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, p
     rows = []
     with torch.no_grad():
         for B, ids in ids_by_batch.items():
-            t_one, _ = timed_ms(lambda: generate(ids, 1), device)
-            t_all, out = timed_ms(lambda: generate(ids, new_tokens), device)
+            t_one, _, gc_one = timed_ms(lambda: generate(ids, 1), device)
+            t_all, out, gc_all = timed_ms(lambda: generate(ids, new_tokens), device)
             rows.append({"variant": label, "batch": B, "ms_per_token": (t_all - t_one) / (new_tokens - 1),
+                         "gc_ms_per_token": (gc_all - gc_one) / (new_tokens - 1),
                          "generate_ms": t_all, "prefill_ms": t_one, "tokens": out[:, ids.shape[1]:].cpu()})
-            print(f"{label} b{B}: {rows[-1]['ms_per_token']:.3f} ms/token", flush=True)
+            print(f"{label} b{B}: {rows[-1]['ms_per_token']:.3f} ms/token, "
+                  f"{rows[-1]['gc_ms_per_token']:.3f} of it in garbage collection", flush=True)
+            if host_top:
+                rows[-1]["host_profile"] = host_profile(lambda: generate(ids, new_tokens), host_top)
+                print("\n".join(rows[-1]["host_profile"]), flush=True)
             if profile_tokens and device == "cuda":
                 kernels = kernel_profile(lambda: generate(ids, profile_tokens))
+                prefill = kernel_profile(lambda: generate(ids, 1))
+                device_ms = sum(k[2] for k in kernels) / 1e3
+                # The decode steps' device time alone: the call minus a call
+                # that only prefills (and picks the first token).
+                decode_ms = (device_ms - sum(k[2] for k in prefill) / 1e3) / (profile_tokens - 1)
                 rows[-1]["profile"] = {"kernels": kernels, "launches": sum(k[1] for k in kernels),
-                                       "device_ms": sum(k[2] for k in kernels) / 1e3}
-                print(f"  {rows[-1]['profile']['launches']} launches, "
-                      f"{rows[-1]['profile']['device_ms']:.3f} ms device time in one generate "
-                      f"call of {profile_tokens} tokens", flush=True)
+                                       "device_ms": device_ms, "device_ms_per_token": decode_ms}
+                rows[-1]["device_ms_per_token"] = decode_ms
+                print(f"  {rows[-1]['profile']['launches']} launches, {device_ms:.3f} ms device "
+                      f"time in one generate call of {profile_tokens} tokens, "
+                      f"{decode_ms:.3f} ms per decode token", flush=True)
+    # The backend's counters over the variant's calls (captures, replays,
+    # eager pieces, fusions): two variants that differ in time but not here
+    # differ inside the kernels.
+    seen = {k: v for k, v in sorted(counters.items()) if v}
+    print(f"  counters: {seen}", flush=True)
+    for r in rows:
+        r["counters"] = seen
     del target
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -149,6 +225,9 @@ def main(argv=None) -> int:
                     help="also the kernels of one generate call per variant and batch (CUDA)")
     ap.add_argument("--profile-tokens", type=int, default=8)
     ap.add_argument("--top", type=int, default=12, help="--profile: kernels listed")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="per variant and batch, the N functions with the most host time "
+                         "(cProfile) in one generate call")
     ap.add_argument("--piece-compiler", default="inductor")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--dry-run", action="store_true",
@@ -186,16 +265,20 @@ def main(argv=None) -> int:
     with scope:
         for label, options in variants:
             rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, args.mode, device,
-                                profile_tokens=args.profile_tokens if args.profile else 0)
+                                profile_tokens=args.profile_tokens if args.profile else 0,
+                                host_top=args.host_profile)
     eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
     off = {r["batch"]: r for r in rows if r["variant"] == "mrv2 passes off"}
-    lines = ["| variant | batch | ms / token | vs passes off | vs eager | greedy tokens equal to eager |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | batch | ms / token | of it GC | device ms / token | vs passes off "
+             "| vs eager | greedy tokens equal to eager |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e, o = eager[r["batch"]], off[r["batch"]]
         same = (r["tokens"] == e["tokens"]).float().mean().item()
         r["tokens_equal_eager"] = same
+        dev = f"{r['device_ms_per_token']:.3f}" if "device_ms_per_token" in r else "-"
         lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
+                     f"| {r['gc_ms_per_token']:.3f} | {dev} "
                      f"| {r['ms_per_token'] / o['ms_per_token']:.3f}x | {r['ms_per_token'] / e['ms_per_token']:.3f}x "
                      f"| {100 * same:.1f}% |")
     for r in rows:
