@@ -1,7 +1,9 @@
 """Host time of one PIECEWISE replay call in the CUDA-graph wrapper, with
 the graph's replay itself a no-op: what the wrapper adds per piece of a
 runner step (descriptor lookup, the address check of every tensor input,
-copies into private buffers, output aliases). Runs on the CPU.
+copies into private buffers, output aliases). A second table times a whole
+call of a model under plain torch.compile in FULL mode, whose graph takes
+every weight as an input (Dynamo's guards included). Runs on the CPU.
 
     python bench/replay_hot_path.py [--calls 20000]
 
@@ -71,6 +73,29 @@ def time_replays(num_inputs: int, calls: int) -> tuple[float, float]:
     return statistics.median(rounds), min(rounds)
 
 
+def time_plain_calls(layers: int, calls: int) -> tuple[float, float]:
+    """A model of `layers` Linear(8, 8) under torch.compile(backend="mrv2"),
+    FULL, called at one input shape: Dynamo's guards, the step's checks, the
+    wrapper's key and address checks over 2 * layers weights, the output's
+    copy. The graph's replay does nothing."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    x = torch.randn(2, 8)
+    with use_graph_backend(_NoOpGraphs()), torch.no_grad():
+        f = torch.compile(model, backend="mrv2",
+                          options={"piece_compiler": "eager", "cudagraph_mode": "full"})
+        for _ in range(3):  # warm up, capture, replay
+            f(x)
+        assert cb.counters["cudagraph_replays"] >= 2, dict(cb.counters)
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f(x)
+            rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(rounds), min(rounds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
@@ -80,6 +105,14 @@ def main() -> None:
     for n in (4, 12, 32):
         med, low = time_replays(n, a.calls)
         print(f"| {n} | {med:.2f} | {low:.2f} |")
+    print()
+    print("Plain torch.compile, FULL, one shape (each weight is a graph input):")
+    print()
+    print("| layers | weight inputs | median us per call | min us |")
+    print("|---:|---:|---:|---:|")
+    for layers in (4, 50, 200):
+        med, low = time_plain_calls(layers, max(a.calls // 20, 50))
+        print(f"| {layers} | {2 * layers} | {med:.2f} | {low:.2f} |")
 
 
 if __name__ == "__main__":

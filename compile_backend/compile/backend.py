@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.compile.compiled_step import CompiledStep, assemble_step
+from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
 from compile_backend.compile.piece_compiler import compile_pieces
 from compile_backend.compile.split import split_graph
 from compile_backend.core.config import CompilationConfig
@@ -77,6 +77,20 @@ def _names_and_stable(args: Sequence[Any]) -> tuple[list[str], list[int]]:
     buffers (stable addresses: `debug_checks` names them if they move)."""
     names = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in args]
     return names, [i for i, a in enumerate(args) if _is_parameter_or_buffer(a)]
+
+
+def _fixed_shapes(args: Sequence[Any]) -> list[int]:
+    """Indices of the inputs that are tensors of a fixed shape: no symbolic
+    size in their example value. Dynamo guards such a shape, so a call with
+    another is another compiled graph; a wrapper's lazy key leaves them out.
+    An input without an example value (a piece's input made by the split)
+    is not counted fixed."""
+    out = []
+    for i, a in enumerate(args):
+        value = a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
+            out.append(i)
+    return out
 
 
 def _is_parameter_or_buffer(node: Any) -> bool:
@@ -140,8 +154,12 @@ class Mrv2Backend:
             if p.eager_reasons:
                 counters["capture_fallbacks"] += 1
         piece_inputs = {p.name: _piece_inputs(split_gm, p.name) for p in pieces if p.captured}
-        graph_inputs = _names_and_stable([n for n in split_gm.graph.nodes
-                                          if n.op == "placeholder"])
+        placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+        graph_inputs = _names_and_stable(placeholders)
+        fixed_shape_inputs = {FULL_GRAPH: _fixed_shapes(placeholders)}
+        for n in split_gm.graph.nodes:
+            if n.op == "call_module" and n.target in piece_inputs:
+                fixed_shape_inputs[n.target] = _fixed_shapes(n.args)
         fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
                                       serializable=config.serializable)
         step = CompiledStep(
@@ -157,6 +175,7 @@ class Mrv2Backend:
             passes_uuid=passes_uuid,
             piece_inputs=piece_inputs,
             graph_inputs=graph_inputs,
+            fixed_shape_inputs=fixed_shape_inputs,
             written_inputs=written,
             packed_inputs=packed_inputs,
         )

@@ -29,6 +29,10 @@ from compile_backend.runtime.graph_pool import own_outputs
 
 logger = logging.getLogger(__name__)
 
+# The key of the whole graph's entry in CompiledStep.fixed_shape_inputs
+# (pieces are keyed by their names, submod_N).
+FULL_GRAPH = "full_graph"
+
 try:  # torch's interface for what an AOT-compiled function saves (torch >= 2.10)
     from torch._dynamo.aot_compile_types import SerializableCallable as _Saveable
 except ImportError:  # pragma: no cover - older torch: no warm start
@@ -58,6 +62,9 @@ class CompiledStep(_Saveable):
     # compiled on their own.
     piece_inputs: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
     graph_inputs: tuple[list[str], list[int]] = ((), ())
+    # Per wrapper (a piece's name, or FULL_GRAPH), the inputs of a fixed
+    # shape (backend.py: _fixed_shapes): left out of the lazy key
+    fixed_shape_inputs: dict[str, list[int]] = field(default_factory=dict)
     written_inputs: frozenset[int] = frozenset()
     # Groups of graph inputs (weights, biases of fused sibling linears) packed
     # into one tensor each (compile/backend.py: _pack_fused_weights). A loaded
@@ -107,8 +114,7 @@ class CompiledStep(_Saveable):
         an int that changed, such as a decode position, as an input). Values
         that change between calls of one input shape would need a graph per
         call: then the whole graph is given up for PIECEWISE pieces."""
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-        values = tuple(a for a in args if not isinstance(a, torch.Tensor))
+        shapes, values = self.full_graph.lazy_key(args)
         first = self._values_by_shapes.setdefault(shapes, values)
         if first == values:
             return True
@@ -200,7 +206,8 @@ def assemble_step(step: CompiledStep, fns: dict[str, Callable[..., Any]]) -> Non
             fn = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, name=piece.name,
                                   debug_checks=config.debug_checks, stable_inputs=stable,
                                   input_names=names, written_inputs=piece.written_inputs,
-                                  graphs_per_shape=config.graphs_per_shape)
+                                  graphs_per_shape=config.graphs_per_shape,
+                                  fixed_shape_inputs=step.fixed_shape_inputs.get(piece.name, ()))
             step.wrappers.append(fn)
         elif not piece.captured and config.direct_op_calls:
             # On a copy: the piece's own module stays as traced (it is what a
@@ -217,5 +224,6 @@ def assemble_step(step: CompiledStep, fns: dict[str, Callable[..., Any]]) -> Non
         step.full_graph = CUDAGraphWrapper(
             split_gm, CUDAGraphMode.FULL, name="full_graph", debug_checks=config.debug_checks,
             stable_inputs=stable, input_names=names, written_inputs=step.written_inputs,
-            graphs_per_shape=config.graphs_per_shape)
+            graphs_per_shape=config.graphs_per_shape,
+            fixed_shape_inputs=step.fixed_shape_inputs.get(FULL_GRAPH, ()))
     _compiled.append(step)

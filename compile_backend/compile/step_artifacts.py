@@ -119,6 +119,7 @@ def serialize_step(step: Any) -> bytes:
         "pieces": [copy.copy(p) for p in step.pieces],  # graph modules: the split graph's
         "piece_inputs": step.piece_inputs,
         "graph_inputs": step.graph_inputs,
+        "fixed_shape_inputs": step.fixed_shape_inputs,
         "written_inputs": step.written_inputs,
         "packed_inputs": step.packed_inputs,
         "artifacts": artifacts,
@@ -170,6 +171,7 @@ def deserialize_step(data: bytes) -> Any:
         passes_uuid=payload["passes_uuid"],
         piece_inputs=payload["piece_inputs"],
         graph_inputs=payload["graph_inputs"],
+        fixed_shape_inputs=payload.get("fixed_shape_inputs", {}),  # none known: all keyed
         written_inputs=payload["written_inputs"],
         packed_inputs=payload["packed_inputs"],
         # Packed in the process that compiled it, not in this one: at the

@@ -74,6 +74,33 @@ class CapturedGraph:
     metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
     seconds: float = 0.0
     pool_bytes: int = 0  # allocator growth during capture (host-side count: exact in a plan too)
+    # tensor_ptrs as the C++ check takes them: an address per input position
+    # (None where unchecked) and the positions to check
+    ptr_by_index: list[int | None] = field(init=False, repr=False)
+    ptr_indices: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ptr_by_index = [None] * len(self.inputs)
+        for i, ptr in self.tensor_ptrs:
+            self.ptr_by_index[i] = ptr
+        self.ptr_indices = [i for i, _ in self.tensor_ptrs]
+
+
+# torch's C++ loop over tensors' addresses (CUDA builds; cudagraph_trees uses
+# it on its hot path): hundreds of inputs (a model's weights, as plain
+# torch.compile passes them) in microseconds. None on CPU builds.
+_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def addresses_match(args: Sequence[Any], entry: CapturedGraph) -> bool:
+    """Is every tensor input `entry` reads in place at its capture address?"""
+    if _data_ptrs_equal is not None:
+        return _data_ptrs_equal(args if type(args) is list else list(args),
+                                entry.ptr_by_index, entry.ptr_indices)
+    for i, ptr in entry.tensor_ptrs:
+        if args[i].data_ptr() != ptr:
+            return False
+    return True
 
 
 def _metadata_ptrs(ctx: ForwardContext | None) -> dict[str, int]:
@@ -132,6 +159,7 @@ class CUDAGraphWrapper:
         graphs: Any = None,
         written_inputs: Sequence[int] | None = None,
         graphs_per_shape: int = 4,
+        fixed_shape_inputs: Sequence[int] = (),
     ) -> None:
         assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
         assert graphs_per_shape >= 1, graphs_per_shape
@@ -144,6 +172,11 @@ class CUDAGraphWrapper:
         self.graphs = graphs or graph_pool.current_graph_backend()
         self.written_inputs = None if written_inputs is None else frozenset(written_inputs)
         self.graphs_per_shape = graphs_per_shape
+        # Tensor inputs whose shape the compiler fixed (no symbolic size: a
+        # call with another shape is another compiled graph): left out of the
+        # lazy key, which then reads the few inputs that can change.
+        self.fixed_shape_inputs = frozenset(fixed_shape_inputs)
+        self._key_plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.entries: dict[Hashable, CapturedGraph] = {}  # key -> most recently used graph
         self.variants: dict[Hashable, list[CapturedGraph]] = {}  # key -> its graphs, LRU last
         self.moving: set[int] = set()  # read-only inputs seen at a new address
@@ -182,9 +215,22 @@ class CUDAGraphWrapper:
         """Has `step`'s graph been captured (a step of another mode: never)?"""
         return step.mode is self.mode and step.key in self.entries
 
+    def lazy_key(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Without a runner, what picks a graph: (the shapes of the tensor
+        inputs that can change shape, the non-tensor inputs). Which inputs
+        those are is fixed for one compiled graph: found at its first call."""
+        plan = self._key_plan
+        if plan is None:
+            plan = self._key_plan = (
+                tuple(i for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and i not in self.fixed_shape_inputs),
+                tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)))
+        shaped, valued = plan
+        return tuple([args[i].shape for i in shaped]), tuple([args[i] for i in valued])
+
     def _lazy(self, args: Sequence[Any]) -> Any:
         """No runner: graphs keyed by input shapes, captured on the second call."""
-        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        key = self.lazy_key(args)
         ctx = self._lazy_ctx
         with set_forward_context(ctx) if ctx is not None else contextlib.nullcontext():
             entry = self.entries.get(key)
@@ -306,9 +352,8 @@ class CUDAGraphWrapper:
     def _replay(self, key: Hashable, entry: CapturedGraph, args: Sequence[Any],
                 ctx: ForwardContext | None) -> Any:
         assert len(args) == len(entry.inputs), (len(args), len(entry.inputs))
-        for i, ptr in entry.tensor_ptrs:
-            if args[i].data_ptr() != ptr:
-                return self._moved(key, entry, args, ctx)
+        if not addresses_match(args, entry):
+            return self._moved(key, entry, args, ctx)
         for i in entry.copy_ins:
             entry.inputs[i].copy_(args[i])
             counters["replay_input_copies"] += 1
@@ -370,7 +415,7 @@ class CUDAGraphWrapper:
                           f"{self.name}: {self._input_name(i)} moves between calls: from now "
                           "on it is copied into a private buffer that the graph reads")
         for other in reversed(self.variants.get(key, [])):
-            if other is not entry and all(args[i].data_ptr() == p for i, p in other.tensor_ptrs):
+            if other is not entry and addresses_match(args, other):
                 kept = self.variants[key]
                 kept.remove(other)
                 kept.append(other)  # most recently used last

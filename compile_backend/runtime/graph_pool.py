@@ -249,6 +249,14 @@ def own_outputs(out: Any) -> Any:
     outside a runner, whose outputs must not change when a graph replays."""
     if not _pool_outputs:
         return out
+    # Every call of plain use comes here: the flat tuple a Dynamo graph
+    # returns takes no pytree walk.
+    if type(out) is tuple or type(out) is list:
+        return type(out)([own_outputs(x) for x in out])
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out.untyped_storage().data_ptr() in _pool_outputs else out
+    if out is None or type(out) in (int, float, bool):
+        return out
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.clone() if is_pool_output(t) else t, out)
 

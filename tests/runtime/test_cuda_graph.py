@@ -401,3 +401,93 @@ def test_a_step_graph_is_decided_once_and_refuses_a_piecewise_uniform_decode():
     with pytest.raises(ValueError, match="one token per request"):
         StepGraph(Mode.FULL, 8, 4, uniform_decode=True)
 
+
+
+# ---- the replay's host path over many inputs -----------------------------------
+
+def _list_checked_ptrs_equal(tensors, ptrs, indices):
+    """torch._C._tensors_data_ptrs_at_indices_equal's contract in Python: it
+    takes lists only (pybind `py::list&`), an address per input position."""
+    assert type(tensors) is list and type(ptrs) is list and type(indices) is list
+    assert len(ptrs) == len(tensors)
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
+@pytest.mark.parametrize("check", ["python", "list-taking", "torch"])
+def test_the_address_check_finds_a_moved_input_in_either_implementation(check, monkeypatch):
+    """The replay's address check (cuda_graph.addresses_match) runs torch's
+    C++ loop where the build has it (CUDA) and a Python loop elsewhere: both
+    find the one moved input among many, the wrapper then captures for the
+    new address, and an unmoved call replays."""
+    from compile_backend.runtime import cuda_graph
+
+    if check == "torch" and getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) is None:
+        pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal (CUDA builds do)")
+    if check != "torch":
+        monkeypatch.setattr(cuda_graph, "_data_ptrs_equal",
+                            None if check == "python" else _list_checked_ptrs_equal)
+    g = torch.Generator().manual_seed(11)
+    weights = [torch.randn(4, generator=g) for _ in range(40)]  # read in place (fixed addresses)
+
+    def step(cache, *ws):  # cache [4] written
+        cache.add_(sum(ws))
+        return cache * 2
+
+    with use_graph_backend(StandInGraphs()):
+        w = CUDAGraphWrapper(step, Mode.PIECEWISE, name="piece", written_inputs=[0],
+                             stable_inputs=range(1, 41))
+        ctx = cb.ForwardContext(graph=cb.StepGraph(Mode.PIECEWISE, 4, 4))
+        with cb.set_forward_context(ctx):
+            total = sum(weights)
+            c1 = torch.randn(4, generator=g)
+            want = c1 + total
+            w(c1, *weights)  # capture
+            torch.testing.assert_close(c1, want)
+            for _ in range(2):  # in place: replays
+                want = c1 + total
+                torch.testing.assert_close(w(c1, *weights), want * 2)
+                torch.testing.assert_close(c1, want)
+            assert cb.counters["address_captures"] == 0
+            c2 = torch.randn(4, generator=g)
+            c1_before, want2 = c1.clone(), c2 + total
+            torch.testing.assert_close(w(c2, *weights), want2 * 2)  # moved: its own graph
+            torch.testing.assert_close(c2, want2)
+            assert torch.equal(c1, c1_before)
+            assert cb.counters["address_captures"] == 1
+            want = c1 + total
+            w(c1, *weights)  # back: the first graph, no capture
+            torch.testing.assert_close(c1, want)
+            assert cb.counters["address_captures"] == 1
+
+
+def test_the_lazy_key_reads_only_the_inputs_that_can_change_shape():
+    """Plain torch.compile hands every weight to the graph as an input. Their
+    shapes are fixed (Dynamo guards them), so the key that picks a lazily
+    captured graph leaves them out: it reads the dynamic input's shape and
+    the size Dynamo passes as an int. Two sizes: two graphs, each replayed
+    equal to eager on fresh inputs."""
+    import copy
+
+    from compile_backend.compile.compiled_step import FULL_GRAPH, compiled_steps
+
+    g = torch.Generator().manual_seed(12)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    eager = copy.deepcopy(model)
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        f = torch.compile(model, backend="mrv2",
+                          options={"piece_compiler": "eager", "cudagraph_mode": "full"})
+        for rows in (5, 5, 5, 7, 7, 7, 5, 7):
+            x = torch.randn(rows, 16, generator=g)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
+    step = compiled_steps()[-1]
+    names, stable = step.graph_inputs
+    fixed = step.fixed_shape_inputs[FULL_GRAPH]
+    assert set(stable) == {i for i, n in enumerate(names) if "parameters" in n} and len(stable) == 4
+    assert set(stable) <= set(fixed)
+    shaped, valued = step.full_graph._key_plan
+    assert len(valued) == 1  # the input's rows, as an int
+    # the one tensor input that is no weight: x, whose rows vary
+    assert shaped == tuple(i for i in range(len(names)) if i not in stable and i not in valued)
+    assert len(shaped) == 1 and shaped[0] not in fixed
+    assert cb.counters["cudagraph_captures"] == 2
