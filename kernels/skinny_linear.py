@@ -86,8 +86,9 @@ CONFIGS = {
 # by (BLOCK_M, gated): the largest tiles that ptxas compiles for sm_90a without
 # spilling registers (Triton 3.9, checked offline: the swept plain configurations
 # above spill there once the norm's fp32 tiles join). BLOCK_N counts output
-# columns: gated, a program also reads the up projection's BLOCK_N rows. Not
-# yet timed on the H200 (`python bench/skinny_gemm.py --fused [--sweep]`).
+# columns: gated, a program also reads the up projection's BLOCK_N rows.
+# Timed on the H200 (bench/results/norm_linear.md): 3-5x the unfused
+# sequence, a quarter of the plain tiles' bytes in flight (docs/design.md).
 FUSED_CONFIGS = {
     (16, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},

@@ -246,11 +246,18 @@ def test_hf_generate_dry_run_bisects_the_passes_and_checks_its_variants(monkeypa
     tiny = ["--dry-run", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
             "--intermediate", "128", "--vocab", "256", "--batches", "1", "--new-tokens", "3",
             "--prompt", "6", "--out", str(tmp_path)]
-    assert hf.main(tiny + ["--variants", "eager,off,sibling,residual"]) == 0
+    assert hf.main(tiny + ["--variants", "eager,off,sibling,residual", "--host-profile", "5"]) == 0
     rows = json.loads((tmp_path / "hf_generate.json").read_text())
     assert [r["variant"] for r in rows] == ["eager", "mrv2 passes off", "mrv2 sibling only",
                                             "mrv2 residual only"]
     assert all(r["tokens_equal_eager"] == 1.0 for r in rows), rows
+    assert all(r["gc_ms_per_token"] >= 0 and any("tottime" in line for line in r["host_profile"])
+               for r in rows), rows
+    # the backend's counters per variant: the one-pass variants fused what they name
+    assert rows[0]["counters"] == {} and rows[1]["counters"]["cudagraph_replays"] > 0
+    assert rows[2]["counters"]["pass_linears_fused"] > 0
+    assert "pass_linears_fused" not in rows[3]["counters"]
+    assert rows[3]["counters"]["pass_linear_residual_fused"] > 0
     assert "| mrv2 sibling only | 1 |" in (tmp_path / "hf_generate.md").read_text()
     for bad in ("eager,off,fast", "eager,on"):
         with pytest.raises(SystemExit):
