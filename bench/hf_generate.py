@@ -79,7 +79,6 @@ class GcPauses:
 
     def __init__(self):
         self.ms = 0.0
-        self.collections = 0
         self._t0 = 0.0
         self.active = False
 
@@ -90,7 +89,6 @@ class GcPauses:
             self._t0 = time.perf_counter()
         else:
             self.ms += (time.perf_counter() - self._t0) * 1e3
-            self.collections += 1
 
     def __enter__(self):
         gc.callbacks.append(self)

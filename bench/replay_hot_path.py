@@ -57,6 +57,17 @@ class _NoOpGraphs:
         pass
 
 
+def rounds_us(fn, calls: int) -> tuple[float, float]:
+    """Median and minimum over 5 rounds of the microseconds per call of `fn`."""
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(rounds), min(rounds)
+
+
 def time_replays(num_inputs: int, calls: int) -> tuple[float, float]:
     args = [torch.randn(8) for _ in range(num_inputs)]  # at fixed addresses, as a runner's
     with use_graph_backend(_NoOpGraphs()):
@@ -64,13 +75,7 @@ def time_replays(num_inputs: int, calls: int) -> tuple[float, float]:
         ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 8, 8))
         with cb.set_forward_context(ctx):
             w(*args)  # capture
-            rounds = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    w(*args)
-                rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(rounds), min(rounds)
+            return rounds_us(lambda: w(*args), calls)
 
 
 def time_plain_calls(layers: int, calls: int) -> tuple[float, float]:
@@ -87,13 +92,7 @@ def time_plain_calls(layers: int, calls: int) -> tuple[float, float]:
         for _ in range(3):  # warm up, capture, replay
             f(x)
         assert cb.counters["cudagraph_replays"] >= 2, dict(cb.counters)
-        rounds = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f(x)
-            rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(rounds), min(rounds)
+        return rounds_us(lambda: f(x), calls)
 
 
 def main() -> None:

@@ -65,13 +65,6 @@ def _pack_fused_weights(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     return packed
 
 
-def _piece_inputs(split_gm: torch.fx.GraphModule, name: str) -> tuple[list[str], list[int]]:
-    """Names of a piece's inputs, and which are parameters or buffers (their
-    address must never change between capture and replay)."""
-    call = next(n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name)
-    return _names_and_stable(call.args)
-
-
 def _names_and_stable(args: Sequence[Any]) -> tuple[list[str], list[int]]:
     """Names of graph inputs, and the indices of those that are parameters or
     buffers (stable addresses: `debug_checks` names them if they move)."""
@@ -153,13 +146,16 @@ class Mrv2Backend:
         for p in pieces:
             if p.eager_reasons:
                 counters["capture_fallbacks"] += 1
-        piece_inputs = {p.name: _piece_inputs(split_gm, p.name) for p in pieces if p.captured}
+        # Per captured piece (the split graph's call of it) and for the whole
+        # graph: input names, which are parameters or buffers (their address
+        # must never change between capture and replay), which have fixed shapes.
+        calls = {n.target: n for n in split_gm.graph.nodes if n.op == "call_module"}
+        captured = [p.name for p in pieces if p.captured]
+        piece_inputs = {name: _names_and_stable(calls[name].args) for name in captured}
         placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
         graph_inputs = _names_and_stable(placeholders)
-        fixed_shape_inputs = {FULL_GRAPH: _fixed_shapes(placeholders)}
-        for n in split_gm.graph.nodes:
-            if n.op == "call_module" and n.target in piece_inputs:
-                fixed_shape_inputs[n.target] = _fixed_shapes(n.args)
+        fixed_shape_inputs = {FULL_GRAPH: _fixed_shapes(placeholders),
+                              **{name: _fixed_shapes(calls[name].args) for name in captured}}
         fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
                                       serializable=config.serializable)
         step = CompiledStep(

@@ -89,8 +89,10 @@ class CompiledStep(_Saveable):
             return self.split_gm.forward(*args)
         # Plain use: the caller owns what it gets (a replay rewrites graph memory).
         if self.graph_mode.has_full:
-            if self.full_graph is not None and self._fits_one_graph(args):
-                return own_outputs(self.full_graph(*args))
+            if self.full_graph is not None:
+                key = self.full_graph.lazy_key(args)
+                if self._fits_one_graph(key):
+                    return own_outputs(self.full_graph.call_lazily(args, key))
             if not self._blocker_logged:
                 self._blocker_logged = True
                 counters["full_graph_fallbacks"] += 1
@@ -109,12 +111,12 @@ class CompiledStep(_Saveable):
             if outcome.startswith("not packed"):
                 logger.info("mrv2: sibling weights %s of the loaded step: %s", idx, outcome)
 
-    def _fits_one_graph(self, args: Sequence[Any]) -> bool:
+    def _fits_one_graph(self, key: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
         """A graph bakes in the Python values it is called with (Dynamo passes
         an int that changed, such as a decode position, as an input). Values
         that change between calls of one input shape would need a graph per
         call: then the whole graph is given up for PIECEWISE pieces."""
-        shapes, values = self.full_graph.lazy_key(args)
+        shapes, values = key  # the full graph's lazy_key of the call's arguments
         first = self._values_by_shapes.setdefault(shapes, values)
         if first == values:
             return True

@@ -200,7 +200,7 @@ class CUDAGraphWrapper:
     def __call__(self, *args: Any) -> Any:
         # The hot path of every piece of every step: few calls, no allocation.
         if not has_forward_context():
-            return self._lazy(args)
+            return self.call_lazily(args, self.lazy_key(args))
         ctx = get_forward_context()
         step = ctx.graph
         if step is None or step.mode is not self.mode:
@@ -228,9 +228,9 @@ class CUDAGraphWrapper:
         shaped, valued = plan
         return tuple([args[i].shape for i in shaped]), tuple([args[i] for i in valued])
 
-    def _lazy(self, args: Sequence[Any]) -> Any:
-        """No runner: graphs keyed by input shapes, captured on the second call."""
-        key = self.lazy_key(args)
+    def call_lazily(self, args: Sequence[Any], key: tuple[tuple[Any, ...], tuple[Any, ...]]) -> Any:
+        """No runner: graphs keyed by `key` (`lazy_key(args)`), captured on
+        the second call of a key."""
         ctx = self._lazy_ctx
         with set_forward_context(ctx) if ctx is not None else contextlib.nullcontext():
             entry = self.entries.get(key)

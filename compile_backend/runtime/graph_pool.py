@@ -254,11 +254,10 @@ def own_outputs(out: Any) -> Any:
     if type(out) is tuple or type(out) is list:
         return type(out)([own_outputs(x) for x in out])
     if isinstance(out, torch.Tensor):
-        return out.clone() if out.untyped_storage().data_ptr() in _pool_outputs else out
+        return out.clone() if is_pool_output(out) else out
     if out is None or type(out) in (int, float, bool):
         return out
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.clone() if is_pool_output(t) else t, out)
+    return pytree.tree_map_only(torch.Tensor, own_outputs, out)
 
 
 def weak_ref(t: Any) -> Any:
