@@ -48,6 +48,70 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+# Note [programmatic dependent launch]: on Hopper and later a kernel launched
+# with the PDL attribute (`launch_pdl=True`) may start while the kernel before
+# it on the stream is still finishing: its programs get resident, run what
+# does not read earlier kernels' results, and block in `griddepcontrol.wait`
+# until that kernel has completed and its writes are visible. Inside a CUDA
+# graph the edge stays programmatic, so each such boundary saves part of a
+# launch's latency and the previous kernel's tail (on the H200 these are a
+# large share of a decode step's small kernels: bench/results/pdl.md).
+# The rules every kernel here follows:
+#   * `pdl_wait` comes before any load of an argument (the kernel just before
+#     may have computed it: q, the caches, a residual, even a weight, which a
+#     dequant kernel may write) and before any store (the kernel just before
+#     may still read that buffer). Before it: index math, and the attention
+#     metadata of the forward context (query_start_loc, seq_lens, slots),
+#     which the step's inputs carry and no kernel right before attention
+#     writes (at least the q projection lies between).
+#   * `pdl_release` (griddepcontrol.launch_dependents) comes only after the
+#     wait, so that when a kernel's programs start, every kernel before the
+#     one just before has completed; it is issued after the main loop, so
+#     waiting dependents do not hold SMs that a long kernel's programs need
+#     (right after the wait in kernels without one).
+# Where PDL is off (the interpreter, CPUs, GPUs before sm_90, a Triton
+# without `gdc_wait`, or MRV2_PDL=0) both are compiled out (PDL constexpr
+# False) and the launch carries no attribute.
+
+
+def pdl_meta(device: torch.device) -> dict:
+    """The launch keywords that turn PDL on or off for a kernel on `device`:
+    {"PDL": True, "launch_pdl": True} where it is on (Note [programmatic
+    dependent launch]), else {"PDL": False}. MRV2_PDL=0 turns it off."""
+    if (os.environ.get("MRV2_PDL", "") == "0" or device.type != "cuda" or interpreting()
+            or not _HAS_GDC):
+        return {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _cuda_major(index) >= 9 else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+try:  # grid dependency control (Triton 3.3+); without it PDL stays off
+    from triton.language.extra import cuda as _tl_cuda
+    _HAS_GDC = hasattr(_tl_cuda, "gdc_wait") and hasattr(_tl_cuda, "gdc_launch_dependents")
+except ImportError:
+    _HAS_GDC = False
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the previous kernel's writes are visible (a no-op
+    compiled out unless PDL; Note [programmatic dependent launch])."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel's programs launch (after `pdl_wait` only)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 dots rather than tf32 (what the caller asked for)."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -27,7 +27,7 @@ from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_ids, check_kv_caches,
                       check_tensor)
-from ._device import interpreting, next_pow2, use_triton
+from ._device import interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, use_triton
 from ._metadata import layer_metadata
 from .reshape_and_cache import reshape_and_cache_ref
 
@@ -58,7 +58,7 @@ def _rope_and_cache_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    RNE_BF16: tl.constexpr,
+    RNE_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, g): token t, KV head g and its GROUP query heads
     # g * GROUP .. (g + 1) * GROUP - 1. Each row is read as its two halves.
@@ -67,11 +67,18 @@ def _rope_and_cache_kernel(
     t64 = t.to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     in_half = j < HALF
-    pos = tl.load(positions_ptr + t).to(tl.float32)
+    if WRITE_CACHE:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    # Note [programmatic dependent launch]: the layer's slots (attention
+    # metadata) before the wait; the arguments (the kernel just before may
+    # compute any of them) and every store after it.
+    pdl_wait(PDL)
     inv = tl.load(inv_freq_ptr + j, mask=in_half, other=0.0).to(tl.float32)
+    pos = tl.load(positions_ptr + t).to(tl.float32)
     ang = pos * inv
     cos = tl.cos(ang)
     sin = tl.sin(ang)
+    pdl_release(PDL)
 
     # q: every token, padding included.
     i = tl.arange(0, BLOCK_G)
@@ -87,7 +94,6 @@ def _rope_and_cache_kernel(
     tl.store(dst + HALF, _round_to(x2 * c2 + x1 * s2, qty, RNE_BF16), mask=q_mask)
 
     if WRITE_CACHE:
-        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         # Scalar conditions enter masks as bounds (Note [scalar masks] in _device.py).
         kv_mask = j < tl.where(slot >= 0, HALF, 0)
         blk = slot // BLOCK_SIZE
@@ -182,7 +188,7 @@ def rope_and_cache(
         GROUP=group, HALF=half, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_G=block_g, BLOCK_HALF=block_half, WRITE_CACHE=write_cache,
         RNE_BF16=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=max(1, min(4, block_g * block_half // 256)),
+        num_warps=max(1, min(4, block_g * block_half // 256)), **pdl_meta(q.device),
     )
     return out
 

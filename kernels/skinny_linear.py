@@ -71,7 +71,7 @@ import triton.language as tl
 
 from compile_backend.core.op_registry import register_op
 
-from ._device import cdiv, interpreting, next_pow2, sm_count, upcast_dots
+from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
 
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -106,7 +106,7 @@ def _skinny_linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: out[:, n0:n0+BLOCK_N] over all of K. x [M, K] and w [N, K]
     # have unit stride along K. The output has N_out columns: N, or N / 2
@@ -129,6 +129,9 @@ def _skinny_linear_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if NORM:  # x[m, k]^2 in fp32, summed over the tiles elementwise; over k once, after the loop
         ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    # Note [programmatic dependent launch]: nothing is read before the wait,
+    # not even the weight (the kernel just before may compute it: a dequant).
+    pdl_wait(PDL)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
@@ -152,6 +155,7 @@ def _skinny_linear_kernel(
             if UPCAST:
                 ut = ut.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
+    pdl_release(PDL)
     if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
         acc = acc * rstd[:, None]
@@ -293,6 +297,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         NORM=norm_weight is not None, GATED=gated,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_meta(x.device),
     )
     return out
 

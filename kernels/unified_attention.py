@@ -96,8 +96,8 @@ from ._checks import (
 )
 from ._debug import debug_checks_on
 from ._device import (
-    SEARCH, cdiv, dot_precision, interpreting, next_pow2, request_grid, request_tile, upcast_dots,
-    use_triton,
+    SEARCH, cdiv, dot_precision, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait,
+    request_grid, request_tile, upcast_dots, use_triton,
 )
 from ._device import sm_count as _sm_count  # a module name tests replace (a GPU's count)
 from ._launch import Launch, current_device, current_stream, hooks_unset, stream_capturing
@@ -236,7 +236,7 @@ def _decode_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HM: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Note [one-launch decode]. Program (p, kvh, split), p < max(B, T):
     request p's query heads of kv head kvh over one split of its keys, and
@@ -250,6 +250,12 @@ def _decode_kernel(
     h_ok = hr < QUERIES_PER_KV
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    # Note [programmatic dependent launch]: the metadata above and seq_len
+    # below are read before the wait (the step's inputs: the kernel before
+    # this one writes q and the caches, never them); q, the caches and every
+    # store come after it.
+    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0)
+    pdl_wait(PDL)
     # Rows of no request come out 0 (Note [scalar masks]: conditions as bounds).
     n_zero = tl.where(pad_row >= 0, tl.where(split == 0, QUERIES_PER_KV, 0), 0)
     tl.store(out_ptr + pad_row.to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + d[None, :],
@@ -260,7 +266,6 @@ def _decode_kernel(
     # NUM_SPLITS allows with at least min_split_len keys each (one for a
     # short context), each a TILE_N-aligned range; every used split is
     # non-empty and the others exit here.
-    seq_len = tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0)
     seq_len = tl.where(q_len > 0, seq_len, 0)
     n_want = tl.minimum(tl.maximum(seq_len // min_split_len, 1), NUM_SPLITS)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_want), TILE_N) * TILE_N, TILE_N)
@@ -283,6 +288,7 @@ def _decode_kernel(
                 scale_log2, stride_c_blk, stride_c_off, stride_c_h,
                 BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
                 DOT_PRECISION=DOT_PRECISION)
+        pdl_release(PDL)
         o_rows = out_ptr + q_start.to(tl.int64) * stride_o_t
         if n_split == 1:  # the whole context in this program: no scratch, no ticket
             out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -346,6 +352,7 @@ def _decode_split_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (b, kvh, split) writes every partial entry of its heads and split,
     # empty ones too (m = -1e30, l = 0), so scratch needs no initialisation.
@@ -365,6 +372,7 @@ def _decode_split_kernel(
     h_ok = hr < QUERIES_PER_KV
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    pdl_wait(PDL)  # the metadata above before it, as in _decode_kernel; q and the caches after
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=(hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :],
                 other=0.0)  # [BLOCK_H, BLOCK_D]
@@ -382,6 +390,7 @@ def _decode_split_kernel(
             scale_log2, stride_c_blk, stride_c_off, stride_c_h,
             BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
             DOT_PRECISION=DOT_PRECISION)
+    pdl_release(PDL)
 
     pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split
     tl.store(part_m_ptr + pm, m, mask=h_ok)
@@ -396,7 +405,7 @@ def _decode_reduce_kernel(
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
     stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SEARCH: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (p, head), p < max(B, T): request p's output row (when p < B and
     # it has its query) and the zero row p when p lies past qsl[B] (Note
@@ -408,6 +417,8 @@ def _decode_reduce_kernel(
     s_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    pdl_wait(PDL)  # the metadata before it; the partials (the split kernel's) after
+    pdl_release(PDL)
     pm = b * stride_pm_b + head * stride_pm_h + sp
     m = tl.load(part_m_ptr + pm, mask=s_ok, other=-1.0e30)
     l = tl.load(part_l_ptr + pm, mask=s_ok, other=0.0)
@@ -669,7 +680,8 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
     chunk = 1 << (chunk.bit_length() - 1)  # a power of two
     kernel = Launch(_decode_kernel, (request_grid(T, B, 1, True), KVH, S),
                     dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), BLOCK_HM=block_hm,
-                         NUM_SPLITS=S, BLOCK_S=block_s, CHUNK=chunk, SEARCH=SEARCH, **common),
+                         NUM_SPLITS=S, BLOCK_S=block_s, CHUNK=chunk, SEARCH=SEARCH, **common,
+                         **pdl_meta(device)),
                     bind=bind)
     mid = (part_acc, part_m, part_l, tickets, query_start_loc, seq_lens, block_table)
     tail = (B, T, min_split, *strides, *part_strides)
@@ -692,10 +704,11 @@ def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_le
     part_m = scratch[a: a + n_ml].view(B, H, S)
     part_l = scratch[a + m: a + m + n_ml].view(B, H, S)
     split = Launch(_decode_split_kernel, (B, KVH, S),
-                   dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), NUM_SPLITS=S, **common), bind=bind)
+                   dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), NUM_SPLITS=S, **common,
+                        **pdl_meta(device)), bind=bind)
     reduce = Launch(_decode_reduce_kernel, (request_grid(T, B, 1, True), H),
                     dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=S, BLOCK_S=next_pow2(S),
-                         SEARCH=SEARCH, num_warps=4), bind=bind)
+                         SEARCH=SEARCH, num_warps=4, **pdl_meta(device)), bind=bind)
     parts = (part_acc, part_m, part_l)
     part_strides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
                     part_m.stride(0), part_m.stride(1))
