@@ -194,7 +194,7 @@ def fmt_decode_compare(rows, copy_bw):
              "Decode attention, llama-8B shapes (32 q heads, 8 kv heads, head dim 128, bf16, block 16).",
              "us: per call inside a CUDA graph (12 calls per graph); eager us: do_bench of the plain",
              "call; splits: the grid's splits (fixed by the bound; the one-launch kernel uses fewer",
-             "for short contexts); speed-up: against the two-launch path of the same shape.", "",
+             "for short contexts); speed-up: against the first row of the same shape.", "",
              "| B | ctx | bound | path | splits | us | eager us | GB/s | % copy BW | speed-up |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -216,15 +216,27 @@ def split_sweep_variants():
     return out
 
 
-def decode_compare(out_dir, split_sweep=False) -> None:
+def tile_sweep_variants():
+    """--decode-tile-sweep: the one-launch kernel's tiles (key tile, stages,
+    warps) and shorter splits, against the plan's default choice."""
+    out = [("default plan", {}, None)]
+    out += [(f"TILE_N {t}, {st} stages, {w} warps", dict(TILE_N=t, num_stages=st, num_warps=w), None)
+            for t in (32, 64) for st in (1, 2, 3, 4) for w in (4, 8)]
+    out += [(f"min split {m}", dict(MIN_SPLIT_LEN=m), m) for m in (64, 128)]
+    return out
+
+
+def decode_compare(out_dir, split_sweep=False, tile_sweep=False) -> None:
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
     rows = []
-    batches = (1, 4, 8, 16, 32) if split_sweep else (1, 8, 64, 256)
-    variants = split_sweep_variants() if split_sweep else None
+    batches = (1, 4, 8, 16, 32) if split_sweep else (64, 256) if tile_sweep else (1, 8, 64, 256)
+    variants = (split_sweep_variants() if split_sweep else tile_sweep_variants() if tile_sweep
+                else None)
     for B in batches:
         for ctx in (500, 4000):
-            for bound in ((ctx + 64, 8192) if split_sweep else (ctx, 8192)):
+            for bound in ((ctx + 64,) if tile_sweep else (ctx + 64, 8192) if split_sweep
+                          else (ctx, 8192)):
                 try:
                     rows += decode_compare_rows(B, ctx, copy_bw, g, bound, variants)
                 except Exception:  # noqa: BLE001
@@ -240,7 +252,7 @@ def decode_compare(out_dir, split_sweep=False) -> None:
     )
     table = fmt_decode_compare(rows, copy_bw)
     os.makedirs(out_dir, exist_ok=True)
-    name = "decode_splits" if split_sweep else "decode_compare"
+    name = "decode_splits" if split_sweep else "decode_tiles" if tile_sweep else "decode_compare"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
@@ -367,9 +379,13 @@ def main() -> None:
                     help="only decode attention: one launch vs two at llama-8B shapes (decode_compare.md)")
     ap.add_argument("--decode-split-sweep", action="store_true",
                     help="only decode attention at B <= 32: the two-launch path's splits (decode_splits.md)")
+    ap.add_argument("--decode-tile-sweep", action="store_true",
+                    help="only decode attention at B = 64 and 256: the one-launch kernel's tiles "
+                         "(decode_tiles.md)")
     args = ap.parse_args()
-    if args.decode_compare or args.decode_split_sweep:
-        decode_compare(args.out_dir, split_sweep=args.decode_split_sweep)
+    if args.decode_compare or args.decode_split_sweep or args.decode_tile_sweep:
+        decode_compare(args.out_dir, split_sweep=args.decode_split_sweep,
+                       tile_sweep=args.decode_tile_sweep)
         return
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
