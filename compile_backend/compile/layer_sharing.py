@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -30,12 +31,42 @@ from compile_backend.core.forward_context import call_as_layers
 from compile_backend.core.op_registry import LAYER_NAME_ARG, layer_name_position
 
 
-def _spec(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
-    if isinstance(x, torch.SymInt):
-        return f"S({x.node.expr})"
-    return f"{type(x).__name__}({x!r})"
+def _specs(fake_args: Sequence[Any]) -> str:
+    """The inputs' specs (dtype, shape, stride, device; a SymInt's expression;
+    another value's repr) with their size symbols renamed in order of first
+    appearance (c0, c1, ...), each with its value range. Dynamo may give each
+    layer's tensors symbols of their own (an HF DynamicCache: layer 0's keys
+    s50 long, layer 1's s80), which the compiled code reads from its
+    arguments: pieces equal up to that renaming, ranges included, are the
+    same piece."""
+    names: dict[Any, Any] = {}
+    ranges: list[str] = []
+
+    def sym(v: Any) -> str:
+        node = v.node
+        expr = node.expr
+        for free in sorted(expr.free_symbols, key=str):
+            if free not in names:
+                names[free] = sympy.Symbol(f"c{len(names)}", integer=True)
+                env = getattr(node, "shape_env", None)
+                vr = env.var_to_range.get(free) if env is not None else None
+                ranges.append(f"c{len(names) - 1}[{vr.lower if vr else '?'},{vr.upper if vr else '?'}]")
+        return str(expr.xreplace(names))
+
+    def size(d: Any) -> str:
+        return sym(d) if isinstance(d, torch.SymInt) else str(d)
+
+    def spec(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            shape = ",".join(size(d) for d in x.shape)
+            stride = ",".join(size(d) for d in x.stride())
+            return f"T({x.dtype},({shape}),({stride}),{x.device.type})"
+        if isinstance(x, torch.SymInt):
+            return f"S({sym(x)})"
+        return f"{type(x).__name__}({x!r})"
+
+    specs = ";".join(spec(a) for a in fake_args)
+    return specs + "|" + ";".join(ranges)
 
 
 def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str | None, list[str]]:
@@ -68,7 +99,7 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str |
             kwargs = {**kwargs, LAYER_NAME_ARG: layer(kwargs[LAYER_NAME_ARG])}
         target = n.target if n.op != "placeholder" else ""
         lines.append(f"{n.op} {target} {arg(args)} {arg(kwargs)}")
-    text = "\n".join(lines) + "|" + ";".join(_spec(a) for a in fake_args)
+    text = "\n".join(lines) + "|" + _specs(fake_args)
     return hashlib.sha256(text.encode()).hexdigest()[:16], names
 
 

@@ -166,3 +166,58 @@ def test_inductor_compiles_identical_llama_layers_once():
         assert cb.counters["piece_compile_reuses"] == 4
         want = ref.generate(prompts, 3)
     assert got == want
+
+
+class _CacheStack(torch.nn.Module):
+    """Each layer also reads a cache of its own length (an HF DynamicCache's
+    per-layer keys), so Dynamo gives every layer's cache a symbol of its own."""
+
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x, caches):
+        for lin, c in zip(self.lins, caches):
+            x = torch.relu(lin(x)) + c.mean(0)  # c [L_i, d]
+            x = torch.ops.toy.attn(x, x, x)
+        return x
+
+
+def _cache_stack_compiles(lengths, ranges=None):
+    """Compile _CacheStack with each cache's length dynamic (`ranges`: a
+    (min, max) per cache, or None); (piece compiles, reuses), after checking
+    two calls against eager."""
+    import toy_ops  # noqa: F401  (registers toy::attn)
+
+    torch._dynamo.reset()
+    cb.reset_counters()
+    torch.manual_seed(3)
+    model = _CacheStack(n=len(lengths)).eval()
+    compiled = torch.compile(model, backend=cb.backend(
+        cudagraph_mode="none", piece_compiler="eager", splitting_ops=["toy::attn"]))
+    g = torch.Generator().manual_seed(11)
+    for call in range(2):
+        caches = [torch.randn(n + call, 16, generator=g) for n in lengths]
+        for i, c in enumerate(caches):
+            lo, hi = ranges[i] if ranges else (None, None)
+            torch._dynamo.mark_dynamic(c, 0, min=lo, max=hi)
+        x = torch.randn(6, 16, generator=g)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, caches), model(x, caches), rtol=1e-5, atol=1e-5)
+    assert cb.counters["dynamo_graphs"] == 1, dict(cb.counters)
+    return cb.counters["piece_compiles"], cb.counters["piece_compile_reuses"]
+
+
+def test_layers_whose_caches_have_symbols_of_their_own_share_one_artifact():
+    """Four layers, four cache symbols (s0..s3): one layer's piece is
+    compiled, the others equal it up to renaming the symbols and share it."""
+    compiles, reuses = _cache_stack_compiles([5, 6, 7, 9])
+    assert (compiles, reuses) == (1, 3)
+
+
+def test_a_symbol_with_another_range_keeps_its_layer_apart():
+    """The same, but the third layer's cache length is bounded differently:
+    its piece is not the same piece (compiled code may rely on a range)."""
+    compiles, reuses = _cache_stack_compiles([5, 6, 7, 9],
+                                            ranges=[(2, 4096), (2, 4096), (2, 64), (2, 4096)])
+    assert (compiles, reuses) == (2, 2)
