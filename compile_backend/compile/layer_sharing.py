@@ -49,8 +49,7 @@ def _specs(fake_args: Sequence[Any]) -> str:
             if free not in names:
                 names[free] = sympy.Symbol(f"c{len(names)}", integer=True)
                 env = getattr(node, "shape_env", None)
-                vr = env.var_to_range.get(free) if env is not None else None
-                ranges.append(f"c{len(names) - 1}[{vr.lower if vr else '?'},{vr.upper if vr else '?'}]")
+                ranges.append(f"{names[free]} {env.var_to_range.get(free) if env else None}")
         return str(expr.xreplace(names))
 
     def size(d: Any) -> str:
