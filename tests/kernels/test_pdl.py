@@ -13,17 +13,42 @@ import torch
 import torch.nn.functional as F
 
 from kernel_cases import gen, paged_batch, randn, stable_seed
+from compile_backend.kernels import _device
 from compile_backend.kernels._device import pdl_meta
 from compile_backend.kernels.rope_and_cache import rope_and_cache
 from compile_backend.kernels.skinny_linear import skinny_linear
 from compile_backend.kernels.unified_attention import unified_attention
 
 
+ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}
+
+
 def test_pdl_is_off_on_the_cpu_and_when_asked(monkeypatch):
     monkeypatch.delenv("MRV2_PDL", raising=False)
-    assert pdl_meta(torch.device("cpu")) == {"PDL": False}
+    assert pdl_meta(torch.device("cpu")) == OFF
     monkeypatch.setenv("MRV2_PDL", "0")  # off before any CUDA query
-    assert pdl_meta(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl_meta(torch.device("cuda", 0)) == OFF
+
+
+@pytest.mark.parametrize("major, interpret, has_gdc, env, want", [
+    (9, "0", True, "", ON),         # Hopper
+    (10, "0", True, "1", ON),       # later GPUs; any value but 0 leaves it on
+    (8, "0", True, "", OFF),        # Ampere has no griddepcontrol
+    (9, "1", True, "", OFF),        # Triton's interpreter
+    (9, "0", False, "", OFF),       # a Triton without gdc_wait
+    (9, "0", True, "0", OFF),       # asked off
+])
+def test_pdl_is_on_only_where_the_gpu_and_triton_have_it(major, interpret, has_gdc, env, want,
+                                                          monkeypatch):
+    """The rule of pdl_meta with the device's capability stood in for (no GPU
+    needed): sm_90 or later, compiled (not interpreted), Triton with grid
+    dependency control, and not MRV2_PDL=0."""
+    monkeypatch.setattr(_device, "_cuda_major", lambda index: major)
+    monkeypatch.setattr(_device, "_HAS_GDC", has_gdc)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setenv("MRV2_PDL", env)
+    assert pdl_meta(torch.device("cuda", 0)) == want
 
 
 class _DecodeChain:
@@ -78,7 +103,7 @@ class _DecodeChain:
 @pytest.mark.parametrize("B", [1, 5, 20])
 def test_a_graph_of_pdl_kernels_equals_the_same_kernels_without_pdl(B, two_launch, monkeypatch):
     monkeypatch.delenv("MRV2_PDL", raising=False)
-    assert pdl_meta(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    assert pdl_meta(torch.device("cuda")) == ON
     chain = _DecodeChain(B, two_launch, stable_seed("pdl", B, two_launch))
     chain.fresh_inputs()
     chain.forward()  # compiles the PDL variants and allocates the ticket buffer outside the capture
