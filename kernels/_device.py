@@ -69,7 +69,7 @@ def upcast_dots(dtype: torch.dtype) -> bool:
 #     one just before has completed; it is issued after the main loop, so
 #     waiting dependents do not hold SMs that a long kernel's programs need
 #     (right after the wait in kernels without one).
-# Where PDL is off (the interpreter, CPUs, GPUs before sm_90, a Triton
+# Where PDL is off (the interpreter, CPUs, GPUs before sm_90, ROCm, a Triton
 # without `gdc_wait`, or MRV2_PDL=0) both are compiled out (PDL constexpr
 # False) and the launch carries no attribute.
 
@@ -79,7 +79,7 @@ def pdl_meta(device: torch.device) -> dict:
     {"PDL": True, "launch_pdl": True} where it is on (Note [programmatic
     dependent launch]), else {"PDL": False}. MRV2_PDL=0 turns it off."""
     if (os.environ.get("MRV2_PDL", "") == "0" or device.type != "cuda" or interpreting()
-            or not _HAS_GDC):
+            or not _HAS_GDC or torch.version.hip):  # ROCm: no griddepcontrol
         return {"PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _cuda_major(index) >= 9 else {"PDL": False}

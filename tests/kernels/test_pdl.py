@@ -31,23 +31,25 @@ def test_pdl_is_off_on_the_cpu_and_when_asked(monkeypatch):
     assert pdl_meta(torch.device("cuda", 0)) == OFF
 
 
-@pytest.mark.parametrize("major, interpret, has_gdc, env, want", [
-    (9, "0", True, "", ON),         # Hopper
-    (10, "0", True, "1", ON),       # later GPUs; any value but 0 leaves it on
-    (8, "0", True, "", OFF),        # Ampere has no griddepcontrol
-    (9, "1", True, "", OFF),        # Triton's interpreter
-    (9, "0", False, "", OFF),       # a Triton without gdc_wait
-    (9, "0", True, "0", OFF),       # asked off
+@pytest.mark.parametrize("major, interpret, has_gdc, env, hip, want", [
+    (9, "0", True, "", None, ON),         # Hopper
+    (10, "0", True, "1", None, ON),       # later GPUs; any value but 0 leaves it on
+    (8, "0", True, "", None, OFF),        # Ampere has no griddepcontrol
+    (9, "1", True, "", None, OFF),        # Triton's interpreter
+    (9, "0", False, "", None, OFF),       # a Triton without gdc_wait
+    (9, "0", True, "0", None, OFF),       # asked off
+    (9, "0", True, "", "6.4", OFF),       # ROCm (an MI300 reports 9.4)
 ])
-def test_pdl_is_on_only_where_the_gpu_and_triton_have_it(major, interpret, has_gdc, env, want,
+def test_pdl_is_on_only_where_the_gpu_and_triton_have_it(major, interpret, has_gdc, env, hip, want,
                                                           monkeypatch):
     """The rule of pdl_meta with the device's capability stood in for (no GPU
     needed): sm_90 or later, compiled (not interpreted), Triton with grid
-    dependency control, and not MRV2_PDL=0."""
+    dependency control, not ROCm, and not MRV2_PDL=0."""
     monkeypatch.setattr(_device, "_cuda_major", lambda index: major)
     monkeypatch.setattr(_device, "_HAS_GDC", has_gdc)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setenv("MRV2_PDL", env)
+    monkeypatch.setattr(torch.version, "hip", hip)
     assert pdl_meta(torch.device("cuda", 0)) == want
 
 
