@@ -99,8 +99,9 @@ class _DecodeChain:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="PDL needs a CUDA GPU of sm_90 or later")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None
+                    or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs an NVIDIA GPU of sm_90 or later")
 @pytest.mark.parametrize("two_launch", [True, False], ids=["split_reduce", "one_launch"])
 @pytest.mark.parametrize("B", [1, 5, 20])
 def test_a_graph_of_pdl_kernels_equals_the_same_kernels_without_pdl(B, two_launch, monkeypatch):
