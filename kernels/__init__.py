@@ -47,10 +47,16 @@ from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
 from .skinny_linear import linear_add, skinny_linear
-from .unified_attention import num_kv_splits, unified_attention, unified_attention_ref
+from .unified_attention import TWO_LAUNCH_ENV, num_kv_splits, unified_attention, unified_attention_ref
+from ._device import PDL_ENV
+from .skinny_linear import SKINNY_ENV
+
+# The environment switches that change which kernels run (the debug manifest
+# records their values): PDL off, the skinny GEMM's rule, the decode's form.
+KERNEL_SWITCHES = (PDL_ENV, SKINNY_ENV, TWO_LAUNCH_ENV)
 
 __all__ = [
-    "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
+    "KERNEL_SWITCHES", "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "norm_linear", "norm_linear_ref", "num_kv_splits", "pack_siblings", "packed_view",
     "reshape_and_cache", "reshape_and_cache_ref", "rope_and_cache", "rope_and_cache_ref",
     "rms_norm_ref", "sconv", "sconv_ref", "set_debug_checks",

@@ -74,11 +74,14 @@ def upcast_dots(dtype: torch.dtype) -> bool:
 # False) and the launch carries no attribute.
 
 
+PDL_ENV = "MRV2_PDL"  # "0": PDL off
+
+
 def pdl_meta(device: torch.device) -> dict:
     """The launch keywords that turn PDL on or off for a kernel on `device`:
     {"PDL": True, "launch_pdl": True} where it is on (Note [programmatic
     dependent launch]), else {"PDL": False}. MRV2_PDL=0 turns it off."""
-    if (os.environ.get("MRV2_PDL", "") == "0" or device.type != "cuda" or interpreting()
+    if (os.environ.get(PDL_ENV, "") == "0" or device.type != "cuda" or interpreting()
             or not _HAS_GDC or torch.version.hip):  # ROCm: no griddepcontrol
         return {"PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()

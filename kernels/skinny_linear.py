@@ -73,6 +73,7 @@ from compile_backend.core.op_registry import register_op
 
 from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
 
+SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # Meta-parameters by row tile (BLOCK_M): the best of a sweep for the o and
@@ -210,7 +211,7 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
     quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
     rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
     `MRV2_SKINNY_GEMM=0/1` overrides the rule."""
-    choice = os.environ.get("MRV2_SKINNY_GEMM", "")
+    choice = os.environ.get(SKINNY_ENV, "")
     if choice in ("0", "1"):
         return choice == "1"
     n_out = N // 2 if gated else N

@@ -80,6 +80,14 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def kernel_switches() -> dict[str, str | None]:
+    """The kernels' environment switches (MRV2_PDL, ...) as this process sees
+    them; None: unset."""
+    from compile_backend.kernels import KERNEL_SWITCHES
+
+    return {name: os.environ.get(name) for name in KERNEL_SWITCHES}
+
+
 # ---- manifest file ---------------------------------------------------------------
 
 
@@ -106,6 +114,7 @@ def _empty_manifest() -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": versions(),
+        "kernel_switches": kernel_switches(),
         "config": None,
         "op_roles": None,
         "graphs": [],

@@ -24,7 +24,8 @@ from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import CAPTURE_SIZES, kv_config, random_prompts
 
 TOP_LEVEL = {
-    "schema_version": int, "created": str, "versions": dict, "config": dict, "op_roles": dict,
+    "schema_version": int, "created": str, "versions": dict, "kernel_switches": dict,
+    "config": dict, "op_roles": dict,
     "graphs": list, "runtime": (dict, type(None)), "captures": list, "metadata_builds": list,
     "fallbacks": list, "counters": dict, "depyf": dict,
 }
@@ -51,6 +52,7 @@ def check_schema(dump):
     m = read_manifest(dump)
     _check(m, TOP_LEVEL)
     assert set(m["versions"]) == {"torch", "triton", "python"}
+    assert set(m["kernel_switches"]) == {"MRV2_PDL", "MRV2_SKINNY_GEMM", "MRV2_DECODE_TWO_LAUNCH"}
     for g in m["graphs"]:
         _check(g, GRAPH)
         for name in ("graph_before_passes.py", "graph_after_passes.py", "split_graph.py"):
