@@ -226,17 +226,22 @@ def tile_sweep_variants():
     return out
 
 
-def decode_compare(out_dir, split_sweep=False, tile_sweep=False) -> None:
+def decode_compare(out_dir, sweep="compare") -> None:
+    """Decode attention at llama-8B shapes, one table: `sweep` "compare" (one
+    launch against two), "splits" (the two-launch form's splits) or "tiles"
+    (the one-launch kernel's tiles)."""
+    batches, variants, bounds, name = {
+        "compare": ((1, 8, 64, 256), None, lambda ctx: (ctx, 8192), "decode_compare"),
+        "splits": ((1, 4, 8, 16, 32), split_sweep_variants(), lambda ctx: (ctx + 64, 8192),
+                   "decode_splits"),
+        "tiles": ((64, 256), tile_sweep_variants(), lambda ctx: (ctx + 64,), "decode_tiles"),
+    }[sweep]
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
     rows = []
-    batches = (1, 4, 8, 16, 32) if split_sweep else (64, 256) if tile_sweep else (1, 8, 64, 256)
-    variants = (split_sweep_variants() if split_sweep else tile_sweep_variants() if tile_sweep
-                else None)
     for B in batches:
         for ctx in (500, 4000):
-            for bound in ((ctx + 64,) if tile_sweep else (ctx + 64, 8192) if split_sweep
-                          else (ctx, 8192)):
+            for bound in bounds(ctx):
                 try:
                     rows += decode_compare_rows(B, ctx, copy_bw, g, bound, variants)
                 except Exception:  # noqa: BLE001
@@ -252,7 +257,6 @@ def decode_compare(out_dir, split_sweep=False, tile_sweep=False) -> None:
     )
     table = fmt_decode_compare(rows, copy_bw)
     os.makedirs(out_dir, exist_ok=True)
-    name = "decode_splits" if split_sweep else "decode_tiles" if tile_sweep else "decode_compare"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
@@ -384,8 +388,8 @@ def main() -> None:
                          "(decode_tiles.md)")
     args = ap.parse_args()
     if args.decode_compare or args.decode_split_sweep or args.decode_tile_sweep:
-        decode_compare(args.out_dir, split_sweep=args.decode_split_sweep,
-                       tile_sweep=args.decode_tile_sweep)
+        decode_compare(args.out_dir, "splits" if args.decode_split_sweep
+                       else "tiles" if args.decode_tile_sweep else "compare")
         return
     g = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()

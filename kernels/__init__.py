@@ -38,6 +38,7 @@ captured.
 """
 
 from ._debug import debug_checks, set_debug_checks
+from ._device import PDL_ENV
 from .all_reduce import all_reduce
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
@@ -46,10 +47,8 @@ from .norm_linear import norm_linear, norm_linear_ref, rms_norm_ref
 from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
-from .skinny_linear import linear_add, skinny_linear
+from .skinny_linear import SKINNY_ENV, linear_add, skinny_linear
 from .unified_attention import TWO_LAUNCH_ENV, num_kv_splits, unified_attention, unified_attention_ref
-from ._device import PDL_ENV
-from .skinny_linear import SKINNY_ENV
 
 # The environment switches that change which kernels run (the debug manifest
 # records their values): PDL off, the skinny GEMM's rule, the decode's form.
