@@ -31,20 +31,56 @@ from compile_backend.core.forward_context import call_as_layers
 from compile_backend.core.op_registry import LAYER_NAME_ARG, layer_name_position
 
 
-def _specs(fake_args: Sequence[Any]) -> str:
+def _sizes(x: Any) -> list[Any]:
+    """A tensor's sizes and strides, or the value itself."""
+    return [*x.shape, *x.stride()] if isinstance(x, torch.Tensor) else [x]
+
+
+def piece_symbols(fake_args: Sequence[Any]) -> set[Any]:
+    """The size symbols of a piece's inputs (sympy symbols of the ShapeEnv)."""
+    return {free for a in fake_args for d in _sizes(a) if isinstance(d, torch.SymInt)
+            for free in d.node.expr.free_symbols}
+
+
+def shape_env_mark(fake_args: Sequence[Any]) -> tuple[Any, int, dict[Any, Any]] | None:
+    """What the inputs' ShapeEnv knows now (its guards and replacements), for
+    `constrained_since`; None when the inputs carry no symbols."""
+    env = next((d.node.shape_env for a in fake_args for d in _sizes(a)
+                if isinstance(d, torch.SymInt)), None)
+    return None if env is None else (env, len(env.guards), dict(env.replacements))
+
+
+def constrained_since(mark: tuple[Any, int, dict[Any, Any]] | None, symbols: set[Any]) -> bool:
+    """Did the ShapeEnv gain a guard or a replacement on any of `symbols`
+    since `mark`? (An Inductor compile may assume, and guard, something of its
+    piece's sizes: `s50 >= 2`, `s50 == 16`; that holds for those symbols only.)"""
+    if mark is None:
+        return False
+    env, n_guards, replacements = mark
+    touched = {free for g in env.guards[n_guards:] for free in g.expr.free_symbols}
+    for sym, expr in env.replacements.items():
+        if replacements.get(sym) is not expr:
+            touched |= {sym, *expr.free_symbols}
+    return bool(touched & symbols)
+
+
+def _specs(fake_args: Sequence[Any], rename: bool) -> str:
     """The inputs' specs (dtype, shape, stride, device; a SymInt's expression;
-    another value's repr) with their size symbols renamed in order of first
-    appearance (c0, c1, ...), each with its value range. Dynamo may give each
-    layer's tensors symbols of their own (an HF DynamicCache: layer 0's keys
-    s50 long, layer 1's s80), which the compiled code reads from its
+    another value's repr). `rename`: their size symbols renamed in order of
+    first appearance (c0, c1, ...), each with its value range. Dynamo may
+    give each layer's tensors symbols of their own (an HF DynamicCache: layer
+    0's keys s50 long, layer 1's s80), which the compiled code reads from its
     arguments: pieces equal up to that renaming, ranges included, are the
-    same piece."""
+    same piece, unless compiling one assumed something of its own symbols
+    (`constrained_since`; the piece compiler then keys it without renaming)."""
     names: dict[Any, Any] = {}
     ranges: list[str] = []
 
     def sym(v: Any) -> str:
         node = v.node
         expr = node.expr
+        if not rename:
+            return str(expr)
         for free in sorted(expr.free_symbols, key=str):
             if free not in names:
                 names[free] = sympy.Symbol(f"c{len(names)}", integer=True)
@@ -68,10 +104,12 @@ def _specs(fake_args: Sequence[Any]) -> str:
     return specs + "|" + ";".join(ranges)
 
 
-def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str | None, list[str]]:
+def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any],
+              rename_symbols: bool = True) -> tuple[str | None, list[str]]:
     """(key under which identical pieces share a compiled artifact, the
     piece's layer names). The key is None when the piece holds module
-    attributes (its code alone does not define it)."""
+    attributes (its code alone does not define it). `rename_symbols`: size
+    symbols by first appearance (`_specs`), else by their own names."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None, []
     # Node names carry the layer's index (l_self_modules_layers_modules_3_...):
@@ -98,7 +136,7 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str |
             kwargs = {**kwargs, LAYER_NAME_ARG: layer(kwargs[LAYER_NAME_ARG])}
         target = n.target if n.op != "placeholder" else ""
         lines.append(f"{n.op} {target} {arg(args)} {arg(kwargs)}")
-    text = "\n".join(lines) + "|" + _specs(fake_args)
+    text = "\n".join(lines) + "|" + _specs(fake_args, rename_symbols)
     return hashlib.sha256(text.encode()).hexdigest()[:16], names
 
 

@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
 from compile_backend.core.progress import progress
-from compile_backend.compile.layer_sharing import AsLayer, layer_alias_for, piece_key
+from compile_backend.compile.layer_sharing import (AsLayer, constrained_since, layer_alias_for,
+                                                  piece_key, piece_symbols, shape_env_mark)
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 
@@ -71,12 +72,17 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         piece.written_inputs = written_inputs(args, before)
         if piece.captured:
             key, names = piece_key(submod, args)
-            hit = self.cache.get(key) if key else None
+            exact = piece_key(submod, args, rename_symbols=False)[0] if key else None
+            hit = (self.cache.get(key) or self.cache.get(exact)) if key else None
             if hit is None:
+                mark = shape_env_mark(args)
                 fn = compile_piece(submod, args, self.compiler, self.serializable)
                 counters["piece_compiles"] += 1
                 if key:
-                    self.cache[key] = (fn, names, piece.name)
+                    # Pieces whose symbols differ only in name share it, unless the
+                    # compile assumed (guarded) something of this piece's own symbols.
+                    shared = exact if constrained_since(mark, piece_symbols(args)) else key
+                    self.cache[shared] = (fn, names, piece.name)
             else:
                 fn, compiled_names, piece.compiled_as = hit
                 counters["piece_compile_reuses"] += 1

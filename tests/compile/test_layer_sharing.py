@@ -221,3 +221,22 @@ def test_a_symbol_with_another_range_keeps_its_layer_apart():
     compiles, reuses = _cache_stack_compiles([5, 6, 7, 9],
                                             ranges=[(2, 4096), (2, 4096), (2, 64), (2, 4096)])
     assert (compiles, reuses) == (2, 2)
+
+
+def test_a_compile_that_guards_on_its_sizes_is_not_shared_across_symbols(monkeypatch):
+    """A piece compiler may assume something of its piece's sizes and guard
+    it (Inductor: `s50 >= 3`); that holds for its own symbols only, so the
+    other layers' pieces, equal up to renaming, compile on their own."""
+    from compile_backend.compile import piece_compiler
+
+    real = piece_compiler.compile_piece
+
+    def guarding(gm, fake_args, compiler, serializable=False):
+        sizes = [d for a in fake_args if isinstance(a, torch.Tensor) for d in a.shape
+                 if isinstance(d, torch.SymInt)]
+        assert sizes and bool(sizes[0] >= 3)  # a guard on this piece's first symbol
+        return real(gm, fake_args, compiler, serializable)
+
+    monkeypatch.setattr(piece_compiler, "compile_piece", guarding)
+    compiles, reuses = _cache_stack_compiles([5, 6, 7, 9])
+    assert (compiles, reuses) == (4, 0)
