@@ -14,8 +14,16 @@ own), which `ForwardContext.metadata` follows. The alias costs one global
 assignment per call of the piece's callable, and nothing on a CUDA-graph
 replay, which never calls it.
 
+Size symbols are renamed too: Dynamo may give each layer's tensors symbols of
+their own (an HF DynamicCache), so the key names them by first appearance.
+What compiling a piece assumed of its symbols (`assumed_since`) must then
+hold for a sharer's symbols, and is guarded for them (`assume_for`).
+
     key, names = piece_key(gm, fake_args)      # names: layer names, op order
     alias = layer_alias_for(rep_names, names)  # None: the same layers
+    mark = shape_env_mark(fake_args)           # before compiling the first
+    assumed = assumed_since(mark, piece_symbols(fake_args))   # after it
+    assume_for(assumed, first_symbols, fake_args)             # a later sharer
 """
 
 from __future__ import annotations
@@ -36,57 +44,89 @@ def _sizes(x: Any) -> list[Any]:
     return [*x.shape, *x.stride()] if isinstance(x, torch.Tensor) else [x]
 
 
-def piece_symbols(fake_args: Sequence[Any]) -> set[Any]:
-    """The size symbols of a piece's inputs (sympy symbols of the ShapeEnv)."""
-    return {free for a in fake_args for d in _sizes(a) if isinstance(d, torch.SymInt)
-            for free in d.node.expr.free_symbols}
+def piece_symbols(fake_args: Sequence[Any]) -> list[Any]:
+    """The size symbols of a piece's inputs (sympy symbols of its ShapeEnv)
+    in order of first appearance: the order `piece_key` renames them in."""
+    order: dict[Any, None] = {}
+    for a in fake_args:
+        for d in _sizes(a):
+            if isinstance(d, torch.SymInt):
+                order.update((free, None) for free in sorted(d.node.expr.free_symbols, key=str))
+    return list(order)
+
+
+def _shape_env(fake_args: Sequence[Any]) -> Any:
+    return next((d.node.shape_env for a in fake_args for d in _sizes(a)
+                 if isinstance(d, torch.SymInt)), None)
 
 
 def shape_env_mark(fake_args: Sequence[Any]) -> tuple[Any, int, dict[Any, Any]] | None:
     """What the inputs' ShapeEnv knows now (its guards and replacements), for
-    `constrained_since`; None when the inputs carry no symbols."""
-    env = next((d.node.shape_env for a in fake_args for d in _sizes(a)
-                if isinstance(d, torch.SymInt)), None)
+    `assumed_since`; None when the inputs carry no symbols."""
+    env = _shape_env(fake_args)
     return None if env is None else (env, len(env.guards), dict(env.replacements))
 
 
-def constrained_since(mark: tuple[Any, int, dict[Any, Any]] | None, symbols: set[Any]) -> bool:
-    """Did the ShapeEnv gain a guard or a replacement on any of `symbols`
-    since `mark`? (An Inductor compile may assume, and guard, something of its
-    piece's sizes: `s50 >= 2`, `s50 == 16`; that holds for those symbols only.)"""
+def assumed_since(mark: tuple[Any, int, dict[Any, Any]] | None, symbols: list[Any]) -> list[Any]:
+    """What the ShapeEnv learned since `mark` about any of `symbols`: the
+    guards added on them and their new replacements (as equalities). An
+    Inductor compile may assume something of its piece's sizes and guard it
+    (`s26 <= 4096` when it picks a reduction); that covers those symbols only."""
     if mark is None:
-        return False
+        return []
     env, n_guards, replacements = mark
-    touched = {free for g in env.guards[n_guards:] for free in g.expr.free_symbols}
-    for sym, expr in env.replacements.items():
-        if replacements.get(sym) is not expr:
-            touched |= {sym, *expr.free_symbols}
-    return bool(touched & symbols)
+    mine = set(symbols)
+    found = [g.expr for g in env.guards[n_guards:] if g.expr.free_symbols & mine]
+    found += [sympy.Eq(sym, expr) for sym, expr in env.replacements.items()
+              if replacements.get(sym) is not expr and ({sym} | expr.free_symbols) & mine]
+    return found
 
 
-def _specs(fake_args: Sequence[Any], rename: bool) -> str:
+def assume_for(assumptions: list[Any], compiled_symbols: list[Any],
+               fake_args: Sequence[Any]) -> bool:
+    """Can a piece with `fake_args` run an artifact compiled under
+    `assumptions` about `compiled_symbols` (a piece equal up to renaming)?
+    Each assumption, renamed to this piece's symbols, must hold for its
+    current sizes; then it is guarded here too (Dynamo recompiles when it
+    stops holding), and the answer is yes. Nothing is guarded otherwise."""
+    if not assumptions:
+        return True
+    env = _shape_env(fake_args)
+    if env is None:
+        return False
+    renamed = [a.xreplace(dict(zip(compiled_symbols, piece_symbols(fake_args))))
+               for a in assumptions]
+    if not all(_holds(r, env.var_to_val) for r in renamed):
+        return False
+    for r in renamed:
+        env.evaluate_expr(r)
+    return True
+
+
+def _holds(expr: Any, values: dict[Any, Any]) -> bool:
+    """Does `expr` hold at these sizes (False where a symbol has no value)?"""
+    if not expr.free_symbols <= values.keys():
+        return False
+    try:
+        return bool(expr.xreplace(values))
+    except TypeError:  # not decided by the values alone
+        return False
+
+
+def _specs(fake_args: Sequence[Any]) -> str:
     """The inputs' specs (dtype, shape, stride, device; a SymInt's expression;
-    another value's repr). `rename`: their size symbols renamed in order of
-    first appearance (c0, c1, ...), each with its value range. Dynamo may
+    another value's repr), their size symbols renamed in order of first
+    appearance (c0, c1, ...), each with its value range. Dynamo may
     give each layer's tensors symbols of their own (an HF DynamicCache: layer
     0's keys s50 long, layer 1's s80), which the compiled code reads from its
     arguments: pieces equal up to that renaming, ranges included, are the
-    same piece, unless compiling one assumed something of its own symbols
-    (`constrained_since`; the piece compiler then keys it without renaming)."""
-    names: dict[Any, Any] = {}
-    ranges: list[str] = []
+    same piece, once what compiling one assumed of its symbols holds for the
+    other's (`assume_for`)."""
+    names = {free: sympy.Symbol(f"c{i}", integer=True)
+             for i, free in enumerate(piece_symbols(fake_args))}
 
     def sym(v: Any) -> str:
-        node = v.node
-        expr = node.expr
-        if not rename:
-            return str(expr)
-        for free in sorted(expr.free_symbols, key=str):
-            if free not in names:
-                names[free] = sympy.Symbol(f"c{len(names)}", integer=True)
-                env = getattr(node, "shape_env", None)
-                ranges.append(f"{names[free]} {env.var_to_range.get(free) if env else None}")
-        return str(expr.xreplace(names))
+        return str(v.node.expr.xreplace(names))
 
     def size(d: Any) -> str:
         return sym(d) if isinstance(d, torch.SymInt) else str(d)
@@ -100,16 +140,15 @@ def _specs(fake_args: Sequence[Any], rename: bool) -> str:
             return f"S({sym(x)})"
         return f"{type(x).__name__}({x!r})"
 
-    specs = ";".join(spec(a) for a in fake_args)
-    return specs + "|" + ";".join(ranges)
+    env = _shape_env(fake_args)
+    ranges = [f"{c} {env.var_to_range.get(free) if env else None}" for free, c in names.items()]
+    return ";".join(spec(a) for a in fake_args) + "|" + ";".join(ranges)
 
 
-def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any],
-              rename_symbols: bool = True) -> tuple[str | None, list[str]]:
+def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any]) -> tuple[str | None, list[str]]:
     """(key under which identical pieces share a compiled artifact, the
     piece's layer names). The key is None when the piece holds module
-    attributes (its code alone does not define it). `rename_symbols`: size
-    symbols by first appearance (`_specs`), else by their own names."""
+    attributes (its code alone does not define it)."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None, []
     # Node names carry the layer's index (l_self_modules_layers_modules_3_...):
@@ -136,7 +175,7 @@ def piece_key(gm: torch.fx.GraphModule, fake_args: Sequence[Any],
             kwargs = {**kwargs, LAYER_NAME_ARG: layer(kwargs[LAYER_NAME_ARG])}
         target = n.target if n.op != "placeholder" else ""
         lines.append(f"{n.op} {target} {arg(args)} {arg(kwargs)}")
-    text = "\n".join(lines) + "|" + _specs(fake_args, rename_symbols)
+    text = "\n".join(lines) + "|" + _specs(fake_args)
     return hashlib.sha256(text.encode()).hexdigest()[:16], names
 
 

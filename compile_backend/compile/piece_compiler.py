@@ -21,8 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
 from compile_backend.core.progress import progress
-from compile_backend.compile.layer_sharing import (AsLayer, constrained_since, layer_alias_for,
-                                                  piece_key, piece_symbols, shape_env_mark)
+from compile_backend.compile.layer_sharing import (AsLayer, assume_for, assumed_since,
+                                                  layer_alias_for, piece_key, piece_symbols,
+                                                  shape_env_mark)
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 
@@ -72,19 +73,21 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         piece.written_inputs = written_inputs(args, before)
         if piece.captured:
             key, names = piece_key(submod, args)
-            exact = piece_key(submod, args, rename_symbols=False)[0] if key else None
-            hit = (self.cache.get(key) or self.cache.get(exact)) if key else None
+            hit = self.cache.get(key) if key else None
+            # Equal up to renaming size symbols: what the compile assumed of its
+            # piece's symbols must hold for this piece's too (then it is guarded).
+            if hit is not None and not assume_for(hit[3], hit[4], args):
+                hit = None
             if hit is None:
                 mark = shape_env_mark(args)
                 fn = compile_piece(submod, args, self.compiler, self.serializable)
                 counters["piece_compiles"] += 1
-                if key:
-                    # Pieces whose symbols differ only in name share it, unless the
-                    # compile assumed (guarded) something of this piece's own symbols.
-                    shared = exact if constrained_since(mark, piece_symbols(args)) else key
-                    self.cache[shared] = (fn, names, piece.name)
+                if key and key not in self.cache:  # the first artifact is the one shared
+                    symbols = piece_symbols(args)
+                    self.cache[key] = (fn, names, piece.name, assumed_since(mark, symbols),
+                                       symbols)
             else:
-                fn, compiled_names, piece.compiled_as = hit
+                fn, compiled_names, piece.compiled_as = hit[:3]
                 counters["piece_compile_reuses"] += 1
                 piece.layer_alias = layer_alias_for(compiled_names, names)
                 if piece.layer_alias is not None:

@@ -183,10 +183,11 @@ class _CacheStack(torch.nn.Module):
         return x
 
 
-def _cache_stack_compiles(lengths, ranges=None):
+def _cache_stack_compiles(lengths, ranges=None, then=None):
     """Compile _CacheStack with each cache's length dynamic (`ranges`: a
-    (min, max) per cache, or None); (piece compiles, reuses), after checking
-    two calls against eager."""
+    (min, max) per cache, or None); (piece compiles, reuses) of the one
+    Dynamo graph, after checking two calls against eager. `then`: cache
+    lengths of one more call, checked against eager after the counts."""
     import toy_ops  # noqa: F401  (registers toy::attn)
 
     torch._dynamo.reset()
@@ -196,16 +197,23 @@ def _cache_stack_compiles(lengths, ranges=None):
     compiled = torch.compile(model, backend=cb.backend(
         cudagraph_mode="none", piece_compiler="eager", splitting_ops=["toy::attn"]))
     g = torch.Generator().manual_seed(11)
-    for call in range(2):
-        caches = [torch.randn(n + call, 16, generator=g) for n in lengths]
+
+    def call(lens):
+        caches = [torch.randn(n, 16, generator=g) for n in lens]
         for i, c in enumerate(caches):
             lo, hi = ranges[i] if ranges else (None, None)
             torch._dynamo.mark_dynamic(c, 0, min=lo, max=hi)
         x = torch.randn(6, 16, generator=g)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x, caches), model(x, caches), rtol=1e-5, atol=1e-5)
+
+    for step in range(2):
+        call([n + step for n in lengths])
     assert cb.counters["dynamo_graphs"] == 1, dict(cb.counters)
-    return cb.counters["piece_compiles"], cb.counters["piece_compile_reuses"]
+    counts = cb.counters["piece_compiles"], cb.counters["piece_compile_reuses"]
+    if then is not None:
+        call(then)
+    return counts
 
 
 def test_layers_whose_caches_have_symbols_of_their_own_share_one_artifact():
@@ -223,10 +231,9 @@ def test_a_symbol_with_another_range_keeps_its_layer_apart():
     assert (compiles, reuses) == (2, 2)
 
 
-def test_a_compile_that_guards_on_its_sizes_is_not_shared_across_symbols(monkeypatch):
-    """A piece compiler may assume something of its piece's sizes and guard
-    it (Inductor: `s50 >= 3`); that holds for its own symbols only, so the
-    other layers' pieces, equal up to renaming, compile on their own."""
+def _guarding_compiler(monkeypatch, guard):
+    """Piece compiles that first guard `guard(first symbolic size)` of their
+    piece (as Inductor does when it picks a kernel for a size range)."""
     from compile_backend.compile import piece_compiler
 
     real = piece_compiler.compile_piece
@@ -234,9 +241,25 @@ def test_a_compile_that_guards_on_its_sizes_is_not_shared_across_symbols(monkeyp
     def guarding(gm, fake_args, compiler, serializable=False):
         sizes = [d for a in fake_args if isinstance(a, torch.Tensor) for d in a.shape
                  if isinstance(d, torch.SymInt)]
-        assert sizes and bool(sizes[0] >= 3)  # a guard on this piece's first symbol
+        bool(guard(sizes[0]))  # a guard on this piece's first symbol
         return real(gm, fake_args, compiler, serializable)
 
     monkeypatch.setattr(piece_compiler, "compile_piece", guarding)
-    compiles, reuses = _cache_stack_compiles([5, 6, 7, 9])
-    assert (compiles, reuses) == (4, 0)
+
+
+def test_what_a_compile_assumed_of_its_sizes_is_guarded_for_the_pieces_sharing_it(monkeypatch):
+    """The first layer's compile guards `s0 >= 4`; the other layers (6, 7 and
+    9 long) share its artifact, and Dynamo now guards each of their symbols
+    >= 4 as well: a call whose second cache is 3 long compiles a new graph
+    rather than run the artifact outside what it assumed."""
+    _guarding_compiler(monkeypatch, lambda s: s >= 4)
+    assert _cache_stack_compiles([5, 6, 7, 9], then=[5, 3, 7, 9]) == (1, 3)
+    assert cb.counters["dynamo_graphs"] == 2, dict(cb.counters)
+
+
+def test_a_piece_whose_sizes_break_what_a_compile_assumed_compiles_its_own(monkeypatch):
+    """The first layer's compile guards `s0 <= 7`: the 6-long layer shares
+    it, the 8- and 9-long ones compile their own (their compiles guard
+    `s > 7` on themselves)."""
+    _guarding_compiler(monkeypatch, lambda s: s <= 7)
+    assert _cache_stack_compiles([5, 6, 8, 9]) == (3, 1)
