@@ -11,7 +11,7 @@ names of their attention-like ops (compile/layer_sharing.py).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -50,6 +50,16 @@ def compile_piece(
         return compile_fx(gm, list(fake_args))
 
 
+class _Shared(NamedTuple):
+    """A compiled piece that later identical pieces may run (layer_sharing.py)."""
+
+    fn: Callable[..., Any]
+    names: list[str]  # its layer names, op order
+    piece: str  # the piece it was compiled for
+    assumed: list[Any]  # what compiling it assumed of its size symbols
+    symbols: list[Any]  # those symbols, in the order piece_key renames them
+
+
 class _PieceCompileInterpreter(torch.fx.Interpreter):
     """Runs the split graph on fake inputs; at each piece, compiles it with the
     fake (symbolic) arguments it receives. Version counters read around each
@@ -76,7 +86,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
             hit = self.cache.get(key) if key else None
             # Equal up to renaming size symbols: what the compile assumed of its
             # piece's symbols must hold for this piece's too (then it is guarded).
-            if hit is not None and not assume_for(hit[3], hit[4], args):
+            if hit is not None and not assume_for(hit.assumed, hit.symbols, args):
                 hit = None
             if hit is None:
                 mark = shape_env_mark(args)
@@ -84,10 +94,10 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
                 counters["piece_compiles"] += 1
                 if key and key not in self.cache:  # the first artifact is the one shared
                     symbols = piece_symbols(args)
-                    self.cache[key] = (fn, names, piece.name, assumed_since(mark, symbols),
-                                       symbols)
+                    self.cache[key] = _Shared(fn, names, piece.name,
+                                              assumed_since(mark, symbols), symbols)
             else:
-                fn, compiled_names, piece.compiled_as = hit[:3]
+                fn, compiled_names, piece.compiled_as = hit.fn, hit.names, hit.piece
                 counters["piece_compile_reuses"] += 1
                 piece.layer_alias = layer_alias_for(compiled_names, names)
                 if piece.layer_alias is not None:
