@@ -67,6 +67,10 @@ SHAPES = {
 }
 SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
          "num_stages": [3, 4]}
+# --split-sweep: split K (Note [split K] in kernels/skinny_linear.py) with
+# wider column tiles (fewer re-reads of x at 64 rows).
+SPLIT_SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256], "num_warps": [4],
+               "num_stages": [4], "SPLIT_K": [1, 2, 4]}
 # --fused: (name, the siblings' output features, gated) at llama-8B's hidden
 # size; RMSNorm's eps as Llama-3 sets it.
 FUSED = [("qkv", [4096, 1024, 1024], False), ("gate_up", [14336, 14336], True)]
@@ -114,9 +118,11 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
+        grid = SPLIT_SWEEP if sweep == "split" else SWEEP
         block_m = default["BLOCK_M"]
-        configs += [dict(zip(SWEEP, v), BLOCK_M=block_m) for v in itertools.product(*SWEEP.values())
-                    if (block_m + v[0]) * v[1] * 2 * v[3] <= 200 * 1024]  # fits shared memory
+        configs += [c for c in (dict(zip(grid, v), BLOCK_M=block_m)
+                                for v in itertools.product(*grid.values()))
+                    if (block_m + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= 200 * 1024]
     timings = []
     for cfg in configs:
         fns = [lambda w=w, c=cfg: skinny_linear(x, w, None, r, config=c) for w in ws]
@@ -150,13 +156,27 @@ def fmt(rows, bw) -> str:
     for r in rows:
         best = r["best_config"]
         cfg = "-" if not best or not r["sweep"] else (
-            f"N{best['BLOCK_N']} K{best['BLOCK_K']} w{best['num_warps']} s{best['num_stages']}")
+            f"N{best['BLOCK_N']} K{best['BLOCK_K']} w{best['num_warps']} s{best['num_stages']}"
+            + (f" split {best['SPLIT_K']}" if best.get("SPLIT_K", 1) > 1 else ""))
         lines.append(
             f"| {r['shape']}{' + residual' if r['residual'] else ''} | {r['N']} x {r['K']} | {r['M']} "
             f"| {r['floor_us']:.1f} | {r['cublas_us']:.1f} | {r['cublas_us'] / r['floor_us']:.2f} "
             f"| {r['skinny_us']:.1f} | {r['skinny_us'] / r['floor_us']:.2f} "
             f"| {r['skinny_us'] / r['cublas_us']:.2f} "
             f"| {r['best_us']:.1f} | {cfg} |")
+    splits = [r for r in rows if any("SPLIT_K" in t["config"] for t in r["sweep"])]
+    if splits:
+        lines += ["", "Best per split (--split-sweep), µs:", "",
+                  "| weights | rows | " + " | ".join(f"split {k}" for k in SPLIT_SWEEP["SPLIT_K"]) + " |",
+                  "|---|---:|" + "---:|" * len(SPLIT_SWEEP["SPLIT_K"])]
+        for r in splits:
+            cells = []
+            for k in SPLIT_SWEEP["SPLIT_K"]:
+                ok = [t for t in r["sweep"] if "us" in t and t["config"].get("SPLIT_K", 1) == k]
+                best = min(ok, key=lambda t: t["us"]) if ok else None
+                cells.append(f"{best['us']:.1f} (N{best['config']['BLOCK_N']} K{best['config']['BLOCK_K']})"
+                             if best else "-")
+            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -316,7 +336,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama8b,bench")
     ap.add_argument("--rows", default="1,16,32,64")
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of meta-parameters")
+    ap.add_argument("--sweep", action="store_const", const="tiles", default="",
+                    help="also time a grid of meta-parameters")
+    ap.add_argument("--split-sweep", dest="sweep", action="store_const", const="split",
+                    help="also time split K (1, 2, 4) with 32-128 column tiles")
     ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
     ap.add_argument("--fused", action="store_true",
                     help="time mrv2::norm_linear (RMSNorm + qkv, RMSNorm + gate_up + SiLU·mul) "

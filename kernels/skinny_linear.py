@@ -51,6 +51,24 @@ Grid: cdiv(N_out, BLOCK_N) programs. The kernel is used only where its grid is
 wide enough to win (`skinny_fills`), so a narrow projection (a TP shard, a
 small model) stays with cuBLAS.
 
+Note [split K]: with SPLIT_K > 1 (a config's key) the grid is (column
+tiles, SPLIT_K) and program (t, s) sums its tile over the s-th of SPLIT_K
+runs of K (K_SPLIT columns, whole BLOCK_K tiles), so that a weight whose
+column tiles do not fill the SMs evenly (qkv: 6144 / 32 = 192 tiles on 132
+SMs) or whose tiles must be wide (64 rows re-read x once per tile) still
+spreads evenly. No second kernel reduces: each program stores its fp32 part
+to `parts` [SPLIT_K, M, N_out] and adds one to its tile's arrival counter
+(acq_rel, GPU scope, after a CTA barrier, so every thread's part is
+visible first); the program that sees SPLIT_K - 1 is the last, sums the
+parts in split order (the result does not depend on the arrival order, so
+replays are bit-equal), runs the epilogue and sets the counter back to 0.
+The counters are a per-stream buffer (compile_backend/core/stream_buffers.py),
+zeroed once outside any capture and zero again after every launch; with PDL
+a launch touches them only after `pdl_wait`, when the launch before it on
+the stream has completed. Inside a capture on a stream without counters
+the launch takes one split (counted: `skinny_split_k_fallbacks`). The norm
+and gate variants never split (their epilogues need all of K).
+
 `MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
 (benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
 
@@ -69,6 +87,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from compile_backend.core import stream_buffers
+from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import register_op
 
 from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
@@ -76,6 +96,10 @@ from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_w
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+# Note [split K]: one arrival counter per column tile of a launch, per stream.
+ARRIVALS = "skinny_linear.arrivals"
+ARRIVAL_SLOTS = 8192  # column tiles a split launch may have (more: one split)
+stream_buffers.declare(ARRIVALS, ARRIVAL_SLOTS, torch.int32)
 # Meta-parameters by row tile (BLOCK_M): the best of a sweep for the o and
 # down projections of llama-8B on the H200 (bench/results/skinny_gemm_sweep*.json).
 CONFIGS = {
@@ -102,17 +126,21 @@ FUSED_CONFIGS = {
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr,
-    M, N, K, eps,
+    x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, part_ptr, arrive_ptr,
+    M, N, K, K_SPLIT, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program: out[:, n0:n0+BLOCK_N] over all of K. x [M, K] and w [N, K]
-    # have unit stride along K. The output has N_out columns: N, or N / 2
-    # when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
-    n0 = tl.program_id(0) * BLOCK_N
+    # One program: out[:, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or its part
+    # [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]). x [M, K]
+    # and w [N, K] have unit stride along K. The output has N_out columns: N,
+    # or N / 2 when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
+    pid_n = tl.program_id(0)
+    n0 = pid_n * BLOCK_N
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     if GATED:
         N_out = N // 2
     else:
@@ -133,9 +161,9 @@ def _skinny_linear_kernel(
     # Note [programmatic dependent launch]: nothing is read before the wait,
     # not even the weight (the kernel just before may compute it: a dequant).
     pdl_wait(PDL)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < K
+        k_ok = k < k_hi
         # Every load of the tile first, so that their latencies overlap: the
         # norm's arithmetic between them would put a memory round trip before
         # the weight's (measured 3-4x slower: bench/results/norm_linear.md).
@@ -157,24 +185,37 @@ def _skinny_linear_kernel(
                 ut = ut.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
     pdl_release(PDL)
-    if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
-        acc = acc * rstd[:, None]
-        if GATED:
-            acc_u = acc_u * rstd[:, None]
-    if HAS_BIAS:  # the packed bias [N]: entries n (gate) and N/2 + n (up) when GATED
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_ptr + N_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:  # silu(g) * u in fp32: g * sigmoid(g) * u
-        acc = acc * tl.sigmoid(acc) * acc_u
     mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
-
+    finish = True  # this program writes its tile (SPLIT_K == 1: every program)
+    if SPLIT_K > 1:  # Note [split K]: the last of the tile's programs to arrive finishes it
+        parts = part_ptr + offs_m[:, None] * N_out + offs_n[None, :]  # [BM, BN] of split 0
+        tl.store(parts + tl.program_id(1) * M * N_out, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part is stored before the arrival releases them
+        arrived = tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()  # and every thread reads the parts only after the acquire
+        finish = arrived == SPLIT_K - 1
+        if finish:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # in split order: the sum does not depend on who came last
+                acc += tl.load(parts + s * M * N_out, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrive_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-armed
+    if finish:
+        if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
+            acc = acc * rstd[:, None]
+            if GATED:
+                acc_u = acc_u * rstd[:, None]
+        if HAS_BIAS:  # the packed bias [N]: entries n (gate) and N/2 + n (up) when GATED
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_ptr + N_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:  # silu(g) * u in fp32: g * sigmoid(g) * u
+            acc = acc * tl.sigmoid(acc) * acc_u
+        if HAS_RESIDUAL:
+            acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 def row_tile(M: int) -> int:
     """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16)."""
@@ -288,19 +329,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
     o2 = out.view(M, n_out)
     cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
-    grid = (cdiv(n_out, cfg["BLOCK_N"]),)
-    _skinny_linear_kernel[grid](
+    tiles = cdiv(n_out, cfg["BLOCK_N"])
+    split, k_split, parts, arrivals = split_plan(cfg, M, n_out, K, tiles, x.device,
+                                                 fused=gated or norm_weight is not None)
+    _skinny_linear_kernel[(tiles, split)](
         x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
-        norm_weight if norm_weight is not None else weight, o2,
-        M, N, K, float(eps),
+        norm_weight if norm_weight is not None else weight, o2, parts, arrivals,
+        M, N, K, k_split, float(eps),
         x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
         NORM=norm_weight is not None, GATED=gated,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
         UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_meta(x.device),
     )
     return out
+
+
+def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.device,
+               fused: bool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """Note [split K]: (splits, K per split, the fp32 parts [splits, M, n_out],
+    the arrival counters) for a launch of `tiles` column tiles. One split
+    (and placeholders for the two buffers) where cfg asks for one, for the
+    norm and gate variants (their epilogues need all of K in one program),
+    or inside a capture on a stream without counters (counted:
+    `skinny_split_k_fallbacks`)."""
+    split = int(cfg.get("SPLIT_K", 1))
+    if split > 1 and fused:
+        raise ValueError("skinny_linear: SPLIT_K > 1 needs the plain kernel (no norm_weight, "
+                         "not gated): their epilogues read all of K in one program")
+    split = max(1, min(split, cdiv(K, cfg["BLOCK_K"])))  # no split without a K tile of its own
+    arrivals = stream_buffers.buffer(ARRIVALS, device) if split > 1 and tiles <= ARRIVAL_SLOTS \
+        else None
+    if arrivals is None:
+        if split > 1:
+            counters["skinny_split_k_fallbacks"] += 1
+        dummy = torch.empty(1, dtype=torch.float32, device=device)
+        return 1, K, dummy, dummy
+    k_split = cdiv(cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cdiv(K, k_split)  # every split has a K tile (ragged K may need fewer)
+    parts = torch.empty((split, M, n_out), dtype=torch.float32, device=device)
+    return split, k_split, parts, arrivals
 
 
 def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -26,6 +26,10 @@ Keys (all ints):
   pass_linear_residual_fused
                          linear + residual adds fused into one mrv2::linear_add
                          (passes/fuse_linear_residual.py)
+  skinny_split_k_fallbacks
+                         skinny GEMM launches that asked for split K and took one
+                         split: a capture on a stream without arrival counters
+                         (kernels/skinny_linear.py, Note [split K])
   pass_norm_linear_fused RMSNorm / linear / SiLU·mul groups fused into one
                          mrv2::norm_linear (passes/fuse_norm_linear.py)
 """

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from compile_backend.core.stream_buffers import warm_stream_buffers
+
 
 # One side stream per device for every capture (as torch.cuda.graph keeps one).
 _capture_streams: dict[int, Any] = {}
@@ -42,9 +44,14 @@ def warm_capture_stream(device: Any = None) -> None:
     that allocation lands in the first graph's private pool and stays there
     for the process: 34 MiB that read as graph memory in the first mode
     captured and in no later one (docs/design.md, "Memory budget"). Once per
-    device and process; a no-op where CUDA is not initialised."""
+    device and process; a no-op where CUDA is not initialised. The kernels'
+    per-stream buffers (compile_backend/core/stream_buffers.py) are made here
+    too, and checked at every call (a module declaring one may be imported
+    after the first capture)."""
     stream = capture_stream(device)
     if stream.device_index in _warmed_streams:
+        with torch.cuda.stream(stream):  # buffers declared since (a kernel module imported late)
+            warm_stream_buffers(stream.device)
         return
     outer = torch.cuda.current_stream(stream.device)
     stream.wait_stream(outer)
@@ -53,6 +60,7 @@ def warm_capture_stream(device: Any = None) -> None:
             a = torch.ones(16, 16, dtype=dtype, device=stream.device)
             torch.mm(a, a)
             torch.nn.functional.linear(a, a, a[0])
+        warm_stream_buffers(stream.device)  # the kernels' per-stream buffers, outside every pool
     outer.wait_stream(stream)
     torch.cuda.synchronize(stream.device)
     _warmed_streams.add(stream.device_index)

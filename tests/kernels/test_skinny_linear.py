@@ -190,3 +190,87 @@ def test_the_op_on_the_gpu_picks_the_kernel_for_decode_and_torch_beyond(monkeypa
     assert_close_rel(linear_add(x2, w, None, r2), _ref(x2, w, None, r2), torch.bfloat16, "prefill")
     narrow = w[:512]  # 16 programs: an eighth of the SMs
     assert not skinny_pays(x, narrow)
+
+
+def _arrivals(device):
+    from compile_backend.core import stream_buffers
+    from compile_backend.kernels.skinny_linear import ARRIVALS
+    return stream_buffers.buffer(ARRIVALS, torch.device(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+@pytest.mark.parametrize("M,N,K,split", [(1, 64, 128, 2), (3, 40, 200, 4), (17, 33, 100, 3),
+                                         (40, 48, 72, 2), (2, 48, 40, 4)])
+def test_split_k_equals_the_reference_the_same_every_time_and_rearms(device, dtype, M, N, K, split):
+    """Note [split K]: the parts summed by the last program to arrive, in
+    split order: equal to the reference, bit-equal on a second call, and the
+    arrival counters back at zero. (2, 48, 40, 4): fewer K tiles than splits
+    asked (the launcher takes as many as there are tiles)."""
+    for bias in (False, True):
+        x, w, b, r = _operands(M, N, K, dtype, device, stable_seed("split", M, N, K, split, bias),
+                               bias, True)
+        cfg = {"SPLIT_K": split, "BLOCK_N": 16, "BLOCK_K": 32}
+        out = skinny_linear(x, w, b, r, config=cfg)
+        assert_close_rel(out, _ref(x, w, b, r), dtype, f"split {split} M={M} N={N} K={K} b={bias}")
+        assert torch.equal(skinny_linear(x, w, b, r, config=cfg), out)
+        assert int(_arrivals(device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_is_refused_for_the_fused_variants_and_falls_back_without_counters(device, monkeypatch):
+    from compile_backend.core import stream_buffers
+    from compile_backend.core.counters import counters
+    x, w, _, r = _operands(4, 32, 96, torch.bfloat16, device, stable_seed("split-misuse"), False)
+    nw = randn((96,), torch.bfloat16, device, gen(1))
+    with pytest.raises(ValueError, match="SPLIT_K > 1 needs the plain kernel"):
+        skinny_linear(x, w, norm_weight=nw, config={"SPLIT_K": 2})
+    with pytest.raises(ValueError, match="SPLIT_K > 1 needs the plain kernel"):
+        skinny_linear(x, w, gated=True, config={"SPLIT_K": 2})
+    # inside a capture on a stream that has no counters: one split, counted
+    monkeypatch.setattr(stream_buffers, "buffer", lambda name, dev: None)
+    before = counters["skinny_split_k_fallbacks"]
+    out = skinny_linear(x, w, None, r, config={"SPLIT_K": 2, "BLOCK_N": 16, "BLOCK_K": 32})
+    assert counters["skinny_split_k_fallbacks"] == before + 1
+    assert_close_rel(out, _ref(x, w, None, r), torch.bfloat16, "fallback")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (4096, 14336), (2000, 1000)])
+@pytest.mark.parametrize("split,block_n", [(2, 32), (4, 64), (4, 128), (3, 64)])
+def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
+    """Split K on the GPU, eager and in a CUDA graph whose second launch
+    reads the first's output (the same arrival counters, one launch after the
+    other, with PDL where it is on), replayed on fresh inputs: equal to the
+    reference, bit-equal to the eager launches, counters re-armed."""
+    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+    dev, dtype = "cuda", torch.bfloat16
+    for M in (1, 16, 64):
+        x, w, b, r = _operands(M, N, K, dtype, dev, stable_seed("gpu-split", M, N, K, split))
+        w2 = randn((K, N), dtype, dev, gen(stable_seed("w2", N, K)), scale=N ** -0.5)
+        cfg = {"SPLIT_K": split, "BLOCK_N": block_n, "BLOCK_K": 128, "num_stages": 3}
+
+        def chain():
+            y = skinny_linear(x, w, b, r, config=cfg)
+            return y, skinny_linear(y, w2, None, x, config=cfg)
+
+        y, z = chain()
+        assert_close_rel(y, _ref(x, w, b, r), dtype, f"M={M}")
+        assert_close_rel(z, _ref(y, w2, None, x), dtype, f"M={M} second")
+        warm_capture_stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture_stream()):
+            gy, gz = chain()
+        for i in range(3):
+            g = gen(stable_seed("split-replay", i, M, N, K))
+            x.copy_(randn(x.shape, dtype, dev, g))
+            r.copy_(randn(r.shape, dtype, dev, g))
+            graph.replay()
+            ey, ez = chain()
+            assert torch.equal(gy, ey) and torch.equal(gz, ez), f"replay {i} M={M}"
+            assert_close_rel(gz, _ref(ey, w2, None, x), dtype, f"replay {i} M={M}")
+        torch.cuda.synchronize()
+        assert int(_arrivals(dev).abs().sum()) == 0
+        with torch.cuda.stream(capture_stream()):
+            assert int(_arrivals(dev).abs().sum()) == 0
