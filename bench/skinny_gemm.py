@@ -71,9 +71,6 @@ SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8
 # wider column tiles (fewer re-reads of x at 64 rows).
 SPLIT_SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256], "num_warps": [4],
                "num_stages": [4], "SPLIT_K": [1, 2, 4]}
-# --prefetch-sweep: the L2 prefetch of each weight row's first bytes before
-# the PDL wait (Note [weight prefetch]), on the default tiles and on split 2.
-PREFETCH_SWEEP = {"PREFETCH": [0, 1024, 4096, 16384, 65536], "SPLIT_K": [1, 2], "BLOCK_N": [32, 64]}
 # --fused: (name, the siblings' output features, gated) at llama-8B's hidden
 # size; RMSNorm's eps as Llama-3 sets it.
 FUSED = [("qkv", [4096, 1024, 1024], False), ("gate_up", [14336, 14336], True)]
@@ -121,8 +118,9 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
-        grid = {"split": SPLIT_SWEEP, "prefetch": PREFETCH_SWEEP}.get(sweep, SWEEP)
-        configs += [c for c in (dict(default, **dict(zip(grid, v)))
+        grid = SPLIT_SWEEP if sweep == "split" else SWEEP
+        block_m = default["BLOCK_M"]
+        configs += [c for c in (dict(zip(grid, v), BLOCK_M=block_m)
                                 for v in itertools.product(*grid.values()))
                     if (block_m + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= 200 * 1024]
     timings = []
@@ -159,37 +157,27 @@ def fmt(rows, bw) -> str:
         best = r["best_config"]
         cfg = "-" if not best or not r["sweep"] else (
             f"N{best['BLOCK_N']} K{best['BLOCK_K']} w{best['num_warps']} s{best['num_stages']}"
-            + (f" split {best['SPLIT_K']}" if best.get("SPLIT_K", 1) > 1 else "")
-            + (f" prefetch {best['PREFETCH']}" if best.get("PREFETCH", 0) else ""))
+            + (f" split {best['SPLIT_K']}" if best.get("SPLIT_K", 1) > 1 else ""))
         lines.append(
             f"| {r['shape']}{' + residual' if r['residual'] else ''} | {r['N']} x {r['K']} | {r['M']} "
             f"| {r['floor_us']:.1f} | {r['cublas_us']:.1f} | {r['cublas_us'] / r['floor_us']:.2f} "
             f"| {r['skinny_us']:.1f} | {r['skinny_us'] / r['floor_us']:.2f} "
             f"| {r['skinny_us'] / r['cublas_us']:.2f} "
             f"| {r['best_us']:.1f} | {cfg} |")
-    for key, grid in (("SPLIT_K", SPLIT_SWEEP), ("PREFETCH", PREFETCH_SWEEP)):
-        lines += best_per(rows, key, grid[key])
+    splits = [r for r in rows if any("SPLIT_K" in t["config"] for t in r["sweep"])]
+    if splits:
+        lines += ["", "Best per split (--split-sweep), µs:", "",
+                  "| weights | rows | " + " | ".join(f"split {k}" for k in SPLIT_SWEEP["SPLIT_K"]) + " |",
+                  "|---|---:|" + "---:|" * len(SPLIT_SWEEP["SPLIT_K"])]
+        for r in splits:
+            cells = []
+            for k in SPLIT_SWEEP["SPLIT_K"]:
+                ok = [t for t in r["sweep"] if "us" in t and t["config"].get("SPLIT_K", 1) == k]
+                best = min(ok, key=lambda t: t["us"]) if ok else None
+                cells.append(f"{best['us']:.1f} (N{best['config']['BLOCK_N']} K{best['config']['BLOCK_K']})"
+                             if best else "-")
+            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def best_per(rows, key, values) -> list[str]:
-    """A table of the best time per value of one swept key (rows swept over it)."""
-    swept = [r for r in rows if len({t["config"].get(key) for t in r["sweep"]}) > 1]
-    if not swept:
-        return []
-    lines = ["", f"Best per {key} (the sweep's other keys free), µs:", "",
-             "| weights | rows | " + " | ".join(f"{key} {k}" for k in values) + " |",
-             "|---|---:|" + "---:|" * len(values)]
-    for r in swept:
-        cells = []
-        for k in values:
-            ok = [t for t in r["sweep"] if "us" in t and t["config"].get(key) == k]
-            best = min(ok, key=lambda t: t["us"]) if ok else None
-            cells.append("-" if best is None else
-                         f"{best['us']:.1f} (N{best['config']['BLOCK_N']} K{best['config']['BLOCK_K']}"
-                         f" s{best['config'].get('SPLIT_K', 1)})")
-        lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def unfused_norm_linear(x, norm_weight, weight, gated: bool):
@@ -352,8 +340,6 @@ def main(argv=None) -> int:
                     help="also time a grid of meta-parameters")
     ap.add_argument("--split-sweep", dest="sweep", action="store_const", const="split",
                     help="also time split K (1, 2, 4) with 32-128 column tiles")
-    ap.add_argument("--prefetch-sweep", dest="sweep", action="store_const", const="prefetch",
-                    help="also time the weight's L2 prefetch before the PDL wait")
     ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
     ap.add_argument("--fused", action="store_true",
                     help="time mrv2::norm_linear (RMSNorm + qkv, RMSNorm + gate_up + SiLU·mul) "

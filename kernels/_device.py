@@ -88,11 +88,6 @@ def pdl_meta(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if _cuda_major(index) >= 9 else {"PDL": False}
 
 
-def cuda_major(device: torch.device) -> int:
-    """The compute capability's major number of a CUDA device (9: Hopper)."""
-    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
 def _cuda_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

@@ -91,10 +91,9 @@ from compile_backend.core import stream_buffers
 from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import register_op
 
-from ._device import cdiv, cuda_major, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
+from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
 
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
-PREFETCH_ENV = "MRV2_SKINNY_PREFETCH"  # bytes per weight row (Note [weight prefetch]); "0": off
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # Note [split K]: one arrival counter per column tile of a launch, per stream.
@@ -132,7 +131,7 @@ def _skinny_linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: out[:, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or its part
     # [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]). x [M, K]
@@ -159,20 +158,8 @@ def _skinny_linear_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if NORM:  # x[m, k]^2 in fp32, summed over the tiles elementwise; over k once, after the loop
         ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    if PREFETCH > 0:  # Note [weight prefetch]: the first PREFETCH bytes of each weight row of
-        # this program's K run, DRAM -> L2, before the wait (a hint: no value is read)
-        pf_rows = w_ptr + tl.minimum(offs_n, N_out - 1) * stride_wn + k_lo  # [BN]
-        pf_bytes = (tl.minimum(k_hi - k_lo, PREFETCH // 2) * 2 // 16) * 16 + offs_n * 0  # [BN] int32
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                  "=r,l,r", [pf_rows, pf_bytes], dtype=tl.int32, is_pure=False, pack=1)
-        if GATED:
-            pf_up = w_ptr + (N_out + tl.minimum(offs_n, N_out - 1)) * stride_wn + k_lo
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                      "=r,l,r", [pf_up, pf_bytes], dtype=tl.int32, is_pure=False,
-                                      pack=1)
     # Note [programmatic dependent launch]: nothing is read before the wait,
-    # not even the weight (the kernel just before may compute it: a dequant;
-    # an L2 prefetch reads nothing into the program, and L2 sees later writes).
+    # not even the weight (the kernel just before may compute it: a dequant).
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
@@ -353,29 +340,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
         NORM=norm_weight is not None, GATED=gated,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
-        PREFETCH=prefetch_bytes(cfg, x, weight),
         UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_meta(x.device),
     )
     return out
-
-
-def prefetch_bytes(cfg: dict, x: torch.Tensor, weight: torch.Tensor) -> int:
-    """Note [weight prefetch]: the bytes of each weight row the kernel
-    prefetches into L2 before its wait (cfg's PREFETCH; 0 off). Only on sm_90+
-    CUDA (the bulk prefetch is Hopper's) and where every row's start is 16-byte
-    aligned, as the instruction needs."""
-    env = os.environ.get(PREFETCH_ENV, "")
-    want = int(env) if env.isdigit() else int(cfg.get("PREFETCH", 0))
-    if want <= 0 or not x.is_cuda or interpreting() or torch.version.hip:
-        return 0
-    if cuda_major(x.device) < 9:
-        return 0
-    size = weight.element_size()
-    if (weight.data_ptr() % 16 or (weight.stride(0) * size) % 16 or (cfg["BLOCK_K"] * size) % 16
-            or (weight.shape[1] * size) % 16):  # and every K run is a whole number of 16 bytes
-        return 0
-    return want
 
 
 def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.device,
