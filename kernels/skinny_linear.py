@@ -47,7 +47,7 @@ from fp32, one rounding. These variants take their own meta-parameters
 Rows: x's M rows are padded to one dot tile of 16, 32 or 64 rows (`tl.dot`
 needs every dimension >= 16); the tensor cores have time to spare at these
 shapes, and each row tile has its own meta-parameters (`CONFIGS`).
-Grid: cdiv(N_out, BLOCK_N) programs. The kernel is used only where its grid is
+Grid: cdiv(N_out, BLOCK_N) x SPLIT_K programs. The kernel is used only where its grid is
 wide enough to win (`skinny_fills`), so a narrow projection (a TP shard, a
 small model) stays with cuBLAS.
 
@@ -102,8 +102,11 @@ ARRIVAL_SLOTS = 8192  # column tiles a split launch may have (more: one split)
 stream_buffers.declare(ARRIVALS, ARRIVAL_SLOTS, torch.int32)
 # Meta-parameters by row tile (BLOCK_M): the best of a sweep for the o and
 # down projections of llama-8B on the H200 (bench/results/skinny_gemm_sweep*.json).
+# The 16-row tile splits K in two over 64-column tiles (Note [split K];
+# bench/results/skinny_gemm_split.md: o 12.4 -> 12.0 µs and down 32.5 -> 31.4
+# at one row; 12.5 and 32.7 -> 32.4 at 16).
 CONFIGS = {
-    16: {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4},
+    16: {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
 }
@@ -251,12 +254,14 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
     Measured (bench/results/skinny_gemm.md): up to 16 rows a grid of a
     quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
     rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
+    A split launch counts each (tile, split) as a program.
     `MRV2_SKINNY_GEMM=0/1` overrides the rule."""
     choice = os.environ.get(SKINNY_ENV, "")
     if choice in ("0", "1"):
         return choice == "1"
     n_out = N // 2 if gated else N
-    programs = cdiv(n_out, skinny_config(M, N, K, gated=gated, norm=norm)["BLOCK_N"])
+    cfg = skinny_config(M, N, K, gated=gated, norm=norm)
+    programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated or norm else cfg.get("SPLIT_K", 1))
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 

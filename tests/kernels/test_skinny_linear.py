@@ -131,16 +131,17 @@ def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
     SMs up to 16 rows, nine tenths beyond), and only
     operands it can read (<= MAX_ROWS rows, bf16/fp16, unit stride along K);
     MRV2_SKINNY_GEMM forces the choice either way."""
-    block_n = skinny_config(1, 4096, 4096)["BLOCK_N"]
+    cfg16, cfg64 = skinny_config(1, 4096, 4096), skinny_config(64, 4096, 4096)
+    split = cfg16.get("SPLIT_K", 1)  # a split launch counts (tile, split) pairs
     monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
-    assert skinny_fills(1, 33 * block_n, 4096, 132)
-    assert not skinny_fills(16, 32 * block_n, 4096, 132)
-    assert skinny_fills(17, 119 * block_n, 4096, 132)
-    assert not skinny_fills(64, 118 * block_n, 4096, 132)
+    assert skinny_fills(1, 33 * 2 // split * cfg16["BLOCK_N"], 4096, 132)  # 33 x 2 / split tiles
+    assert not skinny_fills(16, 32 // split * cfg16["BLOCK_N"], 4096, 132)
+    assert skinny_fills(17, 119 * cfg64["BLOCK_N"], 4096, 132)
+    assert not skinny_fills(64, 118 * cfg64["BLOCK_N"], 4096, 132)
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
     assert skinny_fills(1, 64, 64, 132)
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
-    assert not skinny_fills(1, 132 * block_n, 4096, 132)
+    assert not skinny_fills(1, 132 * cfg16["BLOCK_N"], 4096, 132)
     assert [skinny_config(M, 4096, 4096)["BLOCK_M"] for M in (1, 16, 17, 32, 33, 64)] == \
         [16, 16, 32, 32, 64, 64]
     x, w = torch.empty(MAX_ROWS, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
