@@ -17,8 +17,10 @@ ran the o and down projections as split-K GEMMs, each followed by a split-K
 reduce kernel, and Inductor's `addmm` for `residual + linear(x)` first
 copies the residual into the output (a D2D memcpy) and then accumulates
 into it: four launches per layer besides the two GEMMs. This kernel gives
-each program BLOCK_N output columns over the whole K (no split, no reduce),
-streams its [BLOCK_N, K] slice of the weight through a pipelined loop, and
+each program BLOCK_N output columns over the whole K, or over one of
+SPLIT_K runs of it whose parts the last program to finish sums (Note
+[split K]; no reduce kernel either way), streams its slice of the weight
+through a pipelined loop, and
 adds bias and residual to the fp32 accumulator before the one rounding to
 the output dtype (what `addmm` computes too).
 
