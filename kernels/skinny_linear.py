@@ -359,8 +359,9 @@ def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.
     the arrival counters) for a launch of `tiles` column tiles. One split
     (and placeholders for the two buffers) where cfg asks for one, for the
     norm and gate variants (their epilogues need all of K in one program),
-    or inside a capture on a stream without counters (counted:
-    `skinny_split_k_fallbacks`)."""
+    or where no counters are at hand: inside a capture on a stream without
+    them, or more tiles than ARRIVAL_SLOTS (counted: `skinny_split_k_fallbacks`).
+    The placeholders are one-element tensors the kernel never reads."""
     split = int(cfg.get("SPLIT_K", 1))
     if split > 1 and fused:
         raise ValueError("skinny_linear: SPLIT_K > 1 needs the plain kernel (no norm_weight, "

@@ -28,7 +28,8 @@ Keys (all ints):
                          (passes/fuse_linear_residual.py)
   skinny_split_k_fallbacks
                          skinny GEMM launches that asked for split K and took one
-                         split: a capture on a stream without arrival counters
+                         split: a capture on a stream without arrival counters,
+                         or more column tiles than the counters
                          (kernels/skinny_linear.py, Note [split K])
   pass_norm_linear_fused RMSNorm / linear / SiLU·mul groups fused into one
                          mrv2::norm_linear (passes/fuse_norm_linear.py)
