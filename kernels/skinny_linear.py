@@ -70,6 +70,11 @@ a launch touches them only after `pdl_wait`, when the launch before it on
 the stream has completed. Inside a capture on a stream without counters
 the launch takes one split (counted: `skinny_split_k_fallbacks`). The norm
 and gate variants never split (their epilogues need all of K).
+Measured on the H200 (bench/results/skinny_gemm_split.md): two splits over
+64-column tiles are the 16-row tile's best (o and down, 1-3% faster than
+the best single split); qkv stays at 15.9 µs with 1, 2 or 4 splits, so
+uneven waves were not what held it back (docs/design.md, "Decode at
+llama8b"), and at 64 rows the wider tiles lose.
 
 `MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
 (benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
@@ -221,6 +226,7 @@ def _skinny_linear_kernel(
                            other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def row_tile(M: int) -> int:
     """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16)."""
