@@ -245,6 +245,7 @@ def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
     reads the first's output (the same arrival counters, one launch after the
     other, with PDL where it is on), replayed on fresh inputs: equal to the
     reference, bit-equal to the eager launches, counters re-armed."""
+    from compile_backend.core.counters import counters
     from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
     dev, dtype = "cuda", torch.bfloat16
     for M in (1, 16, 64):
@@ -259,10 +260,12 @@ def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
         y, z = chain()
         assert_close_rel(y, _ref(x, w, b, r), dtype, f"M={M}")
         assert_close_rel(z, _ref(y, w2, None, x), dtype, f"M={M} second")
-        warm_capture_stream()
+        warm_capture_stream()  # the capture stream's arrival counters, outside the capture
         graph = torch.cuda.CUDAGraph()
+        fallbacks = counters["skinny_split_k_fallbacks"]
         with torch.cuda.graph(graph, stream=capture_stream()):
             gy, gz = chain()
+        assert counters["skinny_split_k_fallbacks"] == fallbacks  # captured split, not one split
         for i in range(3):
             g = gen(stable_seed("split-replay", i, M, N, K))
             x.copy_(randn(x.shape, dtype, dev, g))
