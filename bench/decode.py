@@ -199,7 +199,8 @@ def floor_times(row: dict, bw: float, peak: float | None) -> tuple[float, float 
 def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
           max_reqs: int, max_tokens: int, num_blocks: int, max_model_len: int | None = None):
     spec = VARIANTS[variant]
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:  # not imported yet: nothing to reset (startup times its import)
+        torch._dynamo.reset()
     cb.reset_counters()
     # The previous variant's graphs outlive its runner (Dynamo holds compiled
     # steps): free them, or this variant captures into their pool and its
@@ -212,8 +213,11 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     gc.collect()
     if setup.device == "cuda":
         torch.cuda.empty_cache()
+    t0 = time.perf_counter()
     with torch.device(setup.device):  # weights drawn on the device (llama8b: 16 GB)
         model = build_model(model_name, preset(setup.preset, dtype=setup.dtype))
+    sync(setup)
+    model_s = time.perf_counter() - t0
     kv = KVCacheConfig(num_blocks=num_blocks, block_size=16,
                        max_model_len=max_model_len or setup.context + 64,
                        max_num_reqs=max_reqs, max_num_tokens=max_tokens)
@@ -221,7 +225,9 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     fill_caches(model, setup.device)  # random caches and state: never time zeros
     cfg = cb.CompilationConfig(cudagraph_mode=spec.mode, capture_sizes=capture_sizes,
                                piece_compiler=setup.piece_compiler, **setup.options)
+    t0 = time.perf_counter()
     runner = ModelRunner(model, kv, cfg, setup.device, progress=False, compile_fn=spec.compile_fn)
+    runner_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     runner.warmup(max(capture_sizes), None)  # first call: compiles
     sync(setup)
@@ -237,7 +243,8 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     t0 = time.perf_counter()
     runner.capture()
     sync(setup)
-    startup = {"compile_s": compile_s, "capture_s": time.perf_counter() - t0,
+    startup = {"model_s": model_s, "runner_s": runner_s,
+               "compile_s": compile_s, "capture_s": time.perf_counter() - t0,
                "pool_bytes": allocated(setup) - mem0, "pool_reserved_bytes": reserved(setup) - res0}
     return runner, model, kv, startup
 

@@ -142,11 +142,13 @@ def host_profile(fn, top: int) -> list[str]:
 
 
 def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, profile_tokens=0,
-                host_top=0):
+                host_top=0, cache_kind="static"):
     torch._dynamo.reset()
     counters.clear()
     target = copy.deepcopy(model)
-    if options is not None:
+    if options == "reduce-overhead":  # Inductor's own CUDA graphs (cudagraph trees)
+        target.compile(mode="reduce-overhead")
+    elif options is not None:
         # In place (Module.compile): generate's calls of the module run compiled.
         target.compile(backend="mrv2", options={"cudagraph_mode": mode, **options})
 
@@ -155,6 +157,9 @@ def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, p
     caches: dict[int, StaticCache] = {}
 
     def generate(ids, n):
+        if cache_kind == "dynamic":  # HF's default: a new DynamicCache per call, grown per token
+            return target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   disable_compile=True, pad_token_id=0)
         # One static cache per batch size, reset for every call: its tensors
         # keep their addresses, so the graphs replay (a new cache per call
         # would be captured again, and the time would be the capture's).
@@ -216,9 +221,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--mode", default="full", help="cudagraph_mode of the compiled variants")
+    ap.add_argument("--mode", default="full", help="cudagraph_mode of the compiled variants; "
+                    "comma-separated: each compiled variant once per mode")
+    ap.add_argument("--cache", default="static", choices=["static", "dynamic"],
+                    help="static: one StaticCache per batch, reset per call; dynamic: HF's "
+                    "default (a new DynamicCache per call, grown by a token per step)")
     ap.add_argument("--variants", default="eager,off,sibling,residual,on",
-                    help="comma-separated: eager, off, sibling, residual, on")
+                    help="comma-separated: eager, off, sibling, residual, on, reduce-overhead "
+                    "(Inductor's mode)")
+    ap.add_argument("--name", default="hf_generate", help="results file name (.md and .json)")
     ap.add_argument("--profile", action="store_true",
                     help="also the kernels of one generate call per variant and batch (CUDA)")
     ap.add_argument("--profile-tokens", type=int, default=8)
@@ -246,13 +257,21 @@ def main(argv=None) -> int:
              "off": ("mrv2 passes off", {**base, **off}),
              "sibling": ("mrv2 sibling only", {**base, **off, "fuse_sibling_linears": True}),
              "residual": ("mrv2 residual only", {**base, **off, "fuse_linear_residual": True}),
-             "on": ("mrv2 passes on", base)}
+             "on": ("mrv2 passes on", base),
+             "reduce-overhead": ("inductor reduce-overhead", "reduce-overhead")}
     names = args.variants.split(",")
     unknown = [n for n in names if n not in known]
-    if unknown or "eager" not in names or "off" not in names:
-        ap.error(f"--variants: names among {', '.join(known)}, with eager and off (the "
-                 f"table's references); got {args.variants!r}")
-    variants = [known[n] for n in names]
+    if unknown or "eager" not in names:
+        ap.error(f"--variants: names among {', '.join(known)}, with eager (the table's "
+                 f"reference); got {args.variants!r}")
+    modes = args.mode.split(",")
+    variants = []  # (label, options, mode)
+    for n in names:
+        label, options = known[n]
+        if options is None or options == "reduce-overhead":
+            variants.append((label, options, modes[0]))
+        else:
+            variants += [(label if len(modes) == 1 else f"{label} [{m}]", options, m) for m in modes]
     rows = []
     scope = contextlib.nullcontext()
     if args.dry_run:
@@ -261,23 +280,24 @@ def main(argv=None) -> int:
 
         scope = use_graph_backend(StandInGraphs())
     with scope:
-        for label, options in variants:
-            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, args.mode, device,
+        for label, options, mode in variants:
+            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, mode, device,
                                 profile_tokens=args.profile_tokens if args.profile else 0,
-                                host_top=args.host_profile)
+                                host_top=args.host_profile, cache_kind=args.cache)
     eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
-    off = {r["batch"]: r for r in rows if r["variant"] == "mrv2 passes off"}
+    off = {r["batch"]: r for r in rows if r["variant"].startswith("mrv2 passes off")}
     lines = ["| variant | batch | ms / token | of it GC | device ms / token | vs passes off "
              "| vs eager | greedy tokens equal to eager |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        e, o = eager[r["batch"]], off[r["batch"]]
+        e, o = eager[r["batch"]], off.get(r["batch"])
         same = (r["tokens"] == e["tokens"]).float().mean().item()
         r["tokens_equal_eager"] = same
         dev = f"{r['device_ms_per_token']:.3f}" if "device_ms_per_token" in r else "-"
         lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
                      f"| {r['gc_ms_per_token']:.3f} | {dev} "
-                     f"| {r['ms_per_token'] / o['ms_per_token']:.3f}x | {r['ms_per_token'] / e['ms_per_token']:.3f}x "
+                     f"| {f'{r_o:.3f}x' if (r_o := r['ms_per_token'] / o['ms_per_token'] if o else None) else '-'} "
+                     f"| {r['ms_per_token'] / e['ms_per_token']:.3f}x "
                      f"| {100 * same:.1f}% |")
     for r in rows:
         if "profile" in r:
@@ -297,12 +317,12 @@ def main(argv=None) -> int:
             f"torch {torch.__version__}, command: `{cmd}`\n\nModel: {args.layers} layers, hidden "
             f"{args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, intermediate "
             f"{args.intermediate}, vocab {args.vocab}, bf16; prompt {args.prompt} tokens, "
-            f"{args.new_tokens} new tokens, greedy, static cache; compiled variants: "
+            f"{args.new_tokens} new tokens, greedy, {args.cache} cache; compiled variants: "
             f"cudagraph_mode={args.mode}, {args.piece_compiler} pieces.\n\n")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hf_generate.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write(head + table + "\n")
-    with open(os.path.join(args.out, "hf_generate.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1,
                   default=str)
     print(table)

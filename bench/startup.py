@@ -45,6 +45,7 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 
+_T_TORCH = time.perf_counter()  # torch's import, apart from mrv2's
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py, workload.py)
 
 from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
@@ -58,14 +59,17 @@ JSON_PREFIX = "STARTUP_JSON "
 GPU_SIZES = [1, 2, 4] + list(range(8, 257, 8))  # the default capture sizes: 35
 CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
-            "pieces", "cudagraph_captures")
+            "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
+            "triton_compiles")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
     ("warm compile s", "-", "-", "warm", "compile_s"),
     ("warm start to first step s", "~9 (warm start with Inductor's cache)", "<= 5", "warm",
      "start_to_first_step_s"),
-    ("capture s (whole plan)", "~2", "<= 2 per mode", "warm", "capture_s"),
+    ("mrv2's share of a warm start s", "-", "<= 3 (issue #36)", "warm", "mrv2_share_s"),
+    ("capture s (whole plan), warm", "~2", "<= 1 per mode (issue #36)", "warm", "capture_s"),
+    ("capture s (whole plan), cold", "-", "<= 3 per mode (issue #36)", "cold", "capture_s"),
 ]
 
 
@@ -85,6 +89,25 @@ def process_age() -> float | None:
 # ---- the child: one fresh process, one (model, preset, mode) -----------------------------
 
 
+def capture_profile(captures) -> dict:
+    """The plan's host time per phase (ModelRunner's CaptureRecord split):
+    seconds summed over the plan, per graph kind (piecewise / full)."""
+    out: dict = {}
+    for c in captures:
+        row = out.setdefault(c.graph.mode.value, {"graphs": 0, "warmups": 0, "total_s": 0.0,
+                                                  "warmup_s": 0.0, "record_s": 0.0,
+                                                  "instantiate_s": 0.0})
+        row["graphs"] += 1
+        row["warmups"] += c.warmup_s > 0
+        row["total_s"] += c.seconds
+        row["warmup_s"] += c.warmup_s
+        row["record_s"] += c.record_s
+        row["instantiate_s"] += c.instantiate_s
+    for row in out.values():
+        row["other_s"] = row["total_s"] - row["warmup_s"] - row["record_s"] - row["instantiate_s"]
+    return out
+
+
 @torch.no_grad()
 def child(spec: dict) -> dict:
     interpreter_s = process_age()
@@ -93,7 +116,8 @@ def child(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     setup = Setup(device=spec["device"], dtype=torch.bfloat16 if cuda else torch.float32,
                   preset=spec["preset"], piece_compiler=spec["piece_compiler"],
-                  context=spec["context"], graphs=None if cuda else StandInGraphs())
+                  context=spec["context"], graphs=None if cuda else StandInGraphs(),
+                  options={"capture_warmup": spec.get("capture_warmup", "on_demand")})
     t = time.perf_counter()
     if cuda:  # the context, on its own (otherwise inside the model's build)
         torch.empty(1, device="cuda")
@@ -118,13 +142,24 @@ def child(spec: dict) -> dict:
         step_mode = runner.dispatch(batch).mode.value
     return {
         **{k: spec[k] for k in ("model", "preset", "mode", "phase")},
-        "interpreter_s": interpreter_s, "import_s": _T_IMPORTED - _T0, "cuda_init_s": cuda_init_s,
+        "interpreter_s": interpreter_s, "import_s": _T_IMPORTED - _T0,
+        "import_torch_s": _T_TORCH - _T0, "import_mrv2_s": _T_IMPORTED - _T_TORCH,
+        "cuda_init_s": cuda_init_s,
         "build_s": build_total_s - s["compile_s"] - s["capture_s"],
+        "model_s": s["model_s"], "runner_s": s["runner_s"],
+        # What mrv2 costs a start: its import, the runner, the compile (or
+        # the load), the capture and the first step; not the interpreter,
+        # torch, CUDA's context or the weights.
+        "mrv2_share_s": (_T_IMPORTED - _T_TORCH) + (build_total_s - s["model_s"] - s["compile_s"]
+                                                   - s["capture_s"]) + s["compile_s"]
+                        + s["capture_s"] + first_step_s,
+        "capture_profile": capture_profile(runner.captures),
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
         "pool_bytes": s["pool_bytes"], "first_step_ran_as": step_mode, "first_step_finite": finite,
         "counters": {k: counters[k] for k in COUNTERS},
+        "capture_warmup": spec.get("capture_warmup", "on_demand"),
         "device_name": torch.cuda.get_device_name() if cuda else "CPU (graph stand-in)",
         "torch": torch.__version__, "triton": __import__("triton").__version__,
         "mrv2_cache_dir": os.environ.get("MRV2_CACHE_DIR"),
@@ -188,36 +223,55 @@ def tables(meta: dict, rows: list[dict]) -> str:
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
          "caches, runner.", "",
          "| model | preset | mode | phase | compile s | capture s | graphs | start-to-first-step s "
-         "| piece_compiles | reuses | inductor_compiles | dynamo_graphs | import s | build s "
+         "| mrv2's share s | piece_compiles | reuses | inductor_compiles | dynamo_graphs "
+         "| import torch s | import mrv2 s | weights s | runner s "
          "| first step s | plan | caches MiB after (inductor / triton / mrv2) |",
-         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         head = f"| {r['model']} | {r['preset']} | {r['mode']} | {r['phase']} |"
         if "error" in r:
-            L.append(f"{head} failed: {r['error']} |" + " |" * 12)
+            L.append(f"{head} failed: {r['error']} |" + " |" * 15)
             continue
         c, mib = r["counters"], {k: v / 2**20 for k, v in r.get("cache_bytes", {}).items()}
         caches = " / ".join(_f(mib.get(k)) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                                      "MRV2_CACHE_DIR"))
         L.append(f"{head} {_f(r['compile_s'])} | {_f(r['capture_s'], '.2f')} | {r['graphs']} | "
-                 f"{_f(r['start_to_first_step_s'])} | {c['piece_compiles']} | "
+                 f"{_f(r['start_to_first_step_s'])} | {_f(r.get('mrv2_share_s'))} | "
+                 f"{c['piece_compiles']} | "
                  f"{c['piece_compile_reuses']} | {c['inductor_compiles']} | {c['dynamo_graphs']} | "
-                 f"{_f(r['import_s'])} | {_f(r['build_s'])} | {_f(r['first_step_s'], '.3f')} | "
+                 f"{_f(r.get('import_torch_s'))} | {_f(r.get('import_mrv2_s'), '.2f')} | "
+                 f"{_f(r.get('model_s'))} | {_f(r.get('runner_s'), '.2f')} | "
+                 f"{_f(r['first_step_s'], '.3f')} | "
                  f"{r['plan']} | {caches} |")
+    L += ["", "Capture profile: host seconds of runner.capture() by phase, summed over the "
+          "plan's graphs (warm-up: the eager step before a capture; record: the step run under "
+          "capture; instantiate: capture_end; other: the capture call's Python outside those, "
+          "eager attention between pieces, the replay after each capture).", "",
+          "| model | preset | mode | phase | capture_warmup | graph kind | steps | warm-ups "
+          "| total s | warm-up s | record s | instantiate s | other s | per step ms |",
+          "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in ok:
+        for kind, p in r.get("capture_profile", {}).items():
+            L.append(f"| {r['model']} | {r['preset']} | {r['mode']} | {r['phase']} | "
+                     f"{r.get('capture_warmup', 'every_size')} | {kind} | "
+                     f"{p['graphs']} | {p.get('warmups', '-')} | {p['total_s']:.2f} | {p['warmup_s']:.2f} | "
+                     f"{p['record_s']:.2f} | {p['instantiate_s']:.2f} | {p['other_s']:.2f} | "
+                     f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f} |")
     # Anchors: one column per measured (model, preset, mode).
-    keys = list(dict.fromkeys((r["model"], r["preset"], r["mode"]) for r in ok))
+    def column_of(r):
+        return r["model"], r["preset"], r["mode"], r.get("capture_warmup", "every_size")
+
+    keys = list(dict.fromkeys(column_of(r) for r in ok))
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:",
           "", "| figure | vLLM, Llama-3-8B | target | "
-          + " | ".join(f"{m} {p} {mode}" for m, p, mode in keys) + " |",
+          + " | ".join(f"{m} {p} {mode} ({w})" for m, p, mode, w in keys) + " |",
           "|---|---|---|" + "---:|" * len(keys)]
     for name, vllm, target, phase, field in ANCHORS:
         vals = []
         for key in keys:
-            match = [r for r in ok if (r["model"], r["preset"], r["mode"]) == key and r["phase"] == phase]
-            if not match and field == "capture_s":  # capture does not depend on the phase
-                match = [r for r in ok if (r["model"], r["preset"], r["mode"]) == key]
-            vals.append(_f(match[0][field], ".2f" if field == "capture_s" else ".1f")
+            match = [r for r in ok if column_of(r) == key and r["phase"] == phase]
+            vals.append(_f(match[0].get(field), ".2f" if field == "capture_s" else ".1f")
                         if match else "-")
         L.append(f"| {name} | {vllm} | {target} | " + " | ".join(vals) + " |")
     odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]
@@ -266,6 +320,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=None, help="cached tokens per request "
                     "(default 500; 40 on the CPU)")
     ap.add_argument("--piece-compiler", default=None, help="inductor on a GPU, eager on the CPU")
+    ap.add_argument("--capture-warmup", default="on_demand", choices=["on_demand", "every_size"],
+                    help="CompilationConfig.capture_warmup (every_size: a warm-up before every "
+                    "capture, as before issue #36)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     ap.add_argument("--smoke", action="store_true", help="quick CPU check (tiny, eager pieces, "
                     "graph stand-in; numbers mean nothing)")
@@ -298,6 +355,7 @@ def main(argv=None) -> int:
     base = {"device": "cuda" if cuda else "cpu",
             "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
             "sizes": sizes, "batch": min(args.batch, max(sizes)),
+            "capture_warmup": args.capture_warmup,
             "context": args.context if args.context is not None else (500 if cuda else 40)}
     sizes_text = (f"{len(sizes)} ([1, 2, 4] + 8..256 step 8)" if sizes == GPU_SIZES
                   else f"{len(sizes)} ({sizes})")

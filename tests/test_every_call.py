@@ -230,6 +230,70 @@ def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
     assert torch.equal(out, kept)
 
 
+# ---- a cache that grows by a token per call ----------------------------------------------
+
+
+class GrowingCache:
+    """A caller's cache that, like transformers' DynamicCache, is a new longer
+    tensor after every call (torch.cat), never written in place."""
+
+    def __init__(self, width: int, device: str, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.keys = torch.randn(1, 3, width, generator=g).to(device)  # [1, L, D], L grows
+
+
+class AttendsOverAGrowingCache(nn.Module):
+    """x [1, 1, D]: one new token's key joins the cache, SDPA over the whole
+    cache (a breakpoint), then an MLP on fixed shapes."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.k = nn.Linear(width, width)
+        self.q = nn.Linear(width, width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.k(x)], dim=1)
+        att = F.scaled_dot_product_attention(self.q(x)[:, None], cache.keys[:, None],
+                                             cache.keys[:, None])[:, 0]
+        return self.down(F.gelu(self.up(att))) + x
+
+
+def _growing_session(seed, steps=6, width=16):
+    g = torch.Generator().manual_seed(seed)
+    cache = GrowingCache(width, "cpu", seed)
+    return [(torch.randn(1, 1, width, generator=g), cache) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_growing_cache_runs_its_growing_pieces_without_graphs_and_equals_eager(mode, caplog):
+    """Every call equal to eager (outputs and the cache object's new tensor),
+    three sessions; the pieces that read the growing cache stop capturing
+    (said once, counted), the fixed-shape MLP piece still replays."""
+    from compile_backend.runtime import cuda_graph
+
+    cuda_graph._growth_said.clear()
+    cb.reset_counters()
+    before = set(map(id, graph_pool_wrappers()))
+    with _graphs("cpu"), caplog.at_level(logging.WARNING, logger="compile_backend.runtime.cuda_graph"):
+        report = check_against_eager(AttendsOverAGrowingCache(), _growing_session(3), [mode],
+                                     options={"piece_compiler": "eager"}, sessions=3,
+                                     atol=1e-6, rtol=1e-6)
+    assert report[mode].replays > 0  # the MLP after attention: one shape every call
+    assert cb.counters["growing_inputs"] >= 1 and cb.counters["captures_skipped"] > 0
+    said = [r for r in caplog.records if "grows by one along a dimension" in r.getMessage()]
+    assert len(said) == 1 and 'cache_implementation=\"static\"' in said[0].getMessage()
+    growing = [w for w in graph_pool_wrappers() if w.growing and id(w) not in before]
+    assert growing and all(not w.entries for w in growing)  # no graph for a growing piece
+
+
+def graph_pool_wrappers():
+    from compile_backend.runtime import graph_pool
+
+    return list(graph_pool._wrappers)
+
+
 # ---- Hugging Face generate, called as users call it --------------------------------------
 
 

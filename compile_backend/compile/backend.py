@@ -19,9 +19,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
-from compile_backend.compile.piece_compiler import compile_pieces
-from compile_backend.compile.split import split_graph
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
 from compile_backend.core.graph_mode import CUDAGraphMode
@@ -118,6 +115,12 @@ class Mrv2Backend:
         t0 = time.perf_counter()
         config = self.config
         import compile_backend.kernels  # noqa: F401  (registers the mrv2 ops' facts: their names resolve)
+        # Here, not at import: these pull in Dynamo and sympy, which a process
+        # that only loads a saved step or runs eagerly does not need
+        # (tests/test_imports.py pins what importing the package costs).
+        from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
+        from compile_backend.compile.piece_compiler import compile_pieces
+        from compile_backend.compile.split import split_graph
 
         roles = OpRegistry.from_config(config)  # misspelled op names raise, grad or not
         needs_grad = _inputs_needing_grad(example_inputs)

@@ -92,7 +92,13 @@ class CompiledStep(_Saveable):
             if self.full_graph is not None:
                 key = self.full_graph.lazy_key(args)
                 if self._fits_one_graph(key):
-                    return own_outputs(self.full_graph.call_lazily(args, key))
+                    out = self.full_graph.call_lazily(args, key)
+                    if self.full_graph.growing:  # new sizes: pieces' graphs, not a whole one
+                        self._give_up_full_graph(
+                            "no FULL graph: the inputs grow by one at every call (a cache "
+                            "that grows per token); the pieces between attention ops keep "
+                            "their graphs (PIECEWISE)")
+                    return own_outputs(out)
             if not self._blocker_logged:
                 self._blocker_logged = True
                 counters["full_graph_fallbacks"] += 1
@@ -126,6 +132,12 @@ class CompiledStep(_Saveable):
             f"between calls of one input shape ({list(first)}, then {list(values)}), which "
             f"a graph would bake in; {_instead(self.graph_mode)}")
         return False
+
+    def _give_up_full_graph(self, reason: str) -> None:
+        """Plain use: from now on the pieces run in their PIECEWISE wrappers
+        (said once at the next call, counted in full_graph_fallbacks)."""
+        self.full_graph = None  # its graphs go with it
+        self.full_blocker = reason
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "CompiledStep") -> bytes:

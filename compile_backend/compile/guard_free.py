@@ -123,6 +123,10 @@ class GuardFreeModel:
         self._fn = lambda *args: fn(model, *args)
         self.how = how
         self.seconds = time.perf_counter() - t0
+        if self.config.debug_dump_path:  # depyf's decompiled code, which its hook misses here
+            from compile_backend.debug.dump import write_aot_code
+
+            write_aot_code(self.config.debug_dump_path, fn, aot._artifacts.compiled_fn)
 
     def _adopt(self, step: Any) -> None:
         """A loaded step runs under this runner's config where the key leaves

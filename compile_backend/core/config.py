@@ -15,6 +15,7 @@ from compile_backend.core.graph_mode import CUDAGraphMode
 PIECE_COMPILERS = ("inductor", "eager")
 # How a tensor-parallel all-reduce runs (compile_backend/core/all_reduce.py).
 TP_ALL_REDUCE_MODES = ("nccl", "auto", "one_shot")
+CAPTURE_WARMUPS = ("on_demand", "every_size")  # CompilationConfig.capture_warmup
 
 
 def default_cache_dir() -> str | None:
@@ -63,6 +64,11 @@ class CompilationConfig:
         projection and gate").
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
+    capture_warmup: when a runner's plan runs the eager step before a capture:
+        "on_demand" (default) only where the capture would compile a Triton
+        kernel (once per kernel configuration: the capture is dropped, the
+        warm-up runs and it captures again; runtime/jit_guard.py), or
+        "every_size" before every capture.
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
@@ -100,6 +106,7 @@ class CompilationConfig:
     fuse_linear_residual: bool = True
     fuse_norm_linear: bool = False
     direct_op_calls: bool = True
+    capture_warmup: str = "on_demand"
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
@@ -145,6 +152,10 @@ class CompilationConfig:
                     f"debug_dump_path must be a folder path, got {self.debug_dump_path!r}")
             self.debug_dump_path = os.fspath(self.debug_dump_path)
             check_dump_path(self.debug_dump_path)  # refused now, not after compiling
+        if self.capture_warmup not in CAPTURE_WARMUPS:
+            raise ValueError(
+                f"capture_warmup must be one of {', '.join(map(repr, CAPTURE_WARMUPS))}, got "
+                f"{self.capture_warmup!r}")
         if (not isinstance(self.graphs_per_shape, int) or isinstance(self.graphs_per_shape, bool)
                 or self.graphs_per_shape < 1):
             raise ValueError(

@@ -17,8 +17,20 @@ Keys (all ints):
   grad_fallbacks         graphs run uncompiled because grad was on (inference only)
   lazy_warmups           no runner: first calls of a shape, run eagerly
   lazy_captures          no runner: captures on the second call of a shape
+  captures_skipped       no runner: calls of a new input shape run without a graph
+                         because the wrapper's inputs grow at every call
+                         (runtime/cuda_graph.py, CUDAGraphWrapper._grows)
+  growing_inputs         wrappers (pieces, whole graphs) found growing that way
   full_graph_fallbacks   no runner, a FULL mode: graphs that run PIECEWISE
                          instead (something in them needs runner metadata)
+  capture_warmups        eager steps a runner's plan ran before a capture: one where
+                         a capture would have compiled a Triton kernel (once per
+                         kernel configuration), or every capture with
+                         capture_warmup="every_size" (runtime/jit_guard.py)
+  capture_warmups_skipped
+                         captures of a plan that needed no warm-up
+  triton_compiles        Triton JIT compiles (or loads from Triton's disk cache)
+                         seen during a runner's capture plan, outside captures
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
   direct_calls           op calls in eager pieces rewritten to skip the dispatcher

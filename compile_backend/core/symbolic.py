@@ -12,11 +12,12 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
 
 def mark_token_dim(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    import torch._dynamo  # at the first trace, not at import (tests/test_imports.py)
+
     torch._dynamo.mark_dynamic(t, dim)
     return t
 

@@ -397,3 +397,41 @@ def depyf_dump(path: str | os.PathLike) -> Iterator[Path]:
 
 
 _DEPYF_ERRORS = (AttributeError, AssertionError, OSError, TypeError)
+
+
+def write_aot_code(path: str | os.PathLike, fn: Any, step: Any = None) -> Path | None:
+    """A runner's step is AOT-compiled (compile/guard_free.py), which depyf's
+    hook does not see: write what it would, `depyf/full_code_for_<name>.py`,
+    from Dynamo's transformed code (decompiled by depyf) and the backend's
+    split graph, and say so in the manifest. Returns the file (None when
+    depyf is missing or cannot decompile: the manifest then says why)."""
+    root = check_dump_path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    code = getattr(fn, "__code__", None)
+    name = code.co_name if code is not None else "step"
+    target = root / "depyf" / f"full_code_for_{name}_0.py"
+    note = ("written by mrv2 from the AOT-compiled step (depyf.decompile of Dynamo's code): "
+            "depyf's own hook does not see AOT compiles")
+    try:
+        import depyf
+
+        source = depyf.decompile(fn)
+    except Exception as e:  # noqa: BLE001 - the dump says why; the run goes on
+        source, note = None, f"depyf could not decompile the AOT-compiled step: {type(e).__name__}: {e}"
+        logger.warning("mrv2: %s", note)
+    if source is not None:
+        parts = [f"# Dynamo's transformed code for {name}, decompiled by depyf {depyf.__version__}",
+                 source]
+        split_gm = getattr(step, "split_gm", None)
+        if split_gm is not None:
+            parts += ["", "# The backend's split graph: the compiled function the code above calls",
+                      "# (its pieces' code: graph_*/ beside this folder)",
+                      public_code(split_gm.code)]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(parts) + "\n")
+    manifest = _load_or_start(root)
+    manifest["depyf"] = {"dir": "depyf", "written": source is not None, "note": note,
+                         "files": sorted(p.name for p in (root / "depyf").glob("full_code_for_*"))
+                         if (root / "depyf").is_dir() else []}
+    _write_json_atomic(root / MANIFEST, manifest)
+    return target if source is not None else None

@@ -33,6 +33,7 @@ from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
+from compile_backend.runtime import graph_pool, jit_guard
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -50,9 +51,19 @@ class CaptureRecord:
     seconds: float
     pool_bytes: int
     for_capture: dict[str, bool] = field(default_factory=dict)  # builder kind -> flag
+    # `seconds` split (host time): the eager warm-up before the capture (0
+    # when none ran), recording the kernels and instantiating the graph(s)
+    # (a PIECEWISE step captures one graph per piece); the rest of `seconds`
+    # is the capture call's own Python, eager attention between pieces and
+    # the replay that follows every capture.
+    warmup_s: float = 0.0
+    record_s: float = 0.0
+    instantiate_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {"graph": self.graph.summary(), "seconds": round(self.seconds, 6),
+                "warmup_s": round(self.warmup_s, 6), "record_s": round(self.record_s, 6),
+                "instantiate_s": round(self.instantiate_s, 6),
                 "pool_bytes": self.pool_bytes, "for_capture": self.for_capture}
 
 
@@ -204,7 +215,7 @@ class ModelRunner:
         # of graphs, 1155 in PIECEWISE for llama8b at 35 sizes).
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
-                plan_capture(current_graph_backend()):
+                plan_capture(current_graph_backend()), jit_guard.no_compile_in_capture():
             for step in plan:
                 self._capture_one(step, trace)
                 bar.update(note=f"{step.mode.value} {step.num_tokens} tokens")
@@ -229,13 +240,36 @@ class ModelRunner:
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
         meta, _ = prepare_inputs_to_capture(step, self.model_state)
-        self._forward(StepGraph.eager(step.num_tokens, step.num_reqs), meta, trace)  # warm-up
-        self._forward(step, meta, trace)  # capture
+        phases = dict(graph_pool.capture_seconds)
+        warmup_s = 0.0
+        if self.config.capture_warmup == "every_size" or not jit_guard.guard_available():
+            warmup_s = self._warmup_for_capture(step, meta, trace)
+            self._forward(step, meta, trace)  # capture
+        else:
+            try:  # capture first: a warm-up only where Triton would compile a kernel
+                self._forward(step, meta, trace)
+                counters["capture_warmups_skipped"] += 1
+            except jit_guard.CompileInCapture as e:
+                logger.debug("capture of %s: %s; warming up and capturing again", step.key, e)
+                warmup_s = self._warmup_for_capture(step, meta, trace)
+                self._forward(step, meta, trace)
         builds = self.model_state.build_log[builds_before:]
         self.captures.append(CaptureRecord(
             graph=step, seconds=time.perf_counter() - t0,
             pool_bytes=graphs.memory_allocated() - before,
-            for_capture={b["kind"]: b["for_capture"] for b in builds}))
+            for_capture={b["kind"]: b["for_capture"] for b in builds},
+            warmup_s=warmup_s,
+            record_s=graph_pool.capture_seconds["record"] - phases["record"],
+            instantiate_s=graph_pool.capture_seconds["instantiate"] - phases["instantiate"]))
+
+    def _warmup_for_capture(self, step: StepGraph, meta: dict[str, Any],
+                            trace: list | None) -> float:
+        """The eager step before a capture (it compiles what the capture would
+        need compiled); returns its host seconds."""
+        t0 = time.perf_counter()
+        counters["capture_warmups"] += 1
+        self._forward(StepGraph.eager(step.num_tokens, step.num_reqs), meta, trace)
+        return time.perf_counter() - t0
 
     # ---- serving ---------------------------------------------------------------
 

@@ -56,6 +56,34 @@ from compile_backend.core.forward_context import (
 logger = logging.getLogger(__name__)
 
 
+# Calls in a row whose inputs grew by one before a wrapper stops capturing new
+# sizes (CUDAGraphWrapper._grows): three calls, as a decode's second and
+# third tokens show.
+GROWTH_CALLS = 2
+_growth_said: list[bool] = []  # the warning is said once per process
+
+
+def _grew_by_one(last: tuple[tuple[Any, ...], tuple[Any, ...]],
+                 key: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+    """Did `key` come from `last` by one more along some sizes (every changed
+    size +1; Dynamo passes a length that changes, such as a cache's, as an
+    int input too, so int values count as sizes), all else unchanged?"""
+    (old_shapes, old_values), (shapes, values) = last, key
+    if len(old_shapes) != len(shapes) or len(old_values) != len(values):
+        return False
+    grew = False
+    for a, b in zip((*old_shapes, old_values), (*shapes, values)):
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            if x == y and type(x) is type(y):
+                continue
+            if type(x) is not int or type(y) is not int or y != x + 1:
+                return False
+            grew = True
+    return grew
+
+
 @dataclass
 class CapturedGraph:
     graph: Any
@@ -182,6 +210,12 @@ class CUDAGraphWrapper:
         self.moving: set[int] = set()  # read-only inputs seen at a new address
         self._said: set[tuple[int, str]] = set()  # (input, reason) logged once
         self._warmed_shapes: set[Hashable] = set()
+        # Without a runner: is an input growing by one along some dimension at
+        # every call (a cache that grows per token)? Then a graph of a shape
+        # would replay at most once a session: no new graph is captured.
+        self._last_miss: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        self._growth_calls = 0
+        self.growing = False
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
         # inside it see a context without a graph and run their callables.
         self._lazy_ctx = ForwardContext() if mode is CUDAGraphMode.FULL else None
@@ -236,6 +270,9 @@ class CUDAGraphWrapper:
             entry = self.entries.get(key)
             if entry is not None:
                 return self._replay(key, entry, args, ctx)
+            if self.growing or self._grows(key):
+                counters["captures_skipped"] += 1
+                return self.fn(*args)
             if key not in self._warmed_shapes:
                 self._warmed_shapes.add(key)
                 counters["lazy_warmups"] += 1
@@ -249,6 +286,36 @@ class CUDAGraphWrapper:
                 if isinstance(a, torch.Tensor) and not self.writes(i)
                 and i not in self.stable_inputs and not graph_pool.is_pool_output(a))
             return self._capture(key, args, ctx, own_pool=True)
+
+    def _grows(self, key: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+        """Capture policy without a runner (docs/design.md, "Capture only what
+        will replay"): a key not captured yet, compared with the previous
+        such key. When some inputs' sizes grew by exactly one and nothing
+        else changed, GROWTH_CALLS times in a row (transformers' DynamicCache
+        at every decoded token), the wrapper is `growing` from then on: its
+        later new keys run without a graph (graphs already captured still
+        replay). Said once per process, with what to do instead."""
+        last, self._last_miss = self._last_miss, key
+        if last is None or not _grew_by_one(last, key):
+            self._growth_calls = 0
+            return False
+        self._growth_calls += 1
+        if self._growth_calls < GROWTH_CALLS:
+            return False
+        self.growing = True
+        self._warmed_shapes.clear()  # no later capture reads them
+        counters["growing_inputs"] += 1
+        if not _growth_said:
+            _growth_said.append(True)
+            logger.warning(
+                "mrv2: %s: an input grows by one along a dimension at every call (a cache that "
+                "grows by a token per step, such as transformers' DynamicCache): a graph per size "
+                "would replay at most once, so new sizes run as compiled code without CUDA graphs "
+                "(counted as captures_skipped; said once). For graphs, keep the size fixed: "
+                "generate(..., cache_implementation=\"static\")", self.name)
+        else:
+            logger.debug("mrv2: %s: inputs grow at every call; no graphs for new sizes", self.name)
+        return True
 
     # ---- capture and replay -------------------------------------------------
 

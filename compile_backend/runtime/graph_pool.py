@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -17,6 +18,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from compile_backend.core.stream_buffers import warm_stream_buffers
+
+# Host seconds spent inside graph captures, by phase, summed over the process:
+# "record" (the callable run under capture: kernels recorded, none run) and
+# "instantiate" (capture_end: the graph made executable). A runner's
+# CaptureRecord takes each graph's share (the capture profile in bench/startup.py).
+capture_seconds: dict[str, float] = {"record": 0.0, "instantiate": 0.0}
 
 
 # One side stream per device for every capture (as torch.cuda.graph keeps one).
@@ -95,10 +102,14 @@ class TorchCUDAGraphs:
         stream.wait_stream(outer)
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode="global")
+            t0 = time.perf_counter()
             try:
                 yield
             finally:
-                graph.capture_end()
+                t1 = time.perf_counter()
+                graph.capture_end()  # instantiates the graph
+                capture_seconds["record"] += t1 - t0
+                capture_seconds["instantiate"] += time.perf_counter() - t1
         outer.wait_stream(stream)
 
     def pool(self) -> Any:

@@ -72,6 +72,10 @@ def _startup_row(phase, mode="piecewise", **changes):
            "compile_s": 30.0 if phase == "cold" else 6.0, "capture_s": 1.5, "graphs": 1155,
            "start_to_first_step_s": 40.0 if phase == "cold" else 12.0, "import_s": 4.0,
            "build_s": 3.0, "first_step_s": 0.01, "plan": 35, "first_step_finite": True,
+           "import_torch_s": 3.0, "import_mrv2_s": 1.0, "model_s": 2.5, "runner_s": 0.5,
+           "mrv2_share_s": 9.0 if phase == "warm" else 33.0, "capture_warmup": "on_demand",
+           "capture_profile": {mode: {"graphs": 35, "warmups": 2, "total_s": 1.5, "warmup_s": 0.2,
+                                      "record_s": 0.6, "instantiate_s": 0.5, "other_s": 0.2}},
            "first_step_ran_as": mode, "device_name": "GPU", "torch": "t", "triton": "3",
            "counters": {"piece_compiles": 3, "piece_compile_reuses": 62, "inductor_compiles": 3,
                         "dynamo_graphs": 1},
@@ -87,11 +91,16 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
             {"model": "llama", "preset": "llama8b", "mode": "full", "phase": "cold",
              "error": "exit code 1", "stderr_tail": "Traceback: boom"}]
     text = startup.tables(meta, rows)
-    assert "| llama | llama8b | piecewise | warm | 6.0 | 1.50 | 1155 | 12.0 | 3 | 62 | 3 | 1 |" in text
+    assert ("| llama | llama8b | piecewise | warm | 6.0 | 1.50 | 1155 | 12.0 | 9.0 | 3 | 62 | 3 "
+            "| 1 | 3.0 | 1.00 | 2.5 | 0.50 |") in text
     assert "| llama | llama8b | full | cold | failed: exit code 1 |" in text and "Traceback: boom" in text
     assert "| cold compile s | ~19 (Dynamo 4.6 + Inductor 14.8) | <= 15 | 30.0 |" in text
     assert "| warm start to first step s | ~9 (warm start with Inductor's cache) | <= 5 | 12.0 |" in text
-    assert "| capture s (whole plan) | ~2 | <= 2 per mode | 1.50 |" in text
+    assert "| mrv2's share of a warm start s | - | <= 3 (issue #36) | 9.0 |" in text
+    assert "| capture s (whole plan), warm | ~2 | <= 1 per mode (issue #36) | 1.50 |" in text
+    # the capture profile: warm-ups, record, instantiate per process
+    assert ("| llama | llama8b | piecewise | warm | on_demand | piecewise | 35 | 2 | 1.50 | 0.20 "
+            "| 0.60 | 0.50 | 0.20 | 42.9 |") in text
     assert "| 2.0 / 0.0 / 0.0 |" in text  # cache folders, MiB
     assert "not as expected" not in text
     odd = startup.tables(meta, [_startup_row("cold", first_step_ran_as="none")])
@@ -259,6 +268,17 @@ def test_hf_generate_dry_run_bisects_the_passes_and_checks_its_variants(monkeypa
     assert "pass_linears_fused" not in rows[3]["counters"]
     assert rows[3]["counters"]["pass_linear_residual_fused"] > 0
     assert "| mrv2 sibling only | 1 |" in (tmp_path / "hf_generate.md").read_text()
-    for bad in ("eager,off,fast", "eager,on"):
+    for bad in ("eager,off,fast", "off,on"):
         with pytest.raises(SystemExit):
             hf.main(tiny + ["--variants", bad])
+    # HF's default cache, each mode: eager's tokens, and the growing pieces run without graphs
+    # (5 new tokens: a piece is found growing after three decode steps in a row)
+    assert hf.main(tiny + ["--variants", "eager,on", "--cache", "dynamic", "--mode",
+                           "piecewise,full", "--name", "dynamic", "--new-tokens", "5"]) == 0
+    rows = json.loads((tmp_path / "dynamic.json").read_text())
+    assert [r["variant"] for r in rows] == ["eager", "mrv2 passes on [piecewise]",
+                                            "mrv2 passes on [full]"]
+    assert all(r["tokens_equal_eager"] == 1.0 for r in rows), rows
+    assert all(r["counters"]["captures_skipped"] > 0 and r["counters"]["cudagraph_replays"] > 0
+               for r in rows[1:]), rows
+    assert "dynamic cache" in (tmp_path / "dynamic.md").read_text()

@@ -201,6 +201,20 @@ def test_runtime_captures_builds_and_fallbacks_merged(runtime_dump):
     assert eager and eager[0]["count"] == m["counters"]["eager_no_graph"]  # 45-token prefill
 
 
+def test_a_runners_dump_holds_depyfs_decompiled_code(runtime_dump):
+    """The runner's step is AOT-compiled, which depyf's hook does not see:
+    the dump still has depyf's full_code_for_* file, Dynamo's code decompiled
+    (it calls the backend's compiled function), and the manifest names it."""
+    dump, _ = runtime_dump
+    files = sorted((dump / "depyf").glob("full_code_for_*.py"))
+    assert [f.name for f in files] == ["full_code_for_forward_0.py"]
+    text = files[0].read_text()
+    assert "decompiled by depyf" in text and "__compiled_fn" in text
+    compile(text, str(files[0]), "exec")  # it is Python
+    m = check_schema(dump)
+    assert m["depyf"]["written"] and m["depyf"]["files"] == ["full_code_for_forward_0.py"]
+
+
 def test_inspect_summary_piece_and_svg(runtime_dump, capsys):
     dump, engine = runtime_dump
     assert main(["inspect", str(dump)]) == 0

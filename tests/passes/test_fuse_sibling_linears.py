@@ -127,9 +127,12 @@ def _param_bytes(model):
 
 
 def _run_and_compare(model, compiled, sizes=(3, 1, 5, 8), atol=1e-5):
+    # Seeded inputs; rtol 1e-4: a packed GEMM sums in another order than the
+    # separate ones, and outputs reach ~1e3 here (seen: 3.2e-5 relative in fp32).
+    g = torch.Generator().manual_seed(len(sizes) * 1000 + sum(sizes))
     for t in sizes:
-        x = torch.randn(t, D, dtype=next(model.parameters()).dtype)
-        torch.testing.assert_close(compiled(x.clone()), model(x.clone()), atol=atol, rtol=1e-5)
+        x = torch.randn(t, D, generator=g).to(next(model.parameters()).dtype)
+        torch.testing.assert_close(compiled(x.clone()), model(x.clone()), atol=atol, rtol=1e-4)
 
 
 @pytest.fixture(autouse=True)

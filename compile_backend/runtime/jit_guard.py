@@ -1,0 +1,86 @@
+"""No Triton JIT compile inside a graph capture: the guard that lets a
+runner's plan skip the eager warm-up before most captures
+(docs/design.md, "Capture warms up per kernel configuration").
+
+A warm-up before a capture exists for what must not happen while a stream
+captures: a Triton kernel compiled (or loaded from Triton's disk cache) for a
+new specialisation, which loads a module into the CUDA context. Everything
+else a first call does at a new size is capturable (cuBLAS's workspaces and
+the kernels' per-stream buffers are made before any capture:
+runtime/graph_pool.py, `warm_capture_stream`). So the runner captures first
+and warms up only when a capture asks Triton for a new kernel: Triton calls
+its `jit_cache_hook` before compiling, and the hook installed here raises
+`CompileInCapture` while a capture is in progress, before any CUDA call.
+The runner drops that graph, runs the eager warm-up (which compiles) and
+captures again. Outside a capture the hook only counts (`triton_compiles`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import torch
+
+from compile_backend.core.counters import counters
+from compile_backend.core.forward_context import get_forward_context, has_forward_context
+
+
+class CompileInCapture(RuntimeError):
+    """A Triton kernel would be compiled while a graph is captured."""
+
+    def __init__(self, kernel: str) -> None:
+        super().__init__(f"Triton would compile {kernel} during a graph capture")
+        self.kernel = kernel
+
+
+def _capturing() -> bool:
+    if has_forward_context() and get_forward_context().capturing:
+        return True  # the wrapper's capture (CUDA or a stand-in)
+    return (torch.cuda.is_available() and torch.cuda.is_initialized()
+            and torch.cuda.is_current_stream_capturing())
+
+
+def _knobs() -> Any:
+    """Triton's runtime knobs, or None (no Triton, a Triton without the hook)."""
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        return None  # nothing to guard: no GPU kernel can compile here
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs if hasattr(knobs.runtime, "jit_cache_hook") else None
+
+
+def guard_available() -> bool:
+    """Can captures skip their warm-up (Triton lets us see its compiles)?
+    Without Triton there is nothing to compile; an old Triton without the
+    hook: the runner warms up before every capture, as before."""
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        return True
+    return _knobs() is not None
+
+
+@contextlib.contextmanager
+def no_compile_in_capture() -> Iterator[None]:
+    """While active, a Triton compile asked for during a capture raises
+    CompileInCapture; others are counted. Chains to a hook already set."""
+    knobs = _knobs()
+    if knobs is None:
+        yield
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if _capturing():
+            name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a kernel")
+            raise CompileInCapture(str(name).split("[", 1)[0])
+        counters["triton_compiles"] += 1
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = previous
