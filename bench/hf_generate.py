@@ -272,31 +272,48 @@ def main(argv=None) -> int:
             variants.append((label, options, modes[0]))
         else:
             variants += [(label if len(modes) == 1 else f"{label} [{m}]", options, m) for m in modes]
-    rows = []
     scope = contextlib.nullcontext()
     if args.dry_run:
         from compile_backend.runtime.graph_pool import use_graph_backend
         from compile_backend.runtime.graph_standin import StandInGraphs
 
         scope = use_graph_backend(StandInGraphs())
+    rows: list[dict] = []
     with scope:
         for label, options, mode in variants:
-            rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, mode, device,
-                                profile_tokens=args.profile_tokens if args.profile else 0,
-                                host_top=args.host_profile, cache_kind=args.cache)
+            try:
+                rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, mode,
+                                    device, profile_tokens=args.profile_tokens if args.profile else 0,
+                                    host_top=args.host_profile, cache_kind=args.cache)
+            except Exception as e:  # noqa: BLE001 - a peer that fails is a row, not the end
+                if label == "eager":
+                    raise
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(f"{label}: FAILED ({reason})", flush=True)
+                rows += [{"variant": label, "batch": b, "error": reason} for b in ids_by_batch]
+            table = write_tables(args, argv, device, rows)  # after each variant: a crash keeps them
+    print(table)
+    return 0
+
+
+def write_tables(args, argv, device: str, rows: list[dict]) -> str:
     eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
-    off = {r["batch"]: r for r in rows if r["variant"].startswith("mrv2 passes off")}
+    off = {r["batch"]: r for r in rows if r["variant"].startswith("mrv2 passes off")
+           and "error" not in r}
     lines = ["| variant | batch | ms / token | of it GC | device ms / token | vs passes off "
              "| vs eager | greedy tokens equal to eager |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch']} | failed: {r['error']} | | | | | |")
+            continue
         e, o = eager[r["batch"]], off.get(r["batch"])
         same = (r["tokens"] == e["tokens"]).float().mean().item()
         r["tokens_equal_eager"] = same
         dev = f"{r['device_ms_per_token']:.3f}" if "device_ms_per_token" in r else "-"
+        vs_off = f"{r['ms_per_token'] / o['ms_per_token']:.3f}x" if o else "-"
         lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
-                     f"| {r['gc_ms_per_token']:.3f} | {dev} "
-                     f"| {f'{r_o:.3f}x' if (r_o := r['ms_per_token'] / o['ms_per_token'] if o else None) else '-'} "
+                     f"| {r['gc_ms_per_token']:.3f} | {dev} | {vs_off} "
                      f"| {r['ms_per_token'] / e['ms_per_token']:.3f}x "
                      f"| {100 * same:.1f}% |")
     for r in rows:
@@ -325,8 +342,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1,
                   default=str)
-    print(table)
-    return 0
+    return table
 
 
 if __name__ == "__main__":

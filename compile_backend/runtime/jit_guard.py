@@ -10,7 +10,9 @@ the kernels' per-stream buffers are made before any capture:
 runtime/graph_pool.py, `warm_capture_stream`). So the runner captures first
 and warms up only when a capture asks Triton for a new kernel: Triton calls
 its `jit_cache_hook` before compiling, and the hook installed here raises
-`CompileInCapture` while a capture is in progress, before any CUDA call.
+`CompileInCapture` while a capture is in progress, before any CUDA call;
+Inductor's kernels, which bypass the JIT, are refused at their first-launch
+compile or autotune the same way.
 The runner drops that graph, runs the eager warm-up (which compiles) and
 captures again. Outside a capture the hook only counts (`triton_compiles`).
 """
@@ -81,6 +83,43 @@ def no_compile_in_capture() -> Iterator[None]:
 
     knobs.runtime.jit_cache_hook = hook
     try:
-        yield
+        with _no_inductor_tuning_in_capture():
+            yield
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+# Inductor's Triton kernels do not go through Triton's JIT: a kernel with
+# several configurations benchmarks them at its first launch (a device
+# synchronize, refused while a stream captures), and one loaded without its
+# binaries compiles there. Seen on the H200: a FULL capture of a mixed batch
+# with Inductor pieces reached a reduction's first launch.
+_INDUCTOR_FIRST_LAUNCH = ("precompile", "autotune_to_one_config")
+
+
+@contextlib.contextmanager
+def _no_inductor_tuning_in_capture() -> Iterator[None]:
+    """While active, Inductor's first-launch compile or autotune of a kernel
+    raises CompileInCapture during a capture (nothing patched when Inductor's
+    runtime is not loaded: then no step uses its kernels)."""
+    module = sys.modules.get("torch._inductor.runtime.triton_heuristics")
+    cls = getattr(module, "CachingAutotuner", None)
+    originals = {name: cls.__dict__[name] for name in _INDUCTOR_FIRST_LAUNCH
+                 if cls is not None and name in cls.__dict__}
+
+    def refusing(name: str, original: Any) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _capturing():
+                kernel = getattr(getattr(self, "fn", None), "__name__", "an Inductor kernel")
+                raise CompileInCapture(f"{kernel} ({name})")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name, original in originals.items():
+        setattr(cls, name, refusing(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)

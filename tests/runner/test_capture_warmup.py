@@ -141,3 +141,25 @@ def test_the_guard_raises_only_inside_a_capture_and_restores_the_hook():
 def test_an_unknown_capture_warmup_is_refused():
     with pytest.raises(ValueError, match="capture_warmup must be one of 'on_demand', 'every_size'"):
         cb.CompilationConfig(capture_warmup="never")
+
+
+def test_inductors_first_launch_compile_and_autotune_are_refused_inside_a_capture():
+    """Inductor's kernels bypass Triton's JIT: their first launch compiles
+    (precompile) or benchmarks its configurations (autotune_to_one_config),
+    which a capture refuses (seen on the H200). Inside a capture the guard
+    raises before either; outside, it calls them; after, they are torch's own."""
+    import triton  # noqa: F401
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    before = {n: CachingAutotuner.__dict__[n] for n in jit_guard._INDUCTOR_FIRST_LAUNCH}
+    with jit_guard.no_compile_in_capture():
+        assert all(CachingAutotuner.__dict__[n] is not f for n, f in before.items())
+        ctx = ForwardContext()
+        ctx.capturing = True
+        with set_forward_context(ctx):
+            for name in jit_guard._INDUCTOR_FIRST_LAUNCH:
+                with pytest.raises(jit_guard.CompileInCapture, match=name):
+                    getattr(CachingAutotuner, name)(object())
+        with pytest.raises(AttributeError):  # not capturing: torch's own method runs
+            CachingAutotuner.autotune_to_one_config(object())
+    assert {n: CachingAutotuner.__dict__[n] for n in before} == before
