@@ -1,5 +1,5 @@
 """Decode linears (M <= 64 rows): the skinny Triton kernel
-(kernels/skinny_linear.py) against cuBLAS, inside CUDA graphs, on one GPU.
+(compile_backend/kernels/skinny_linear.py) against cuBLAS, inside CUDA graphs, on one GPU.
 
     python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,16,32,64]
                                 [--sweep] [--out bench/results]
@@ -20,7 +20,7 @@ copies that no call finds its weight in L2, median of do_bench's replays
 x, output, residual) over the copy bandwidth measured in the same run.
 Writes skinny_gemm.md and skinny_gemm.json.
 
-`--fused` times `mrv2::norm_linear` (kernels/norm_linear.py: RMSNorm in the
+`--fused` times `mrv2::norm_linear` (compile_backend/kernels/norm_linear.py: RMSNorm in the
 kernel's prologue, SiLU·mul in its epilogue) at llama-8B's shapes in bf16
 against the unfused sequence a compiled model runs: "qkv" = RMSNorm, then
 one F.linear over the packed [6144, 4096] q/k/v weight; "gate_up" = RMSNorm,
@@ -67,7 +67,7 @@ SHAPES = {
 }
 SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
          "num_stages": [3, 4]}
-# --split-sweep: split K (Note [split K] in kernels/skinny_linear.py) with
+# --split-sweep: split K (Note [split K] in compile_backend/kernels/skinny_linear.py) with
 # wider column tiles (fewer re-reads of x at 64 rows).
 SPLIT_SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256], "num_warps": [4],
                "num_stages": [4], "SPLIT_K": [1, 2, 4]}
@@ -218,7 +218,7 @@ def bench_fused(name, sizes, gated, M, bw, unfused_mode, g, device="cuda"):
     unfused = [lambda w=packed_view(ws): step(x, nw, w, gated) for ws in groups]
     fused = [lambda ws=ws: torch.ops.mrv2.norm_linear(x, nw, FUSED_EPS, ws, [], gated) for ws in groups]
     # bf16: the fused kernel rounds once where the reference rounds four or
-    # five times (kernels/norm_linear.py, "Rounding")
+    # five times (compile_backend/kernels/norm_linear.py, "Rounding")
     unfused_err = check(unfused[0](), ref, f"{name} M={M} unfused", tol=2e-2)
     fused_err = check(fused[0](), ref, f"{name} M={M} fused", tol=2e-2)
     row = {"shape": name, "N": N, "K": K, "M": M, "gated": gated, "unfused": unfused_mode,

@@ -13,7 +13,7 @@ if not _HAS_GPU_DEVICE:
 os.environ.setdefault("MRV2_CACHE_DIR", "off")
 
 # The repository root off sys.path (`python -m pytest` puts the working folder
-# there): kernels/ and passes/ install as compile_backend.kernels and
+# there): compile_backend/kernels/ and compile_backend/passes/ install as compile_backend.kernels and
 # compile_backend.passes, and a library that probes for a top-level `kernels`
 # package (transformers does, for Hugging Face's, and imports what it finds
 # when no metadata names it) would import the folder a second time: every op

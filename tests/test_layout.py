@@ -41,18 +41,15 @@ def _imports(path: pathlib.Path, module: str) -> set[str]:
 
 def _edges() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {p: set() for p in ORDER}
-    for folder in ("compile_backend", "kernels", "passes"):
-        for path in (ROOT / folder).rglob("*.py"):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            if folder != "compile_backend":  # installed as compile_backend.kernels, .passes
-                module = f"compile_backend.{module}"
-            src = _package(module)
-            if src is None:
-                continue
-            for name in _imports(path, module):
-                dst = _package(name)
-                if dst is not None and dst != src:
-                    edges[src].add(dst)
+    for path in (ROOT / "compile_backend").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        src = _package(module)
+        if src is None:
+            continue
+        for name in _imports(path, module):
+            dst = _package(name)
+            if dst is not None and dst != src:
+                edges[src].add(dst)
     return edges
 
 
@@ -69,17 +66,20 @@ def test_passes_and_kernels_import_only_the_shared_vocabulary():
     assert edges["core"] == set()
 
 
-def test_kernels_and_passes_install_inside_the_package():
-    """`kernels` and `passes` are repository folders, installed as
-    compile_backend.kernels and compile_backend.passes: a top-level `kernels`
-    (a package on the public index) can neither shadow them nor be shadowed."""
+def test_the_tree_is_one_package_as_the_imports_say():
+    """The kernels and passes live where their import names say,
+    compile_backend/kernels and compile_backend/passes: no folder at the root
+    installed under another name (no setuptools package-dir), and no import
+    of a top-level `kernels` or `passes` (a package on the public index)."""
     import compile_backend.kernels
     import compile_backend.passes
 
     for pkg, folder in ((compile_backend.kernels, "kernels"), (compile_backend.passes, "passes")):
-        assert pathlib.Path(pkg.__file__).parent == ROOT / folder
+        assert pathlib.Path(pkg.__file__).parent == ROOT / "compile_backend" / folder
+        assert not (ROOT / folder).exists(), folder
+    assert "package-dir" not in (ROOT / "pyproject.toml").read_text()
     top_level = []
-    for folder in ("compile_backend", "kernels", "passes", "bench", "tests"):
+    for folder in ("compile_backend", "bench", "tests"):
         for path in (ROOT / folder).rglob("*.py"):
             for name in _imports(path, "x.y"):
                 if name.split(".")[0] in ("kernels", "passes"):
@@ -112,7 +112,7 @@ RETIRED = ["BatchDescriptor", "DraftDescriptor", "batch_descriptor", "cudagraph_
 
 
 def _sources():
-    for folder in ("compile_backend", "kernels", "passes", "bench", "tests"):
+    for folder in ("compile_backend", "bench", "tests"):
         for path in (ROOT / folder).rglob("*.py"):
             if path.name != "test_layout.py":
                 yield path

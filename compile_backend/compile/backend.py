@@ -42,7 +42,7 @@ def _run_passes(gm: torch.fx.GraphModule, config: CompilationConfig, roles: OpRe
 def _pack_fused_weights(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                         pass_log: list[dict[str, Any]]) -> list[list[int]]:
     """Pack the weights (and biases) of each group of sibling linears the
-    passes fused (passes/fuse_sibling_linears.py) into one tensor, in place:
+    passes fused (compile_backend/passes/fuse_sibling_linears.py) into one tensor, in place:
     the parameters become row slices of it (compile_backend/core/packed_weights.py,
     `pack_siblings`). Returns the groups as indices of graph inputs, which
     the step keeps: a step loaded in another process packs them at its first

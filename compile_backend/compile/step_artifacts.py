@@ -11,7 +11,7 @@ bytes (`SerializableCallable`). A `CompiledStep` saves:
   - the pieces' facts (captured, written inputs, layer sharing, reasons), the
     config, the op roles and the pass log;
   - which graph inputs are packed together (fused sibling linears'
-    weights: passes/fuse_sibling_linears.py); the loaded step packs them at
+    weights: compile_backend/passes/fuse_sibling_linears.py); the loaded step packs them at
     its first call;
   - each captured piece's inputs (names, which are parameters or buffers),
     the whole graph's, and which graph inputs it writes: these come from

@@ -26,8 +26,8 @@ The pieces (how it fits together):
                       when it is built (compile_backend/runner/parallel.py),
                       before the first compile
   mrv2::all_reduce    the op the graph holds instead of the functional
-                      collective (kernels/all_reduce.py; the pass
-                      passes/symmetric_all_reduce.py rewrites
+                      collective (compile_backend/kernels/all_reduce.py; the pass
+                      compile_backend/passes/symmetric_all_reduce.py rewrites
                       `_c10d_functional.all_reduce` + `wait_tensor` into it
                       where a buffer is set up). Its role is collective, so
                       it is never a split point, the fusion pass never moves
@@ -151,7 +151,7 @@ def log_fallback_once(reason: str) -> None:
 
 
 def run_all_reduce(x: torch.Tensor, threshold: int, group_name: str) -> torch.Tensor:
-    """What `mrv2::all_reduce` does (kernels/all_reduce.py): the sum of `x`
+    """What `mrv2::all_reduce` does (compile_backend/kernels/all_reduce.py): the sum of `x`
     over the group, one-shot where `choose_all_reduce` says so, else the
     functional collective (NCCL, or gloo on the CPU)."""
     state = _READY.get(group_name)

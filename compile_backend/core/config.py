@@ -45,21 +45,21 @@ class CompilationConfig:
         one (an existing file, a read-only place) raises when the config is built.
     debug_checks: check tensor addresses at every replay (slow; for debugging).
     strict_capture: a piece that must fall back to eager raises instead.
-    enable_passes: run the FX passes (passes/) before splitting.
+    enable_passes: run the FX passes (compile_backend/passes/) before splitting.
     reorder_for_fewer_pieces: let the segment pass move independent nodes
         across breakpoints so that fewer pieces result.
     fuse_sibling_linears: linears that read the same input (q/k/v, gate/up)
         become one matmul over their weights, packed once in place
-        (passes/fuse_sibling_linears.py).
+        (compile_backend/passes/fuse_sibling_linears.py).
     fuse_linear_residual: `residual + linear(x, w, b)` (o_proj, down_proj)
         becomes one `mrv2::linear_add`: at decode on a GPU one kernel with
         the residual added in its epilogue, else torch's `addmm`
-        (passes/fuse_linear_residual.py).
+        (compile_backend/passes/fuse_linear_residual.py).
     fuse_norm_linear: an RMSNorm and the linear(s) that read it, and a
         SwiGLU gate `silu(g) * u` over a linear's two halves, become one
         `mrv2::norm_linear`: at decode on a GPU one kernel that normalizes
         and gates inside the GEMM, else the same ops in torch
-        (passes/fuse_norm_linear.py). Off by default: measured slower than
+        (compile_backend/passes/fuse_norm_linear.py). Off by default: measured slower than
         the unfused kernels on the H200 (docs/design.md, "RMSNorm,
         projection and gate").
     direct_op_calls: eager pieces call registered ops' implementations without

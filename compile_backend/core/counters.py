@@ -8,10 +8,10 @@ Keys (all ints):
   inductor_compiles      calls into Inductor's compile_fx
   capture_fallbacks      pieces kept eager because they cannot be captured
   collective_fallbacks   collective ops kept out of graphs: their process group's
-                         backend (gloo) cannot be captured (passes/capture_safety.py)
+                         backend (gloo) cannot be captured (compile_backend/passes/capture_safety.py)
   all_reduce_fallbacks   all-reduces left on the functional collective although
                          tp_all_reduce asked for one-shot: no symmetric memory
-                         for their group (passes/symmetric_all_reduce.py)
+                         for their group (compile_backend/passes/symmetric_all_reduce.py)
   cudagraph_captures     CUDA graphs captured
   cudagraph_replays      CUDA-graph replays (each capture is followed by one)
   grad_fallbacks         graphs run uncompiled because grad was on (inference only)
@@ -34,17 +34,17 @@ Keys (all ints):
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
   direct_calls           op calls in eager pieces rewritten to skip the dispatcher
-  pass_linears_fused     linears fused into sibling matmuls (passes/fuse_sibling_linears.py)
+  pass_linears_fused     linears fused into sibling matmuls (compile_backend/passes/fuse_sibling_linears.py)
   pass_linear_residual_fused
                          linear + residual adds fused into one mrv2::linear_add
-                         (passes/fuse_linear_residual.py)
+                         (compile_backend/passes/fuse_linear_residual.py)
   skinny_split_k_fallbacks
                          skinny GEMM launches that asked for split K and took one
                          split: a capture on a stream without arrival counters,
                          or more column tiles than the counters
-                         (kernels/skinny_linear.py, Note [split K])
+                         (compile_backend/kernels/skinny_linear.py, Note [split K])
   pass_norm_linear_fused RMSNorm / linear / SiLU·mul groups fused into one
-                         mrv2::norm_linear (passes/fuse_norm_linear.py)
+                         mrv2::norm_linear (compile_backend/passes/fuse_norm_linear.py)
 """
 
 from __future__ import annotations

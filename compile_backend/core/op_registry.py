@@ -14,7 +14,7 @@ The facts, and where each comes from:
   layer-keyed   the op uses its `layer_name` argument only to find that layer's
                 metadata, so identical layers can share one compiled piece
                 (compile_backend/compile/layer_sharing.py). Process-wide.
-  capture-safe  a CUDA graph may capture the op (passes/capture_safety.py asks
+  capture-safe  a CUDA graph may capture the op (compile_backend/passes/capture_safety.py asks
                 `is_capture_safe`): every op of torch's own namespaces
                 (`TRUSTED_NAMESPACES`) and each op, or `ns::*`, declared so.
                 Process-wide.
@@ -45,7 +45,7 @@ class OpRole(enum.Enum):
     ATTENTION_LIKE = "attention_like"  # never split; always inside a captured segment
     # A collective across ranks (tensor parallelism's all-reduce): never split,
     # captured like an ordinary op when its group's backend is NCCL
-    # (passes/capture_safety.py keeps a gloo one out of graphs).
+    # (compile_backend/passes/capture_safety.py keeps a gloo one out of graphs).
     COLLECTIVE = "collective"
     ORDINARY = "ordinary"
 

@@ -11,8 +11,8 @@ it), and an in-place update (`load_state_dict`, `copy_`) writes the packed
 tensor itself. Row slices of a row-major tensor are contiguous with the
 strides of a tensor of their own, so nothing that checks shapes or strides
 (Dynamo's guards included) sees a change. `mrv2::sibling_linear`
-(kernels/sibling_linear.py) runs one matmul over `packed_view`; the FX pass
-passes/fuse_sibling_linears.py writes that op, and the backend packs the
+(compile_backend/kernels/sibling_linear.py) runs one matmul over `packed_view`; the FX pass
+compile_backend/passes/fuse_sibling_linears.py writes that op, and the backend packs the
 weights it names (compile/backend.py).
 """
 

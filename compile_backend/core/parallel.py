@@ -10,7 +10,7 @@ for its rank and size; with no process group, or `size=1`, it is 1 rank and
 The sum is `torch.distributed._functional_collectives.all_reduce`: Dynamo
 traces it to `_c10d_functional.all_reduce` + `_c10d_functional.wait_tensor`
 nodes, so it is part of the FX graph and lands inside captured pieces (NCCL
-work can be captured in a CUDA graph; gloo work cannot: passes/capture_safety.py).
+work can be captured in a CUDA graph; gloo work cannot: compile_backend/passes/capture_safety.py).
 Every rank must run the same graph each step or the collectives deadlock:
 compile_backend/runner/parallel.py checks that.
 """

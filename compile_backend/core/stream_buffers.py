@@ -1,6 +1,6 @@
 """Small device buffers that a kernel keeps from one launch to the next, one
 per (device, stream), zeroed when made and left zeroed by every launch
-(the split-K GEMM's arrival counters: kernels/skinny_linear.py, Note [split K]).
+(the split-K GEMM's arrival counters: compile_backend/kernels/skinny_linear.py, Note [split K]).
 
 Why per stream: launches on one stream run one after another (with
 programmatic dependent launch too: a kernel touches such a buffer only after

@@ -42,7 +42,7 @@ class AttentionMetadata(Metadata):
     max_seq_len: int  # upper bound of seq_lens (max_model_len when for_capture)
     for_capture: bool = False
     # This step's launch plans of unified attention's direct path: None, then
-    # {key: plan} (Note [attention plans] in kernels/attention_plan.py, which
+    # {key: plan} (Note [attention plans] in compile_backend/kernels/attention_plan.py, which
     # reaches the field by this name). Not an argument, not in repr or
     # equality; a dataclasses.replace copy starts with none.
     attention_plans: dict | None = field(default=None, init=False, repr=False, compare=False)

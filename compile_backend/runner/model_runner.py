@@ -6,7 +6,7 @@ serving, and to run every step through them.
     out = runner.execute(batch)            # pad, pick a graph, copy in, replay
 
 The model's forward is `forward(input_ids [T], positions [T]) -> [T, ...]`; its
-attention and attention-like layers (kernels/layers.py) read their metadata
+attention and attention-like layers (compile_backend/kernels/layers.py) read their metadata
 from the forward context this runner sets. Token ids are checked against the
 model's vocabulary size (`model.vocab_size`, `get_input_embeddings()` or
 `config.vocab_size`; model_state.vocab_size_of).

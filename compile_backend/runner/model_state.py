@@ -28,7 +28,7 @@ class AttentionGroup:
 def attention_groups_for(
     model: torch.nn.Module, cfg: KVCacheConfig, buffers: InputBuffers, tables: BlockTables
 ) -> list[AttentionGroup]:
-    """Group the model's layers by `metadata_kind` (kernels/layers.py)."""
+    """Group the model's layers by `metadata_kind` (compile_backend/kernels/layers.py)."""
     by_kind: dict[str, list[str]] = {}
     for module in model.modules():
         kind = getattr(module, "metadata_kind", None)

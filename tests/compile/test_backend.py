@@ -148,7 +148,7 @@ def _piece_table(step):
 def test_mlp_is_one_captured_piece():
     step = check_against_eager(MLP(), {}, SIZES)
     assert _piece_table(step) == [(True, [], [])]
-    # the second linear and the residual add are one op (passes/fuse_linear_residual.py)
+    # the second linear and the residual add are one op (compile_backend/passes/fuse_linear_residual.py)
     assert step.pieces[0].ops.count("torch._C._nn.linear") == 1
     assert step.pieces[0].ops.count("mrv2::linear_add") == 1
 

@@ -143,7 +143,7 @@ def test_attention_like_ops_stay_inside_captured_pieces():
 
 
 def test_a_node_marked_eager_by_a_pass_is_eager_and_carries_its_reason():
-    """`EAGER_REASON` (set by passes/capture_safety.py) makes a node eager; it
+    """`EAGER_REASON` (set by compile_backend/passes/capture_safety.py) makes a node eager; it
     merges with a neighbouring breakpoint, and the piece lists the reason."""
     reason = "host sync: aten::item at model.py:12"
 

@@ -1,4 +1,4 @@
-"""Index checks (Note [index checks] in kernels/_checks.py): a block id, slot,
+"""Index checks (Note [index checks] in compile_backend/kernels/_checks.py): a block id, slot,
 state index or query offset out of range raises ValueError naming the op, the
 argument, the request (or token), the value and the valid range, before any
 launch or write. Without the checks a block id past the cache crashes Triton's

@@ -1,5 +1,5 @@
 """The one-launch decode of mrv2::unified_attention (Note [one-launch decode]
-and Note [decode tickets] in kernels/unified_attention.py): against the torch
+and Note [decode tickets] in compile_backend/kernels/unified_attention.py): against the torch
 reference (rel. error per dtype: kernel_cases.REL_TOL) on fresh random inputs,
 replayed like a captured graph (one launch plan, new seq_lens, block tables,
 queries and caches in place every time), in any program order, with the

@@ -1,5 +1,5 @@
 """RMSNorm prologue and SiLU·mul epilogue of the skinny linear kernel, and
-the op mrv2::norm_linear (kernels/norm_linear.py, kernels/skinny_linear.py).
+the op mrv2::norm_linear (compile_backend/kernels/norm_linear.py, compile_backend/kernels/skinny_linear.py).
 
 The kernel (through Triton's interpreter on the CPU, and on the GPU) against
 two references on fresh random inputs:

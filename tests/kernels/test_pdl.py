@@ -1,5 +1,5 @@
 """Programmatic dependent launch (Note [programmatic dependent launch] in
-kernels/_device.py): where it is on, and, on the GPU, that a chain of
+compile_backend/kernels/_device.py): where it is on, and, on the GPU, that a chain of
 dependent kernels launched with it (a decode layer: cuBLAS q/k/v, then
 rope_and_cache, the decode attention and the skinny o projection with its
 residual, six layers deep) replayed in a CUDA graph on fresh inputs gives

@@ -1,4 +1,4 @@
-"""The skinny linear kernel and mrv2::linear_add (kernels/skinny_linear.py):
+"""The skinny linear kernel and mrv2::linear_add (compile_backend/kernels/skinny_linear.py):
 against a fp32 reference computed from the same rounded inputs, on fresh
 random inputs, for every row count 1..16, ragged N and K (masked tiles),
 strided x, a row slice of a packed weight, bias and residual; the op's

@@ -64,7 +64,7 @@ def test_matches_reference(case, dtype, head_dim, device):
 @pytest.mark.parametrize("case", ["decode", "mixed"])
 def test_small_head_sizes(case, dtype, head_dim, device):
     """Head sizes below tl.dot's 16 and not powers of two (Note [dot tiles] in
-    kernels/unified_attention.py): the decode and the prefill kernel,
+    compile_backend/kernels/unified_attention.py): the decode and the prefill kernel,
     within REL_TOL, on fresh random inputs."""
     out, ref = _run(case, dtype, head_dim, device, seed=stable_seed(case, head_dim, 5))
     assert_close_rel(out, ref, dtype, f"{case} D={head_dim}")
@@ -193,7 +193,7 @@ def test_decode_in_cuda_graph():
     _assert_matches_ref(out, q, kc, vc, batch)
 
 
-# The direct path (Note [attention plans] in kernels/attention_plan.py): what eager pieces call once per
+# The direct path (Note [attention plans] in compile_backend/kernels/attention_plan.py): what eager pieces call once per
 # layer. Steps of successive metadata; each step runs several layers (own
 # caches, same shapes: one plan per step, shared scratch).
 # name: (q_lens, seq_lens, padding tokens)
@@ -361,7 +361,7 @@ def test_op_writes_output(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_direct_calls_bind_gpu():
     """On the GPU the direct path launches through bound launchers (Note
-    [bound launch] in kernels/_launch.py): after a decode and a prefill step,
+    [bound launch] in compile_backend/kernels/_launch.py): after a decode and a prefill step,
     each of the two kernels has one bound, none that failed to bind."""
     from compile_backend.kernels import _launch
     from compile_backend.kernels.unified_attention import (

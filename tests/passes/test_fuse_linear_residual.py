@@ -1,5 +1,5 @@
 """`residual + linear(x, w, b)` becomes one `mrv2::linear_add`
-(passes/fuse_linear_residual.py): where the pass fires (on a Dynamo graph
+(compile_backend/passes/fuse_linear_residual.py): where the pass fires (on a Dynamo graph
 directly and through the backend), where it must not, and compiled runs
 against eager after every call, through torch.compile and through the
 runner. fp32 on the CPU (the op runs `addmm` there); compared with eager at

@@ -1,5 +1,5 @@
 """An RMSNorm, the linear(s) reading it and a SwiGLU gate become one
-`mrv2::norm_linear` (passes/fuse_norm_linear.py): where the pass fires (on a
+`mrv2::norm_linear` (compile_backend/passes/fuse_norm_linear.py): where the pass fires (on a
 Dynamo graph directly and through the backend), where it must not, and
 compiled runs against eager after every call, through torch.compile, the
 runner and an unmodified HF Llama. fp32 on the CPU (the op runs the torch
@@ -175,7 +175,7 @@ NOT_FIRING = [
 
 
 def _compile(model, **options):
-    options = {"fuse_norm_linear": True, **options}  # off by default (kernels/norm_linear.py)
+    options = {"fuse_norm_linear": True, **options}  # off by default (compile_backend/kernels/norm_linear.py)
     return torch.compile(model, backend=cb.backend(
         cudagraph_mode="none", piece_compiler="eager", **options))
 

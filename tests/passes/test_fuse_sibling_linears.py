@@ -1,4 +1,4 @@
-"""Sibling linears become one matmul (passes/fuse_sibling_linears.py) over
+"""Sibling linears become one matmul (compile_backend/passes/fuse_sibling_linears.py) over
 weights packed in place (compile_backend/core/packed_weights.py): where the pass fires,
 where it must not, the parameters after it, and compiled runs against eager
 after every call, through torch.compile and through the runner."""

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding, half-split layout (`rotary_ref`). SelfAttention
     uses only its `inv_freq`: mrv2::rope_and_cache computes this function
-    inside the KV-cache write (kernels/rope_and_cache.py)."""
+    inside the KV-cache write (compile_backend/kernels/rope_and_cache.py)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()

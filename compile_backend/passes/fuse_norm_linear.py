@@ -3,7 +3,7 @@ become one op.
 
 At decode each of these is a small kernel of its own: the RMSNorm before
 q/k/v, the one before gate/up, and the SiLU·mul between gate/up and down.
-`mrv2::norm_linear` (kernels/norm_linear.py) does their work inside the
+`mrv2::norm_linear` (compile_backend/kernels/norm_linear.py) does their work inside the
 GEMM that reads them (Note [norm and gate in the GEMM]): one kernel where
 there were three (or two).
 
@@ -21,7 +21,7 @@ it (q/k/v), and a gate after a linear with no norm before it.
 
 Fires only when all of these hold:
   - the linear is `linear(x, w, b)` with `w` a 2-D and `b` a 1-D graph
-    input, or `mrv2::sibling_linear` (passes/fuse_sibling_linears.py, which
+    input, or `mrv2::sibling_linear` (compile_backend/passes/fuse_sibling_linears.py, which
     runs first); not marked eager;
   - norm: the nodes are exactly the pattern above, with the dtype cast back
     to x's dtype, `nw` a 1-D graph input of x's dtype, and every
@@ -75,7 +75,7 @@ _NO_OP = ("mrv2::norm_linear is not registered: import compile_backend.kernels "
 
 
 def _fused_op() -> Any:
-    """The op the fused node calls (kernels/norm_linear.py), or None."""
+    """The op the fused node calls (compile_backend/kernels/norm_linear.py), or None."""
     return registered_op("mrv2", "norm_linear")
 
 

@@ -56,7 +56,7 @@ def reshape_and_cache(
     [num_blocks, block_size, KVH, D] contiguous and of key's dtype,
     slot_mapping [T] int64. Checks everything before writing anything.
 
-    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
+    Index checks (compile_backend/kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts every slot to lie in [-1, num_blocks * block_size); any other
     slot writes outside the caches."""

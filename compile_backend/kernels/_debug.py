@@ -1,5 +1,5 @@
 """The debug switch of the kernels: index checks on CUDA tensors too
-(Note [index checks] in kernels/_checks.py). Off by default: on CUDA each
+(Note [index checks] in compile_backend/kernels/_checks.py). Off by default: on CUDA each
 check costs a device->host sync per launch.
 """
 
@@ -35,7 +35,7 @@ def debug_checks(on: bool = True) -> Iterator[None]:
 
 def debug_checks_on() -> bool:
     """Is the switch on? (Attention plans stand aside while it is: Note
-    [attention plans] in kernels/attention_plan.py.)"""
+    [attention plans] in compile_backend/kernels/attention_plan.py.)"""
     return _debug_checks
 
 

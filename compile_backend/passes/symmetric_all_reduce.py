@@ -6,7 +6,7 @@ Before:                                          After:
     ar = _c10d_functional.all_reduce(h, "sum", "0")    y = mrv2::all_reduce(h, 524288, "0")
     y = _c10d_functional.wait_tensor(ar)
 
-The new op is a collective too (kernels/all_reduce.py registers its role):
+The new op is a collective too (compile_backend/kernels/all_reduce.py registers its role):
 it stays inside a piece to capture, never a split point; the fusion pass
 moves nothing across it, and the capture-safety pass reads its group (its
 last string argument) as it reads the functional collective's. It runs after
@@ -53,7 +53,7 @@ _NO_OP = ("mrv2::all_reduce is not registered: import compile_backend.kernels "
 
 
 def _op() -> Any:
-    """The op the new node calls (kernels/all_reduce.py), or None."""
+    """The op the new node calls (compile_backend/kernels/all_reduce.py), or None."""
     return registered_op("mrv2", "all_reduce")
 
 

@@ -1,7 +1,7 @@
 """Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel,
 with the residual add in its epilogue (`mrv2::linear_add`), and optionally
 an RMSNorm of x in its prologue and SiLU·mul in its epilogue
-(`mrv2::norm_linear`, kernels/norm_linear.py).
+(`mrv2::norm_linear`, compile_backend/kernels/norm_linear.py).
 
     skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N_out] | None,
                   norm_weight [K] | None, eps, gated)
@@ -35,7 +35,7 @@ does, and `mrv2::norm_linear` does where it also saves the RMSNorm and
 SiLU·mul kernels (`python bench/skinny_gemm.py --fused` times that against
 the unfused sequence).
 
-Norm and gate (Note [norm and gate in the GEMM], kernels/norm_linear.py):
+Norm and gate (Note [norm and gate in the GEMM], compile_backend/kernels/norm_linear.py):
 out[m, n] = rstd[m] * sum_k (x[m,k] nw[k]) w[n,k], so with a norm weight
 the K loop also sums x[m,k]^2 in fp32 from the x tile it loaded for the dot
 (no second pass over x), feeds the dot x * nw rounded to x's dtype, and
@@ -80,8 +80,8 @@ llama8b"), and at 64 rows the wider tiles lose.
 (benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
 
 The op `mrv2::linear_add(x, weight, bias, residual)` is what
-passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
-`mrv2::norm_linear` (kernels/norm_linear.py) calls the launcher with
+compile_backend/passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
+`mrv2::norm_linear` (compile_backend/kernels/norm_linear.py) calls the launcher with
 `norm_weight`, `eps` and `gated`.
 """
 
@@ -117,7 +117,7 @@ CONFIGS = {
     32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
 }
-# With the norm's prologue or the gate's second weight tile (kernels/norm_linear.py),
+# With the norm's prologue or the gate's second weight tile (compile_backend/kernels/norm_linear.py),
 # by (BLOCK_M, gated): the largest tiles that ptxas compiles for sm_90a without
 # spilling registers (Triton 3.9, checked offline: the swept plain configurations
 # above spill there once the norm's fp32 tiles join). BLOCK_N counts output

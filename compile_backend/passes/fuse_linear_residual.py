@@ -2,7 +2,7 @@
 
 `residual + linear(x, w, b)` (the o_proj and down_proj of a transformer
 layer: `h = x + o_proj(attn)`, `out = h + down_proj(mlp)`) is replaced by
-ONE `mrv2::linear_add(x, w, b, residual)` (kernels/skinny_linear.py). At
+ONE `mrv2::linear_add(x, w, b, residual)` (compile_backend/kernels/skinny_linear.py). At
 decode on a GPU (a few rows, where `skinny_pays` says the kernel wins) the
 op is one Triton kernel that adds bias and residual in its epilogue;
 otherwise it runs torch (`addmm`).
@@ -26,7 +26,7 @@ Fires only when all of these hold:
   - neither node is marked eager, and no node between them writes anything,
     runs eagerly, sets global state or is a breakpoint, attention-like op or
     collective: the fused node computes the linear at the add's place
-    (`motion_barrier`, passes/pass_base.py, the rule of the sibling pass).
+    (`motion_barrier`, compile_backend/passes/pass_base.py, the rule of the sibling pass).
 The report lists what was fused and, for each add of a linear that was not,
 why.
 """
@@ -65,7 +65,7 @@ _NO_OP = ("mrv2::linear_add is not registered: import compile_backend.kernels "
 
 
 def _fused_op() -> Any:
-    """The op the fused node calls (kernels/skinny_linear.py), or None."""
+    """The op the fused node calls (compile_backend/kernels/skinny_linear.py), or None."""
     return registered_op("mrv2", "linear_add")
 
 

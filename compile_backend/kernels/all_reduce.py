@@ -2,7 +2,7 @@
 
     all_reduce(x, threshold, group_name) == sum of x over the group's ranks
 
-The pass passes/symmetric_all_reduce.py writes it in place of the functional
+The pass compile_backend/passes/symmetric_all_reduce.py writes it in place of the functional
 collective (`_c10d_functional.all_reduce` + `wait_tensor`) when
 `CompilationConfig.tp_all_reduce` asks for it and the group has symmetric
 buffers (compile_backend/core/all_reduce.py, `setup_all_reduce`). At each

@@ -8,7 +8,7 @@ has_initial_state[b] is False). The op then stores the request's last K-1
 inputs back into that slot. state_indices[b] == -1 marks a padding row: no
 state read or written, its tokens' output (like any token outside a request)
 is 0, written by the kernel (the output needs no zeroing launch). The grid
-scales with the tokens present (Note [request tiles] in kernels/_device.py).
+scales with the tokens present (Note [request tiles] in compile_backend/kernels/_device.py).
 
 The state holds inputs, not partial sums, and every output is the same fixed
 sum order over the same values, so one step and the same tokens split over
@@ -146,7 +146,7 @@ def sconv(
     Any channel count C >= 1 and width K >= 2 work (channels are tiled).
     Writes every row of `out` ([T, C] like x; new when None) and returns it.
 
-    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
+    Index checks (compile_backend/kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts query_start_loc to stay within the T tokens and every state index
     to lie in [-1, num_slots); anything else reads and writes other memory."""

@@ -143,7 +143,7 @@ def bare_name(node: torch.fx.Node) -> str:
 
 def registered_op(namespace: str, name: str) -> torch._ops.OpOverload | None:
     """`torch.ops.<namespace>.<name>.default`, or None when it is not
-    registered (an op a pass writes into the graph lives in kernels/, which
+    registered (an op a pass writes into the graph lives in compile_backend/kernels/, which
     passes do not import: the backend imports it before the passes run)."""
     try:
         return getattr(getattr(torch.ops, namespace), name).default

@@ -3,7 +3,7 @@
     sibling_linear(x, [w_0, ..., w_n], [b_0, ..., b_n] or [])
         == torch.cat([F.linear(x, w_i, b_i) for i], dim=-1)      # [..., sum N_i]
 
-The pass passes/fuse_sibling_linears.py writes it in place of several
+The pass compile_backend/passes/fuse_sibling_linears.py writes it in place of several
 `linear`s that read the same input (q/k/v, gate/up). The op needs no new
 tensor: when the weights lie back to back in one storage, in order (row
 slices of one [sum N_i, K] weight, which is what `pack_siblings` makes of

@@ -163,7 +163,7 @@ def rope_and_cache(
     out [T, H, D] (optional, last dim contiguous). Returns q_rot (`out`, or
     a new contiguous tensor). Checks everything before writing anything.
 
-    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
+    Index checks (compile_backend/kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts every slot to lie in [-1, num_blocks * block_size); any other
     slot writes outside the caches."""

@@ -16,7 +16,7 @@ out[t] is the running compressed value of t's group up to and including t
 (state index -1) touch no state or cache; their tokens' output, like that of
 any token outside a request, is 0, written by the kernel (no zeroing
 launch). The grid scales with the tokens present (Note [request tiles] in
-kernels/_device.py).
+compile_backend/kernels/_device.py).
 
 Within a group, tokens are folded in one at a time, always by the same code,
 and the state is stored in fp32 exactly as held in registers: a sequence run
@@ -157,7 +157,7 @@ def kv_compress(
     head size D >= 1 works (no tl.dot; one [BLOCK_D] vector per program).
     Writes every row of `out` ([T, KVH, D] like key; new when None), returns it.
 
-    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
+    Index checks (compile_backend/kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts query_start_loc to stay within the T tokens; each request with
     tokens and a state to have seq_len >= its token count, within its

@@ -21,19 +21,19 @@ per layer. All but the tensors' contents is the same for every layer of a
 step with the same shapes: the checks, the path, the grid, the number of KV
 splits, the strides, the decode scratch. The first such call of a step runs
 the launcher's full checks and builds a plan (`_Plan` in
-kernels/unified_attention.py), kept in the step metadata's `attention_plans`
+compile_backend/kernels/unified_attention.py), kept in the step metadata's `attention_plans`
 (a dict keyed by `plan_key`: shapes, strides, dtypes and devices of query,
 caches and output); later calls find it and launch its kernels through bound
-launchers (kernels/_launch.py). A plan is used only where it does what the
+launchers (compile_backend/kernels/_launch.py). A plan is used only where it does what the
 checked call would: the same key, the same metadata tensors (identity) and
 Python ints, 16-byte aligned tensors (what the bound kernels were specialised
 for), debug_checks off, and on CUDA no graph capture, no Triton launch hooks,
 and the device and stream the plan was built on (`_Plan.ready`). Anything
 else runs the checked path. Layers share the plan's scratch and the device's
-decode ticket counters (Note [decode tickets] in kernels/unified_attention.py):
+decode ticket counters (Note [decode tickets] in compile_backend/kernels/unified_attention.py):
 a later layer's decode launch writes them only after the earlier layer's has
 finished (one stream, launch order). On CPU (the interpreter) a plan launches normally and still
-checks the index values every call (Note [index checks] in kernels/_checks.py).
+checks the index values every call (Note [index checks] in compile_backend/kernels/_checks.py).
 """
 
 from __future__ import annotations

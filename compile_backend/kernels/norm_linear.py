@@ -20,7 +20,7 @@ do their work on the way:
     no second pass over x and no extra memory traffic.
   - SiLU·mul: a program computes the gate column n and the up column n
     (weight rows n and N/2 + n) side by side and stores silu(g) * u.
-The pass passes/fuse_norm_linear.py writes this op for `RMSNorm -> linear`
+The pass compile_backend/passes/fuse_norm_linear.py writes this op for `RMSNorm -> linear`
 and `RMSNorm -> sibling linears`, and takes the `silu(gate) * up` after them
 in too.
 
@@ -32,12 +32,12 @@ take): within the bf16 tolerances the model tests state.
 
 Dispatch: CUDA tensors at decode shapes, with the weights packed back to
 back (`packed_view`, as sibling_linear needs), run the skinny kernel
-(kernels/skinny_linear.py) when `skinny_pays`; everything else runs the
+(compile_backend/kernels/skinny_linear.py) when `skinny_pays`; everything else runs the
 reference, which is the eager computation.
 
 Measured on the H200 (bench/results/norm_linear.md): correct, and 3-4x
 slower than the unfused Inductor norm + cuBLAS (+ SiLU·mul) at 1-64 rows,
-so passes/fuse_norm_linear.py is off by default (config `fuse_norm_linear`).
+so compile_backend/passes/fuse_norm_linear.py is off by default (config `fuse_norm_linear`).
 The kernel's loop and tiles were reworked after that measurement (docs/design.md,
 "RMSNorm, projection and gate") and are not yet timed.
 """

@@ -42,7 +42,7 @@ that changes the output works on the member's slice as it did on its output.
 
 The outputs are column slices of a [..., sum N] tensor: not contiguous, last
 dimension contiguous (stride 1). The project's ops accept that
-(kernels/_checks.py: `last_dim_contiguous`), and Inductor and torch ops take
+(compile_backend/kernels/_checks.py: `last_dim_contiguous`), and Inductor and torch ops take
 strided inputs.
 """
 
@@ -227,7 +227,7 @@ _NO_OP = ("mrv2::sibling_linear is not registered: import compile_backend.kernel
 
 
 def _fused_op() -> Any:
-    """The op the fused node calls (kernels/sibling_linear.py), or None."""
+    """The op the fused node calls (compile_backend/kernels/sibling_linear.py), or None."""
     return registered_op("mrv2", "sibling_linear")
 
 

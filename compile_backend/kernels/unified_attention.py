@@ -10,7 +10,7 @@ head h // (H // KVH).
 Two paths, picked by the Python int `max_query_len`:
   * prefill / mixed (max_query_len != 1): one program per (query tile, kv
     head), the tiles laid over the flattened batch (Note [request tiles] in
-    kernels/_device.py); a tile's rows are BLOCK_Q tokens of one request x the
+    compile_backend/kernels/_device.py); a tile's rows are BLOCK_Q tokens of one request x the
     kv head's query heads.
   * decode (max_query_len == 1): split-KV ("flash decoding") in one launch
     (Note [one-launch decode]): one program per (request, kv head, split).
@@ -33,7 +33,7 @@ Configs are chosen by functions, not autotuned: autotuning would benchmark
 during the first call, which may be a CUDA-graph capture.
 
 Eager pieces call `unified_attention_direct`, which reuses a step's launch
-plan (Note [attention plans] in kernels/attention_plan.py, the plan cache).
+plan (Note [attention plans] in compile_backend/kernels/attention_plan.py, the plan cache).
 
 Note [one-launch decode]: program (p, kvh, split) of the grid
 (max(B, T), KVH, S). Request b = p with a query and L = seq_lens[b] keys
@@ -525,7 +525,7 @@ class _Plan:
     """The launches of one attention call, all but query, caches, output and
     scale fixed: `run(query, key_cache, value_cache, output, scale_log2,
     stream)`. Built from checked arguments (`_check`); the direct path keeps
-    one per step (Note [attention plans] in kernels/attention_plan.py)."""
+    one per step (Note [attention plans] in compile_backend/kernels/attention_plan.py)."""
 
     __slots__ = ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len",
                  "device_index", "stream", "run")
@@ -654,7 +654,7 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
                     "decode attention: captured with the two-launch path (split + reduce): no "
                     "ticket buffer for %d requests x %d kv heads existed before the capture; "
                     "an eager decode call of that batch size before capturing avoids this "
-                    "(Note [decode tickets] in kernels/unified_attention.py)", B, KVH)
+                    "(Note [decode tickets] in compile_backend/kernels/unified_attention.py)", B, KVH)
             two_launch = True
     if two_launch:
         return _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens,
@@ -750,7 +750,7 @@ def unified_attention(
     given, else into a new tensor; returns it. Every row is written (rows of
     no request: 0).
 
-    Index checks (kernels/_checks.py, Note [index checks]) run for CPU tensors,
+    Index checks (compile_backend/kernels/_checks.py, Note [index checks]) run for CPU tensors,
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernels
     trust that query_start_loc stays within the T tokens, that each request
     with queries has seq_len >= its query count and within its block_table
@@ -826,7 +826,7 @@ def unified_attention_direct(
 ) -> None:
     """What eager pieces call instead of the op (compile_backend/core/
     direct_calls.py): the op's effect, through the step's plan where one
-    serves (Note [attention plans] in kernels/attention_plan.py), else through
+    serves (Note [attention plans] in compile_backend/kernels/attention_plan.py), else through
     the checked path."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata.get(resolve_layer(layer_name))
