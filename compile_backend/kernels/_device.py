@@ -175,10 +175,6 @@ def request_tile(qsl_ptr, num_reqs, num_tokens, TILE: tl.constexpr, SEARCH: tl.c
     return b, q_start, q_end - q_start, tile, pad_row
 
 
-def tl_dtype(dtype: torch.dtype):
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from compile_backend.core.graph_mode import StepGraph
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runner.model_state import ModelState
 
 
-def prepare_inputs_to_capture(
-    step: StepGraph, model_state: ModelState
-) -> tuple[dict[str, Any], torch.Tensor]:
+def prepare_inputs_to_capture(step: StepGraph, model_state: ModelState) -> dict[str, Any]:
     """Write a dummy batch of `step`'s padded sizes into `model_state`'s
-    persistent buffers and build its metadata for `step`; returns
-    (layer name -> metadata, the slot-mapping view [T]).
+    persistent buffers and build its metadata for `step`; returns layer
+    name -> metadata.
 
     Note [why PIECEWISE still builds metadata]: attention-like ops (sconv, the
     KV compressor) are not breakpoints, so they run *inside* piecewise graphs
@@ -38,4 +34,4 @@ def prepare_inputs_to_capture(
                                   cfg.block_size)
     batch.pad_to(step)
     model_state.write(batch)
-    return model_state.prepare_attn(batch), model_state.block_tables.slot_mapping[:step.num_tokens]
+    return model_state.prepare_attn(batch)

@@ -86,11 +86,11 @@ class DraftRunner:
         for n in sorted(sizes, reverse=True):
             step = StepGraph.full_decode(n)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            meta, _ = prepare_inputs_to_capture(step, r.model_state)
+            meta = prepare_inputs_to_capture(step, r.model_state)
             with set_forward_context(ForwardContext(meta, StepGraph.eager(n, n))):
                 self._loop(ids, pos)  # warm-up
             # Re-prepare: the warm-up advanced the (dummy) buffers.
-            meta, _ = prepare_inputs_to_capture(step, r.model_state)
+            meta = prepare_inputs_to_capture(step, r.model_state)
             self._run_loop(step, meta, ids, pos)
             self.captured.append(step)
         return self.captured

@@ -226,7 +226,7 @@ class ModelRunner:
         """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
         step = StepGraph.eager(num_tokens, num_reqs)
-        meta, _ = prepare_inputs_to_capture(step, self.model_state)
+        meta = prepare_inputs_to_capture(step, self.model_state)
         self._forward(step, meta, trace)
 
     def _capture_one(self, step: StepGraph, trace: list | None) -> None:
@@ -239,7 +239,7 @@ class ModelRunner:
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
-        meta, _ = prepare_inputs_to_capture(step, self.model_state)
+        meta = prepare_inputs_to_capture(step, self.model_state)
         phases = dict(graph_pool.capture_seconds)
         warmup_s = 0.0
         if self.config.capture_warmup == "every_size" or not jit_guard.guard_available():

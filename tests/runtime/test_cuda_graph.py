@@ -369,7 +369,7 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()):
         r = make_engine("full").runner
-    meta, _ = prepare_inputs_to_capture(StepGraph(Mode.FULL, 4, 4, uniform_decode=uniform),
+    meta = prepare_inputs_to_capture(StepGraph(Mode.FULL, 4, 4, uniform_decode=uniform),
                                         r.model_state)
     assert meta["layers.0.attn"].max_query_len == expected
     assert meta["layers.0.attn"].max_seq_len == r.kv_cache_config.max_model_len
@@ -377,7 +377,7 @@ def test_full_capture_metadata_follows_the_descriptor_not_the_dummy_batch(unifor
     # per request by construction; the padded T would size their grids by T)
     assert meta["layers.0.conv"].max_query_len == expected
     assert meta["layers.0.compress"].max_query_len == expected
-    meta, _ = prepare_inputs_to_capture(StepGraph(Mode.PIECEWISE, 4, 4), r.model_state)
+    meta = prepare_inputs_to_capture(StepGraph(Mode.PIECEWISE, 4, 4), r.model_state)
     assert meta["layers.0.conv"].max_query_len == 4  # PIECEWISE: serves any 4-token batch
     assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4)) == 1
     assert r.capture_plan().count(StepGraph(Mode.FULL, 4, 4, uniform_decode=True)) == 1
