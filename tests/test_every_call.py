@@ -288,6 +288,19 @@ def test_a_growing_cache_runs_its_growing_pieces_without_graphs_and_equals_eager
     assert growing and all(not w.entries for w in growing)  # no graph for a growing piece
 
 
+def test_a_sweep_of_sizes_by_one_keeps_its_graphs():
+    """Sizes 1, 2, 3 again and again grow by one twice in a row, below the
+    growth policy's five calls: they are captured and replayed as before."""
+    cb.reset_counters()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    g = torch.Generator().manual_seed(11)
+    calls = [(torch.randn(t, 16, generator=g),) for t in (1, 2, 3)]
+    with _graphs("cpu"):
+        report = check_against_eager(model, calls, ["piecewise"], options={"piece_compiler": "eager"},
+                                     sessions=4, atol=1e-6, rtol=1e-6)
+    assert report["piecewise"].replays > 0 and cb.counters["growing_inputs"] == 0
+
+
 def graph_pool_wrappers():
     from compile_backend.runtime import graph_pool
 

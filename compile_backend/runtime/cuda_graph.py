@@ -57,9 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 # Calls in a row whose inputs grew by one before a wrapper stops capturing new
-# sizes (CUDAGraphWrapper._grows): three calls, as a decode's second and
-# third tokens show.
-GROWTH_CALLS = 2
+# sizes (CUDAGraphWrapper._grows): five calls (a decode's first tokens). A
+# caller sweeping sizes by one (1, 2, 3) stays below it and keeps its graphs.
+GROWTH_CALLS = 4
 _growth_said: list[bool] = []  # the warning is said once per process
 
 
