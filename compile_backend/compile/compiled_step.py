@@ -126,8 +126,7 @@ class CompiledStep(_Saveable):
         first = self._values_by_shapes.setdefault(shapes, values)
         if first == values:
             return True
-        self.full_graph = None  # its graphs go with it
-        self.full_blocker = (
+        self._give_up_full_graph(
             "no FULL graph without a runner: the graph takes Python values that change "
             f"between calls of one input shape ({list(first)}, then {list(values)}), which "
             f"a graph would bake in; {_instead(self.graph_mode)}")

@@ -45,16 +45,15 @@ def _own_source_hash() -> str:
     import compile_backend
 
     h = hashlib.sha256()
-    for pkg in (compile_backend,):
-        root = os.path.dirname(pkg.__file__)
-        for folder, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
-            for name in sorted(files):
-                if name.endswith(".py"):
-                    path = os.path.join(folder, name)
-                    h.update(os.path.relpath(path, root).encode())
-                    with open(path, "rb") as f:
-                        h.update(f.read())
+    root = os.path.dirname(compile_backend.__file__)
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
     return h.hexdigest()[:24]
 
 

@@ -30,7 +30,8 @@ Keys (all ints):
   capture_warmups_skipped
                          captures of a plan that needed no warm-up
   triton_compiles        Triton JIT compiles (or loads from Triton's disk cache)
-                         seen during a runner's capture plan, outside captures
+                         seen during a runner's capture plan, outside captures,
+                         with capture_warmup="on_demand" (the guard counts them)
   eager_no_graph         steps/pieces run eagerly because no graph fits
   metadata_builds        metadata builds (tests check `for_capture` separately)
   direct_calls           op calls in eager pieces rewritten to skip the dispatcher

@@ -213,11 +213,16 @@ class ModelRunner:
         # cache emptied and the device synchronized once at the start and
         # the end, not per graph (plan_capture says why: a plan has hundreds
         # of graphs, 1155 in PIECEWISE for llama8b at 35 sizes).
+        # capture_warmup="on_demand": capture first, under the guard that
+        # refuses a compile inside a capture (runtime/jit_guard.py); else a
+        # warm-up before every capture and no guard.
+        on_demand = self.config.capture_warmup == "on_demand" and jit_guard.guard_available()
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
-                plan_capture(current_graph_backend()), jit_guard.no_compile_in_capture():
+                plan_capture(current_graph_backend()), \
+                jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext():
             for step in plan:
-                self._capture_one(step, trace)
+                self._capture_one(step, trace, on_demand)
                 bar.update(note=f"{step.mode.value} {step.num_tokens} tokens")
         self.captured = True
         return self.captures
@@ -229,7 +234,7 @@ class ModelRunner:
         meta = prepare_inputs_to_capture(step, self.model_state)
         self._forward(step, meta, trace)
 
-    def _capture_one(self, step: StepGraph, trace: list | None) -> None:
+    def _capture_one(self, step: StepGraph, trace: list | None, on_demand: bool) -> None:
         """Warm up and capture one graph of the plan. No synchronize around it
         (the plan has one at each end): its CaptureRecord's `seconds` is the
         host's time for the warm-up and the capture (the device may still be
@@ -242,11 +247,11 @@ class ModelRunner:
         meta = prepare_inputs_to_capture(step, self.model_state)
         phases = dict(graph_pool.capture_seconds)
         warmup_s = 0.0
-        if self.config.capture_warmup == "every_size" or not jit_guard.guard_available():
+        if not on_demand:
             warmup_s = self._warmup_for_capture(step, meta, trace)
             self._forward(step, meta, trace)  # capture
         else:
-            try:  # capture first: a warm-up only where Triton would compile a kernel
+            try:  # capture first: a warm-up only where a kernel would compile or tune
                 self._forward(step, meta, trace)
                 counters["capture_warmups_skipped"] += 1
             except jit_guard.CompileInCapture as e:

@@ -44,10 +44,16 @@ def _capturing() -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
+def _nothing_to_compile() -> bool:
+    """No Triton loaded and no GPU: no kernel can compile here."""
+    return "triton" not in sys.modules and not torch.cuda.is_available()
+
+
 def _knobs() -> Any:
-    """Triton's runtime knobs, or None (no Triton, a Triton without the hook)."""
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        return None  # nothing to guard: no GPU kernel can compile here
+    """Triton's runtime knobs, or None (nothing to compile here, no Triton, a
+    Triton without the hook)."""
+    if _nothing_to_compile():
+        return None
     try:
         from triton import knobs
     except ImportError:
@@ -59,9 +65,7 @@ def guard_available() -> bool:
     """Can captures skip their warm-up (Triton lets us see its compiles)?
     Without Triton there is nothing to compile; an old Triton without the
     hook: the runner warms up before every capture, as before."""
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        return True
-    return _knobs() is not None
+    return _nothing_to_compile() or _knobs() is not None
 
 
 @contextlib.contextmanager

@@ -90,6 +90,7 @@ def test_a_plan_warms_up_once_per_new_kernel_configuration(mode):
         assert cb.counters["capture_warmups_skipped"] == len(plan) - len(new)
         assert not any(capturing for _, capturing in COMPILED)  # never inside a capture
         assert len(COMPILED) == len({c for c, _ in COMPILED}) == 3
+        assert cb.counters["triton_compiles"] == 2  # the warm-ups', counted by the guard
         assert sum(r.warmup_s > 0 for r in runner.captures) == 2
         # Every size replays what the model computes eagerly, the retried ones included.
         gen = torch.Generator().manual_seed(1)
@@ -112,6 +113,8 @@ def test_every_size_warms_up_before_every_capture():
         assert cb.counters["capture_warmups"] == len(runner.capture_plan())
         assert cb.counters["capture_warmups_skipped"] == 0
         assert all(r.warmup_s > 0 for r in runner.captures)
+        # no guard then: the warm-ups' two new configurations asked no hook of ours
+        assert len(COMPILED) == 3 and cb.counters["triton_compiles"] == 0
 
 
 def test_the_guard_raises_only_inside_a_capture_and_restores_the_hook():
