@@ -164,6 +164,25 @@ def child(spec: dict) -> dict:
     }
 
 
+def profiled_child(spec: dict) -> dict:
+    """`child` under cProfile; the stats go to spec["profile"] (--profile)."""
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(spec["profile"], exist_ok=True)
+    name = os.path.join(spec["profile"], "-".join(spec[k] for k in ("model", "preset", "mode",
+                                                                    "phase")))
+    prof = cProfile.Profile()
+    row = prof.runcall(child, spec)
+    prof.dump_stats(name + ".prof")
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(120)
+    with open(name + ".txt", "w") as f:
+        f.write(text.getvalue())
+    return row
+
+
 # ---- the parent: spawn, collect, write ---------------------------------------------------
 
 
@@ -321,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-warmup", default="every_size", choices=["every_size", "on_demand"],
                     help="CompilationConfig.capture_warmup (on_demand: a warm-up only where a "
                     "capture would compile a kernel)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="cProfile each child into DIR (<model>-<preset>-<mode>-<phase>.prof and "
+                         "a .txt of the top functions by cumulative time)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     ap.add_argument("--smoke", action="store_true", help="quick CPU check (tiny, eager pieces, "
                     "graph stand-in; numbers mean nothing)")
@@ -331,7 +353,11 @@ def main(argv=None) -> int:
     ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        row = child(json.loads(args.child))
+        spec = json.loads(args.child)
+        if spec.get("profile"):
+            row = profiled_child(spec)
+        else:
+            row = child(spec)
         print(JSON_PREFIX + json.dumps(row), flush=True)
         return 0
     if args.merge:
@@ -354,6 +380,7 @@ def main(argv=None) -> int:
             "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
             "sizes": sizes, "batch": min(args.batch, max(sizes)),
             "capture_warmup": args.capture_warmup,
+            "profile": os.path.abspath(args.profile) if args.profile else None,
             "context": args.context if args.context is not None else (500 if cuda else 40)}
     sizes_text = (f"{len(sizes)} ([1, 2, 4] + 8..256 step 8)" if sizes == GPU_SIZES
                   else f"{len(sizes)} ({sizes})")

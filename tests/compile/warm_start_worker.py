@@ -9,7 +9,7 @@ same schedule through an uncompiled runner and compares every step's logits
 and, at the end, every KV cache. One JSON line on stdout.
 
     python tests/compile/warm_start_worker.py --cache DIR [--mode piecewise] [--device cpu|cuda]
-        [--compiler eager|inductor] [--capture-sizes 1,4,8]
+        [--compiler eager|inductor] [--capture-sizes 1,4,8] [--capture-warmup on_demand]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ap.add_argument("--device", default="cpu")
 ap.add_argument("--compiler", default="eager")
 ap.add_argument("--capture-sizes", default="1,4,8")
 ap.add_argument("--debug-checks", action="store_true")
+ap.add_argument("--capture-warmup", default="every_size")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -96,7 +97,8 @@ with graphs, torch.no_grad():
     m = model()
     cfg = cb.CompilationConfig(cudagraph_mode=args.mode, piece_compiler=args.compiler,
                                capture_sizes=[int(s) for s in args.capture_sizes.split(",")],
-                               cache_dir=args.cache, debug_checks=args.debug_checks)
+                               cache_dir=args.cache, debug_checks=args.debug_checks,
+                               capture_warmup=args.capture_warmup)
     runner = ModelRunner(m, kv, cfg, device, progress=False)
     runner.capture()
     got = serve(runner)
