@@ -148,6 +148,7 @@ class ModelRunner:
             debug_checks=self.config.debug_checks, graphs=current_graph_backend())
         self.captures: list[CaptureRecord] = []
         self.captured = False
+        self._stepped = False  # has a step run (the model compiled or loaded)?
         # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
         self.parallel = RankAgreement.for_runner(self)
 
@@ -170,7 +171,9 @@ class ModelRunner:
         mark_token_dim(input_ids)
         mark_token_dim(positions)
         with symbolic_tokens(), torch.no_grad():  # a runner serves inference only
-            return self.compiled(input_ids, positions)
+            out = self.compiled(input_ids, positions)
+        self._stepped = True  # compiled or loaded
+        return out
 
     def _forward(self, step: StepGraph, metadata: dict[str, Any],
                  trace: list | None = None) -> Any:
@@ -217,6 +220,13 @@ class ModelRunner:
         # refuses a compile inside a capture (runtime/jit_guard.py); else a
         # warm-up before every capture and no guard.
         on_demand = self.config.capture_warmup == "on_demand" and jit_guard.guard_available()
+        if on_demand and not self._stepped:
+            # The first step compiles (or loads) the model, which imports
+            # Inductor's runtime: the guard patches it on entry, so that
+            # import comes before the guard (seen on the H200: a compile
+            # inside the plan left Inductor's first-launch autotune unguarded).
+            counters["capture_warmups"] += 1
+            self.warmup(plan[0].num_tokens, trace)
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \

@@ -104,8 +104,9 @@ _INDUCTOR_FIRST_LAUNCH = ("precompile", "autotune_to_one_config")
 @contextlib.contextmanager
 def _no_inductor_tuning_in_capture() -> Iterator[None]:
     """While active, Inductor's first-launch compile or autotune of a kernel
-    raises CompileInCapture during a capture (nothing patched when Inductor's
-    runtime is not loaded: then no step uses its kernels)."""
+    raises CompileInCapture during a capture. Patched on entry: the caller
+    enters after the model's first step (which imports Inductor's runtime
+    when a piece uses it); nothing is patched when it is not loaded."""
     module = sys.modules.get("torch._inductor.runtime.triton_heuristics")
     cls = getattr(module, "CachingAutotuner", None)
     originals = {name: cls.__dict__[name] for name in _INDUCTOR_FIRST_LAUNCH

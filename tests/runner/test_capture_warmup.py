@@ -170,3 +170,42 @@ def test_inductors_first_launch_compile_and_autotune_are_refused_inside_a_captur
         with pytest.raises(AttributeError):  # not capturing: torch's own method runs
             CachingAutotuner.autotune_to_one_config(object())
     assert {n: CachingAutotuner.__dict__[n] for n in before} == before
+
+
+def test_a_plan_before_any_step_compiles_first_then_enters_the_guard(monkeypatch):
+    """capture() on a runner that never stepped: the model compiles (and
+    imports what its pieces need, Inductor's runtime among them) in one
+    warm-up before the guard is entered, so the guard's Inductor patch sees
+    that runtime (seen on the H200: compiled inside the plan, a first-launch
+    autotune ran unguarded in a capture)."""
+    import triton  # noqa: F401
+
+    entered = []
+    guard = jit_guard.no_compile_in_capture
+    runner_box = []
+
+    def recording_guard():
+        entered.append(runner_box[0]._stepped)
+        return guard()
+
+    monkeypatch.setattr(jit_guard, "no_compile_in_capture", recording_guard)
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        torch.manual_seed(0)
+        COMPILED.clear()
+        cb.reset_counters()
+        model = JitModel()
+        config = cb.CompilationConfig(cudagraph_mode="piecewise", capture_sizes=SIZES,
+                                      piece_compiler="eager", capture_warmup="on_demand",
+                                      cache_dir=None)
+        runner = ModelRunner(model, kv_config(), config, "cpu", progress=False)
+        runner_box.append(runner)
+        runner.capture()
+        assert entered == [True]  # compiled before the guard
+        assert cb.counters["dynamo_graphs"] == 1
+        assert not any(capturing for _, capturing in COMPILED)
+        gen = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, 64, (8,), generator=gen).tolist()
+        out = runner.execute(InputBatch(ids, [8], [8], [0])).clone()
+        want = model(runner.input_buffers.input_ids[:8].clone(),
+                     runner.input_buffers.positions[:8].clone())
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
