@@ -4,36 +4,13 @@
     report = check_against_eager(model, [(x1,), (x1b,), (x1c,), (x2,), ...],
                                  modes=("piecewise", "full"))
 
-For each mode, a fresh copy of the model is compiled with
-`torch.compile(backend="mrv2")` and driven beside an eager copy made from
-the same state. After every call, every tensor the call can reach is
-compared: the outputs (and tensors inside output objects), every parameter
-and buffer of the two copies (KV caches, conv state), and every tensor
-argument, including tensors held inside argument objects (a cache passed in
-and written in place). The first difference raises `EagerMismatch` naming
-the call index, the session, the input shapes, the mode, the tensor and the
-error. Each input shape must come at least three times (warm-up, capture,
-replay), so that every path of a lazily captured graph is compared; a call
-that is a function `fn(model)` (a `generate` loop, say) drives the model as
-it likes and is not counted.
-
-`sessions=N` drives the calls N times over the same compiled model, as real
-callers do: each session deep-copies the calls, so state objects (caches)
-are new and every input is at a new address, while objects shared by calls
-of one session stay shared within it.
-
-With a `ModelRunner` instead of a model, the calls are `InputBatch`es; each
-mode gets a runner of its own over a copy of the runner's model (captured
-before the first call), and eager is the model run uncompiled (mode none).
-
-On a machine without CUDA, graph modes run as `none` and nothing is
-captured: pass `standin=True` to capture and replay with the CPU stand-in
-(`compile_backend.standin_graphs()`). A graph mode that captured no graph
-warns (`NothingCapturedWarning`, naming why): such a check compared eager
-code with eager code.
-
-Also a pytest plugin (entry point `pytest11`): the fixture
-`mrv2_check_against_eager` is this function.
+For each mode a fresh copy of the model, compiled with mrv2, runs beside an
+eager copy; after every call every tensor the call can reach is compared
+(outputs, parameters and buffers, arguments and the tensors inside them),
+and the first difference raises `EagerMismatch`. `sessions=N` repeats the
+calls on deep copies; a `ModelRunner` takes `InputBatch`es; `standin=True`
+captures on a CPU. Also the pytest fixture `mrv2_check_against_eager`
+(entry point `pytest11`). docs/design.md, section "Checking against eager".
 """
 
 from __future__ import annotations

@@ -4,27 +4,14 @@ Dynamo frame evaluation and no guard checks.
     step = GuardFreeModel(model, config, backend)
     out = step(input_ids, positions)     # first call: load or compile; then direct
 
-The first call AOT-compiles the model with torch's `aot_compile` (torch >=
-2.10): Dynamo traces once, the mrv2 backend compiles, and what comes back is
-Dynamo's transformed code bound to the compiled step. Later calls run that
-code directly: they skip the frame callback, guard evaluation and
-`nn.Module.__call__`. With a `cache_dir` the result is saved
-(compile/step_cache.py) and a later process loads it instead of compiling
-(warm start: nothing traced, nothing compiled).
-
-What the runner promises in exchange for skipping the guards (docs/design.md,
-"What may move between calls"): the model's
-code and its parameters and buffers stay the same objects (as captured graphs
-need anyway), and its inputs keep their dtypes and ranks (the runner's own
-persistent buffers). Under `debug_checks` the guards run at every call and a
-failure raises, naming what changed.
-
-Where this torch has no `aot_compile`, or it fails for this model, the model
-runs under plain `torch.compile` (Dynamo's guards on every call): logged once
-with the reason and counted (`guarded_fallbacks`). A cache entry that is
-corrupt, stale or saved for something else is logged once with the reason
-and compiled again (`cache_misses`); a save that fails is logged
-(`cache_save_failures`) and changes nothing else.
+The first call AOT-compiles the model (torch's `aot_compile`), or loads the
+step saved under `cache_dir` (compile/step_cache.py); later calls run
+Dynamo's transformed code directly. In exchange the runner promises that the
+model's code, parameters and buffers stay the same objects and its inputs
+keep their dtypes and ranks; `debug_checks` runs the guards at every call.
+Where `aot_compile` is missing or fails, the model runs under `torch.compile`
+(logged, `guarded_fallbacks`). docs/design.md, section "Start in seconds"
+(runner steps skip Dynamo; a saved step).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Identical layers compile once.
 
-A transformer's layers trace to pieces that differ only in the layer name
-their attention-like ops carry (`mrv2::reshape_and_cache(k, v, kc, vc,
-"layers.3.attn")`). The name is a constant in the compiled code, so compiled
-as it is, every layer's piece would compile on its own (about 1.6 s a layer
-with Inductor on an 8B model).
-
-Ops declared layer-keyed (core/op_registry.py: they use the name only to find
-the layer's metadata in the forward context) have their names left out of the
-piece's key: the first layer's piece is compiled, and every later identical
-piece runs that artifact under a layer alias (the first layer's names -> its
-own), which `ForwardContext.metadata` follows. The alias costs one global
-assignment per call of the piece's callable, and nothing on a CUDA-graph
-replay, which never calls it.
-
-Size symbols are renamed too: Dynamo may give each layer's tensors symbols of
-their own (an HF DynamicCache), so the key names them by first appearance.
-What compiling a piece assumed of its symbols (`assumed_since`) must then
-hold for a sharer's symbols, and is guarded for them (`assume_for`).
+Pieces equal up to the layer names of layer-keyed ops (core/op_registry.py)
+and the names of their size symbols share a key. The first is compiled; a
+later one runs its artifact under a layer alias (the first layer's names ->
+its own) that `ForwardContext.metadata` follows, where what the first
+compile assumed of its symbols holds for its own (guarded from then on).
+docs/design.md, section "Start in seconds" (identical layers compile once).
 
     key, names = piece_key(gm, fake_args)      # names: layer names, op order
     alias = layer_alias_for(rep_names, names)  # None: the same layers

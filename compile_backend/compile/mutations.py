@@ -1,21 +1,14 @@
 """Which inputs a graph writes, read off one run on fake tensors.
 
-A CUDA graph writes the addresses it saw at capture. When an input it
-writes arrives at a new address, a replay must not copy it into the
-capture-time tensor (the caller's tensor would miss the write), so the
-runtime has to know, per piece and for the whole graph, which inputs are
-written. Dynamo graphs are torch-level (`index_copy_`, `copy_`, a custom op
-with `mutates_args`, an in-place method on a view of an argument); every one
-of these bumps the version counter that a tensor shares with its views (the
-dispatcher's ADInplaceOrView step, fake tensors included). So the piece
+A replay must never satisfy a moved input that the graph writes with a copy,
+so the runtime needs, per piece and for the whole graph, the inputs a graph
+writes. Every in-place write in a torch-level graph bumps the version counter
+a tensor shares with its views (fake tensors included), so the piece
 compiler's fake run reads each tensor input's version before and after a
-piece: writes through views are seen, two inputs that are views of one
-tensor are both counted (conservative), and a tensor without a version
-counter (made under inference_mode) counts as written.
-
-A dispatch mode reading op schemas would see the same writes, but sitting
-above the fake mode it changes how some ops run on symbolic shapes (torch
-2.11 fails `constant_pad_nd` that way), so versions are read instead.
+piece. Conservative: two inputs that view one tensor both count, and a
+tensor without a version counter (made under inference_mode) counts as
+written. docs/design.md, section "A replay never writes into a private copy
+of a caller's tensor".
 """
 
 from __future__ import annotations

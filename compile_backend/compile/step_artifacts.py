@@ -1,29 +1,16 @@
 """What a compiled step saves, and how a saved one is loaded.
 
-torch's AOT compile (compile/guard_free.py) saves Dynamo's output (the
-transformed bytecode, its guards) and asks the backend's callable for its own
-bytes (`SerializableCallable`). A `CompiledStep` saves:
-
-  - the split graph and every piece's graph module, node by node (FX's
-    GraphPickler; pickling a GraphModule as code would trace it again on load,
-    which fails on symbolic sizes). The ops they call must be registered again
-    when loading, which importing the model's modules does;
-  - the pieces' facts (captured, written inputs, layer sharing, reasons), the
-    config, the op roles and the pass log;
-  - which graph inputs are packed together (fused sibling linears'
-    weights: compile_backend/passes/fuse_sibling_linears.py); the loaded step packs them at
-    its first call;
-  - each captured piece's inputs (names, which are parameters or buffers),
-    the whole graph's, and which graph inputs it writes: these come from
-    Dynamo's node metadata, which pickling drops;
-  - for each piece that compiled on its own with Inductor, the Inductor
-    artifact (`torch._inductor.standalone_compile`, saved in binary form:
-    its generated code and kernels); eager pieces need nothing but their graph.
-
-Loading builds the pieces' callables from these (a piece compiled as another
-layer's runs that artifact under its layer alias) and assembles the step
-exactly as the backend does after compiling (compile/backend.assemble_step).
-Nothing is traced and nothing is compiled.
+torch's AOT compile (compile/guard_free.py) saves Dynamo's code and guards
+and asks the backend's callable for its own bytes (`SerializableCallable`).
+A `CompiledStep` saves its split graph and pieces node by node (FX's
+GraphPickler), what their node metadata told (each piece's inputs, which are
+parameters, which it writes), the pieces' facts, the config, the op roles,
+the pass log, the packed weight groups and each Inductor piece's binary
+artifact. Loading rebuilds the pieces' callables and assembles the step as
+the backend does after compiling (compile/backend.assemble_step): nothing is
+traced or compiled. The ops the graphs call must be registered again first,
+which importing the model's modules does. docs/design.md, section "Start in
+seconds" (a saved step).
 """
 
 from __future__ import annotations

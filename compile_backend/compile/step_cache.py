@@ -3,16 +3,13 @@
     <cache_dir>/steps/<key>.mrv2   pickle {"header": {...}, "aot": bytes}
 
 The key hashes everything the saved step depends on (`entry_header`): the
-model's code (the source of every module class in it) and its parameters'
-names, shapes and dtypes; the inputs' dtypes and ranks; the config; mrv2's own
-source; torch, Triton, Python and CUDA versions; the GPU. A changed input
-gives another key (a miss, compiled and saved beside the old entry); the
-header is stored in the entry and compared on load, so an entry that does
-not match what it is loaded for is refused, never used. Writes go to a
+model's code and its parameters' names, shapes and dtypes; the inputs' dtypes
+and ranks; the config; mrv2's own source; torch, Triton, Python and CUDA
+versions; the GPU. The header is stored in the entry and compared on load:
+an entry that does not match is refused, never used. Writes go to a
 temporary file in the same folder, then `os.replace`: a reader sees a whole
-entry or none.
-
-`mrv2 cache ls|clear` (compile_backend/demo/cli.py) lists and clears entries.
+entry or none. `mrv2 cache ls|clear` (compile_backend/demo/cli.py) lists and
+clears entries. docs/design.md, section "Start in seconds" (a saved step).
 """
 
 from __future__ import annotations

@@ -2,52 +2,16 @@
 over symmetric memory for small messages, NCCL for the rest
 (`CompilationConfig.tp_all_reduce`, README.md "Tensor parallelism").
 
-A TP decode step all-reduces a few KiB to a few hundred KiB twice per layer.
-Inside a CUDA graph NCCL takes about 11-15 us for each (bench/results/allreduce.md).
-A one-shot all-reduce is one kernel: every rank copies its input into its
-own symmetric buffer, the ranks meet at a barrier on their signal pads, and
-every rank reads all the peers' buffers over peer-to-peer loads and sums
-them, then meets the others again before it exits, so that no rank
-overwrites its buffer while a peer still reads it. It needs peer access between the
-GPUs and nothing else: no NVLink multicast (the lent machines have none).
-TORCH_SYMM_MEM_DISABLE_MULTICAST is set to 1 before the first symmetric
-allocation unless the environment already sets it.
+  choose_all_reduce       the pure choice per message (size, dtype, capability,
+                          threshold, mode): the same on every rank
+  setup_all_reduce        collective, eager, outside any capture: the ranks agree
+                          (RanksDisagree), then one symmetric buffer per dtype
+  run_all_reduce          what `mrv2::all_reduce` runs (compile_backend/kernels/all_reduce.py)
+  free_symmetric_buffers  after the graphs are released, before the group is destroyed
 
-The pieces (how it fits together):
-  choose_all_reduce   the pure choice per message: size, dtype, capability,
-                      threshold, mode -> "one_shot" or "nccl". Every input is
-                      the same on every rank (agreed below), so every rank
-                      picks the same algorithm for every message
-  setup_all_reduce    collective, eager, outside any capture: the ranks
-                      compare mode, threshold and capability (RanksDisagree
-                      when they differ), then allocate one symmetric buffer
-                      per dtype (`tp_all_reduce_threshold` bytes each) and
-                      rendezvous it. A ModelRunner of a TP model calls it
-                      when it is built (compile_backend/runner/parallel.py),
-                      before the first compile
-  mrv2::all_reduce    the op the graph holds instead of the functional
-                      collective (compile_backend/kernels/all_reduce.py; the pass
-                      compile_backend/passes/symmetric_all_reduce.py rewrites
-                      `_c10d_functional.all_reduce` + `wait_tensor` into it
-                      where a buffer is set up). Its role is collective, so
-                      it is never a split point, the fusion pass never moves
-                      work across it and the capture-safety pass still keeps
-                      it out of graphs on a host backend. At each call (at
-                      capture, for a captured piece) it picks per message:
-                      one-shot on the current stream, or NCCL through the
-                      functional collective
-  free_symmetric_buffers   drops the buffers; `end_tensor_parallel` calls it
-                      after releasing the graphs (which hold the buffers'
-                      addresses) and before destroying the process group
-
-Where one-shot cannot run (no CUDA, a gloo group, no symmetric memory in
-this torch, no peer access, ranks on different hosts) "auto" keeps the
-functional collective: the reason is logged once per process and every
-all-reduce the pass leaves on NCCL for it is counted in
-`counters["all_reduce_fallbacks"]`; "one_shot" raises with the reason instead.
-
-Untimed: the one-shot path was written without a 2-GPU machine; "nccl" stays
-the default until bench/allreduce.py --compare and bench/tp.py have measured it.
+"auto" keeps NCCL where one-shot cannot run (logged once, `all_reduce_fallbacks`);
+"one_shot" raises. "nccl" is the default until the one-shot path is timed on 2
+GPUs. docs/design.md, section "Tensor parallelism's all-reduce".
 """
 
 from __future__ import annotations

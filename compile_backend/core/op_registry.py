@@ -1,30 +1,15 @@
 """The registry of op facts (README.md, "Op roles").
 
-Everything that asks "what is this op?" asks an `OpRegistry`: the splitter,
-the passes, layer sharing and the debug dump. Ops are named `namespace::name`
-(`aten::scaled_dot_product_attention`, `mylib::my_attention`,
-`higher_order::flex_attention`); `namespace::*` names a whole namespace.
-
-The facts, and where each comes from:
-  role          breakpoint / attention-like / collective (OpRole). Process-wide
-                defaults (torch's attention ops, flex_attention, functional
-                collectives, plus every `register_op(name, role=...)`), copied
-                into each OpRegistry, which a config then edits for one compile
-                (`OpRegistry.from_config`).
-  layer-keyed   the op uses its `layer_name` argument only to find that layer's
-                metadata, so identical layers can share one compiled piece
-                (compile_backend/compile/layer_sharing.py). Process-wide.
-  capture-safe  a CUDA graph may capture the op (compile_backend/passes/capture_safety.py asks
-                `is_capture_safe`): every op of torch's own namespaces
-                (`TRUSTED_NAMESPACES`) and each op, or `ns::*`, declared so.
-                Process-wide.
-Process-wide facts are read when asked, so a registration made after an
-OpRegistry was built still counts.
-
-Whoever defines an op declares its facts, once, beside the definition:
+Everything that asks "what is this op?" (the splitter, the passes, layer
+sharing, the debug dump) asks an `OpRegistry`. An op, named `namespace::name`
+(`namespace::*`: a whole namespace), has a role (breakpoint, attention-like,
+collective: process-wide defaults that a config edits for one compile), and
+may be layer-keyed and capture-safe (both process-wide, read when asked).
+Whoever defines an op declares its facts once, beside the definition:
     register_op("mylib::attn", role="breakpoint", layer_keyed=True, capture_safe=True)
-This project's own kernels (compile_backend/kernels/) do so when imported; core
-names none of them and imports no kernel.
+This project's own kernels (compile_backend/kernels/) do so when imported;
+core names none of them and imports no kernel. docs/design.md, section "Op
+facts live in one registry".
 """
 
 from __future__ import annotations

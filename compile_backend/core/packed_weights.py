@@ -8,12 +8,10 @@ of one tensor, without a second copy of them.
 rebinds each one's `.data` to its row slice: the objects, shapes, strides,
 dtypes and values stay, their old storage is freed (when nothing else holds
 it), and an in-place update (`load_state_dict`, `copy_`) writes the packed
-tensor itself. Row slices of a row-major tensor are contiguous with the
+tensor itself. Row slices of a row-major tensor are contiguous, with the
 strides of a tensor of their own, so nothing that checks shapes or strides
-(Dynamo's guards included) sees a change. `mrv2::sibling_linear`
-(compile_backend/kernels/sibling_linear.py) runs one matmul over `packed_view`; the FX pass
-compile_backend/passes/fuse_sibling_linears.py writes that op, and the backend packs the
-weights it names (compile/backend.py).
+(Dynamo's guards included) sees a change. docs/design.md, section "Sibling
+linears".
 """
 
 from __future__ import annotations

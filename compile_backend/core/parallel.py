@@ -7,12 +7,11 @@ binds the process to its GPU (LOCAL_RANK). A model asks `TensorParallel.current(
 for its rank and size; with no process group, or `size=1`, it is 1 rank and
 `all_reduce` is the identity (no collective, nothing in the graph).
 
-The sum is `torch.distributed._functional_collectives.all_reduce`: Dynamo
-traces it to `_c10d_functional.all_reduce` + `_c10d_functional.wait_tensor`
-nodes, so it is part of the FX graph and lands inside captured pieces (NCCL
-work can be captured in a CUDA graph; gloo work cannot: compile_backend/passes/capture_safety.py).
-Every rank must run the same graph each step or the collectives deadlock:
-compile_backend/runner/parallel.py checks that.
+The sum is `torch.distributed._functional_collectives.all_reduce`, which Dynamo
+traces into the FX graph, inside captured pieces (NCCL work can be captured;
+gloo work cannot). Every rank must run the same graph each step or the
+collectives deadlock: compile_backend/runner/parallel.py checks (docs/design.md,
+section "Tensor parallelism: every rank replays the same graph").
 """
 
 from __future__ import annotations

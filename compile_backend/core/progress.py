@@ -7,12 +7,11 @@
             ...
             bar.update(note=f"{step.num_tokens} tokens")
 
-A wait without steps (Dynamo tracing a model) shows its line too: once
-`delay` has passed, a timer draws the bar (on a terminal it then ticks every
-half second, so the elapsed time moves; in a log it is drawn once more when
-the wait ends). On a terminal this is a tqdm bar on stderr; elsewhere (logs,
-CI) tqdm writes plain lines. `MRV2_PROGRESS=0` turns it off; `MRV2_PROGRESS=1`
-shows it even for short waits. Torch-free.
+A wait without steps (Dynamo tracing a model) shows its line too: once `delay`
+has passed a timer draws it, every half second on a terminal (so the elapsed
+time moves) and once more at the end in a log. On a terminal this is a tqdm
+bar on stderr; elsewhere (logs, CI) tqdm writes plain lines. `MRV2_PROGRESS=0`
+turns it off; `MRV2_PROGRESS=1` shows it even for short waits. Torch-free.
 """
 
 from __future__ import annotations

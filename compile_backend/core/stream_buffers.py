@@ -1,25 +1,16 @@
 """Small device buffers that a kernel keeps from one launch to the next, one
 per (device, stream), zeroed when made and left zeroed by every launch
-(the split-K GEMM's arrival counters: compile_backend/kernels/skinny_linear.py, Note [split K]).
+(the split-K GEMM's arrival counters: compile_backend/kernels/skinny_linear.py).
 
-Why per stream: launches on one stream run one after another (with
-programmatic dependent launch too: a kernel touches such a buffer only after
-`griddepcontrol.wait`, when the kernel before it has completed), so one
-buffer per stream is never used by two launches at once; two streams get two.
+    declare(name, numel, dtype)   # a kernel module's buffer, made per stream on first use
+    buffer(name, device)          # the current stream's; None inside a capture before one exists
+    warm_stream_buffers(device)   # every declared buffer for the current stream, now
 
-Why made outside any capture: inside a capture a `torch.zeros` is recorded,
-not run, so a buffer made there would start as garbage in eager launches on
-the same stream. `buffer()` therefore makes one only outside a capture and
-answers None inside one where none exists yet (the kernel then takes a path
-that needs none); `warm_stream_buffers()` makes every declared buffer for
-the current stream, and the capture stream gets them before its first
-capture (compile_backend/runtime/graph_pool.py, `warm_capture_stream`).
-
-A CUDA graph holds the addresses of the buffers of the stream it was
-captured on (the capture stream) and replays on the caller's stream: its
-launches and the eager launches on that stream are ordered, so they share
-nothing at once. Replaying two such graphs on two streams at the same time
-would share the capture stream's buffers: the runtime never does that.
+Launches on one stream never overlap, so one buffer per stream is never used
+by two launches at once. A buffer is made only outside a capture (inside one
+a `torch.zeros` is recorded, not run): the capture stream gets its buffers
+before its first capture (runtime/graph_pool.py, `warm_capture_stream`).
+docs/design.md, section "Buffers kept per stream between launches".
 """
 
 from __future__ import annotations

@@ -3,23 +3,15 @@
     DIR/
       manifest.json              every field documented in docs/manifest.md
       graph_<k>/                 one folder per Dynamo graph (graph breaks give several)
-        graph_before_passes.py
-        graph_after_passes.py
-        split_graph.py
+        graph_before_passes.py, graph_after_passes.py, split_graph.py
         pieces/piece_<i>.py
       depyf/                     depyf's output, only inside `depyf_dump(DIR)`
 
-Written from two places: the backend calls `write_compile_dump` once per
-Dynamo graph (options={"debug_dump_path": DIR}); a runner's owner calls
-`update_manifest_runtime(DIR, runner)` after capture and after serving to add
-captures, metadata builds, fallbacks and counters. Plain `torch.compile`
-use (no runner) captures lazily, after the dump was written: its runtime
-section (graphs captured and held, counters) is written when the process
-exits, or earlier by `update_manifest_runtime(DIR)`.
-
-Nothing is half-written: a graph's folder is filled under a hidden temporary
-name and renamed into place, and manifest.json is replaced whole. A path that
-cannot hold a dump is refused before anything is created (`check_dump_path`).
+The backend calls `write_compile_dump` once per Dynamo graph; the runtime
+section comes from `update_manifest_runtime(DIR, runner)` (a runner's owner,
+after capture and after serving) or, without a runner, at process exit.
+Nothing is half-written, and a path that cannot hold a dump is refused before
+anything is created (`check_dump_path`). Layout and fields: docs/manifest.md.
 """
 
 from __future__ import annotations

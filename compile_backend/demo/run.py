@@ -6,15 +6,12 @@ machine supports and check each mode's tokens against an eager reference.
     torchrun --nproc-per-node 2 -m compile_backend demo --tp 2   # tensor parallel
 
 The reference runs mode NONE with eager pieces and no passes; every measured
-mode gets a fresh model with the same seeded weights and a fresh Dynamo.
-With `--tp N` (N processes started by torchrun) every rank runs every mode
-on its shard of the model, and the reference is the whole model (TP=1) on
-each rank, so "equal to eager" means equal to TP=1's tokens.
-
-Without CUDA only mode none runs (it says so, and how to see capture), and a
-graph mode asked for by name is refused (ValueError naming the fix), unless
-`standin=True` (`--standin`): then every mode captures and replays with the
-CPU stand-in for CUDA graphs, and the run says so.
+mode gets a fresh model with the same seeded weights and a fresh Dynamo. With
+`--tp N` every rank runs every mode on its shard, and the reference is the
+whole model (TP=1) on each rank. Without CUDA only mode none runs (it says so,
+and how to see capture) and a graph mode asked for by name is refused
+(ValueError naming the fix), unless `standin=True` (`--standin`): then every
+mode captures and replays with the CPU stand-in, and the run says so.
 """
 
 from __future__ import annotations

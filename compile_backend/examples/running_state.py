@@ -2,22 +2,16 @@
 request (README, "Your own attention-like ops"). Importing this module
 registers the op, its role and its metadata builder.
 
-What an engine author writes for a new stateful op, in three parts:
-  1. the op, `running_state::running_sum`: a torch.library custom op with a
-     fake implementation that reads its metadata from the forward context by
-     layer name; registered attention-like, so it is never a split point and
-     runs inside captured graphs in every mode (PIECEWISE included);
-  2. its metadata, `RunningSumMetadata`, and the builder that makes it from
-     the runner's persistent buffers, registered for the kind "running_sum";
-  3. the layer, `RunningSum`, whose `metadata_kind` and `layer_name` tell the
-     runner which metadata it reads.
-
-For request b with tokens x[qsl[b]:qsl[b+1]] this step, state row s = its slot:
+Three parts: the op `running_state::running_sum` (a custom op with a fake,
+reading its metadata from the forward context by layer name; attention-like,
+so it runs inside captured graphs in every mode), its metadata
+`RunningSumMetadata` with the builder registered for the kind "running_sum",
+and the layer `RunningSum`. For request b with tokens x[qsl[b]:qsl[b+1]] this
+step, state row s = its slot:
     prev      = state[s] if the request has cached tokens else 0     [C]
     out[t]    = prev + sum of the request's tokens up to and including t
     state[s] <- prev + sum of all the request's tokens this step
-Padding rows (slot -1) and padding tokens read and write nothing; their
-output is 0.
+Padding rows (slot -1) and padding tokens read and write nothing; output 0.
 """
 
 from __future__ import annotations

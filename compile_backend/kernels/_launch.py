@@ -1,36 +1,17 @@
 """Launching a compiled Triton kernel again without `JITFunction.run`.
 
 `kernel[grid](*args, **meta)` costs tens of microseconds of host time per
-launch: Triton binds the arguments, computes the specialization key, looks the
-compiled kernel up, reads its launch hooks, and only then calls the compiled
-kernel's launcher. An eager attention call repeats that for every layer of a
-step with the same grid, the same meta-parameters and the same non-tensor
-arguments.
-
-`Launch` is one such launch with everything but the tensors fixed. Made with
-`bind=False` it always goes through `kernel[grid]` (the checked launchers use
-it so). With `bind=True`, its first call still launches through
-`kernel[grid]`, but watches what Triton hands to the compiled kernel's
-launcher (Note [bound launch]); when that is exactly what a direct call would
-pass, later calls with arguments of the same specialization call the launcher
-directly. A bound launcher is kept per specialization (kernel, device, grid,
-meta-parameters, each argument's dtype and 16-byte alignment or exact value),
-so a new step's plan reuses it without watching again.
-
-Note [bound launch]: Triton 3.x launches a compiled kernel as
-    compiled.run(grid0, grid1, grid2, stream, compiled.function,
-                 compiled.packed_metadata, launch_metadata, enter_hook,
-                 exit_hook, *every argument in signature order, meta-parameters included)
-where the hooks are the knobs `triton.knobs.runtime.launch_{enter,exit}_hook`
-(None, or from Triton 3.6 a chain of hooks, empty unless a profiler added
-one) and launch_metadata is what the hooks would be shown. The first launch
-records the call that really happens and binds only if it matches that
-layout with these hooks; any other layout, an active hook, the interpreter or
-anything unexpected keeps the normal launch (logged once). A bound call
-passes the same hooks and no launch metadata, which only active hooks would
-read, so it is used only while no hook is active (checked per call by
-`hooks_unset`). Not re-checked after binding: Triton's debug knobs and the
-values of globals the kernel reads (these kernels read none).
+launch (binding, the specialization key, the lookup, the launch hooks), and
+an eager attention call repeats it for every layer of a step. `Launch` is one
+launch with everything but the tensors fixed. With `bind=False` it always
+goes through `kernel[grid]` (the checked launchers); with `bind=True` its
+first call watches what Triton hands the compiled kernel's launcher, and when
+that is what a direct call would pass, later calls of the same
+specialization call the launcher directly (kept per kernel, device, grid,
+meta-parameters and each argument's dtype and 16-byte alignment or value).
+Anything unexpected, an active launch hook or the interpreter keeps the
+normal launch, logged once. Note [bound launch]: docs/design.md, section
+"Attention plans and bound launches".
 """
 
 from __future__ import annotations

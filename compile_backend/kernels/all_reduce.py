@@ -8,12 +8,10 @@ collective (`_c10d_functional.all_reduce` + `wait_tensor`) when
 buffers (compile_backend/core/all_reduce.py, `setup_all_reduce`). At each
 call it picks, per message (`choose_all_reduce`: size against `threshold`
 and the buffer, dtype): a one-shot all-reduce over the symmetric buffers on
-the current stream, or the functional collective. Under a CUDA graph the
-choice is made at capture and the replay repeats it.
-
-Declared a collective (never a split point; the capture-safety pass checks
-its group's backend like the functional collective's: its last string
-argument is the group) and capture-safe.
+the current stream, or the functional collective (in a CUDA graph: at
+capture, and the replay repeats it). Declared a collective (never a split
+point; the capture-safety pass checks its group, its last string argument,
+like the functional collective's) and capture-safe.
 """
 
 from __future__ import annotations

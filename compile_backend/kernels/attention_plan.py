@@ -1,39 +1,16 @@
-"""The step plan cache of unified attention's direct path (Note [attention
-plans]): which calls may build a plan, how plans are keyed, and where a
-step's plans are kept.
+"""The step plan cache of unified attention's direct path: which calls may
+build a plan, how plans are keyed, and where a step's plans are kept.
 
-Where the plans live. A plan is valid for one step's metadata only (its
-tensors, by identity, and its Python ints), so it is kept on the step's
-metadata object, in a field the metadata class declares:
-`AttentionMetadata.attention_plans` (compile_backend/runner/attention_metadata.py),
-`field(default=None, init=False, repr=False, compare=False)`: no constructor
-argument, not in repr or equality, not a tensor (so not in `tensors()`), and
-`dataclasses.replace` gives the copy an empty cache. A new step builds new
-metadata, so plans never outlive their step and need no invalidation. The
-kernels sit below the runner (core < runtime < kernels < ... < runner) and
-never import its classes: they reach the field by its name, `PLANS_FIELD`
-(tests/kernels check that AttentionMetadata declares it). A metadata class
-without the field (a user's own) gets no plans: every call of a step then
-runs the checked path (correct, slower).
-
-Note [attention plans]: an eager piece calls `unified_attention_direct` once
-per layer. All but the tensors' contents is the same for every layer of a
-step with the same shapes: the checks, the path, the grid, the number of KV
-splits, the strides, the decode scratch. The first such call of a step runs
-the launcher's full checks and builds a plan (`_Plan` in
-compile_backend/kernels/unified_attention.py), kept in the step metadata's `attention_plans`
-(a dict keyed by `plan_key`: shapes, strides, dtypes and devices of query,
-caches and output); later calls find it and launch its kernels through bound
-launchers (compile_backend/kernels/_launch.py). A plan is used only where it does what the
-checked call would: the same key, the same metadata tensors (identity) and
-Python ints, 16-byte aligned tensors (what the bound kernels were specialised
-for), debug_checks off, and on CUDA no graph capture, no Triton launch hooks,
-and the device and stream the plan was built on (`_Plan.ready`). Anything
-else runs the checked path. Layers share the plan's scratch and the device's
-decode ticket counters (Note [decode tickets] in compile_backend/kernels/unified_attention.py):
-a later layer's decode launch writes them only after the earlier layer's has
-finished (one stream, launch order). On CPU (the interpreter) a plan launches normally and still
-checks the index values every call (Note [index checks] in compile_backend/kernels/_checks.py).
+An eager piece calls `unified_attention_direct` once per layer. The first
+call of a step runs the full checks and builds a plan (`_Plan` in
+compile_backend/kernels/unified_attention.py: path, grid, KV splits, strides,
+decode scratch), kept on the step's metadata object in the field it declares
+(`PLANS_FIELD`: `AttentionMetadata.attention_plans`) and keyed by
+`plan_key`; a later call with the same key, metadata tensors and ints, on
+the same device and stream, outside captures and launch hooks, launches the
+plan's kernels through bound launchers. Anything else runs the checked path.
+Plans never outlive their step. Note [attention plans]: docs/design.md,
+section "Attention plans and bound launches".
 """
 
 from __future__ import annotations

@@ -6,22 +6,12 @@ p // ratio. A group's compressed entry is sum_i softmax(score)_i * key_i over
 its `ratio` tokens; it is written to compressed_cache
 [num_blocks, block_size, KVH, D] at slot
 block_table[b, g // block_size] * block_size + g % block_size once complete.
-A group still open at the end of the step is carried in per-request state
-(fp32, online softmax): state_max [S, KVH], state_sum [S, KVH],
-state_acc [S, KVH, D]. State is read only when the request's first position
-this step is not a group boundary (it continues a group).
-
-out[t] is the running compressed value of t's group up to and including t
-(acc / sum), so a state bug shows in the per-token output. Padding rows
-(state index -1) touch no state or cache; their tokens' output, like that of
-any token outside a request, is 0, written by the kernel (no zeroing
-launch). The grid scales with the tokens present (Note [request tiles] in
-compile_backend/kernels/_device.py).
-
-Within a group, tokens are folded in one at a time, always by the same code,
-and the state is stored in fp32 exactly as held in registers: a sequence run
-in one step and the same sequence split over several steps give bit-identical
-fp32 results.
+A group still open at the end of the step is carried in per-request fp32
+state (online softmax): state_max [S, KVH], state_sum [S, KVH], state_acc
+[S, KVH, D]. out[t] is the running value of t's group up to and including t
+(acc / sum). Padding rows (state index -1) touch no state or cache; tokens
+outside a request output 0. One step and the same tokens over several give
+bit-identical fp32 results. docs/design.md, section "Ops with per-request state".
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""RMSNorm, a linear (or sibling linears) and the SwiGLU gate as one op:
-`mrv2::norm_linear`.
+"""RMSNorm, a linear (or sibling linears) and the SwiGLU gate as one op: `mrv2::norm_linear`.
 
     norm_linear(x [..., K], norm_weight [K] | None, eps, [w_0, ..., w_n], [b_i] or [], gated)
         h = rms_norm_ref(x, norm_weight, eps)          (x itself when norm_weight is None)
@@ -7,39 +6,12 @@
         gated:  g, u = y.chunk(2, -1);  y = silu(g) * u                  # [..., N / 2]
         == y
 
-Why (Note [norm and gate in the GEMM]): at decode, a layer's RMSNorms and
-its SiLU·mul are three small kernels, each a launch and a round trip
-through memory for a few rows; on the H200 at one token they cost about
-2.2, 2.2 and 1.4 µs a layer besides their launch gaps
-(bench/results/profile_llama8b.md). The linear that reads their output can
-do their work on the way:
-  - RMSNorm: out[m, n] = sum_k (x[m,k] rstd[m] nw[k]) w[n,k]
-                       = rstd[m] * sum_k (x[m,k] nw[k]) w[n,k],
-    so the kernel accumulates sum_k x[m,k]^2 next to the dot, from the x
-    tiles it loads anyway, and scales the accumulator by rstd[m] at the end:
-    no second pass over x and no extra memory traffic.
-  - SiLU·mul: a program computes the gate column n and the up column n
-    (weight rows n and N/2 + n) side by side and stores silu(g) * u.
-The pass compile_backend/passes/fuse_norm_linear.py writes this op for `RMSNorm -> linear`
-and `RMSNorm -> sibling linears`, and takes the `silu(gate) * up` after them
-in too.
-
-Rounding: the reference rounds where eager torch rounds (the normalized x
-to x's dtype, then times the norm weight; each linear; silu; the product).
-The kernel keeps fp32 from the accumulator to the one rounding of the
-output, and rounds x * nw to x's dtype for the dot (what the tensor cores
-take): within the bf16 tolerances the model tests state.
-
-Dispatch: CUDA tensors at decode shapes, with the weights packed back to
-back (`packed_view`, as sibling_linear needs), run the skinny kernel
-(compile_backend/kernels/skinny_linear.py) when `skinny_pays`; everything else runs the
-reference, which is the eager computation.
-
-Measured on the H200 (bench/results/norm_linear.md): correct, and 3-4x
-slower than the unfused Inductor norm + cuBLAS (+ SiLU·mul) at 1-64 rows,
-so compile_backend/passes/fuse_norm_linear.py is off by default (config `fuse_norm_linear`).
-The kernel's loop and tiles were reworked after that measurement (docs/design.md,
-"RMSNorm, projection and gate") and are not yet timed.
+At decode on CUDA, with the weights packed back to back (`packed_view`) and
+where `skinny_pays`, the skinny kernel (compile_backend/kernels/skinny_linear.py)
+does it in one launch, within bf16 tolerances; otherwise the reference runs,
+which is the eager computation. Measured slower than the unfused kernels, so
+compile_backend/passes/fuse_norm_linear.py is off by default. Note [norm and
+gate in the GEMM]: docs/design.md, section "RMSNorm, projection and gate".
 """
 
 from __future__ import annotations

@@ -4,16 +4,13 @@ paged KV cache, in one kernel.
 q [T, H, D] -> q_rot [T, H, D] (returned); k [T, KVH, D] rotated and v
 [T, KVH, D] as is -> key_cache/value_cache [num_blocks, block_size, KVH, D]
 at slot_mapping[t] = block * block_size + offset; slot -1 (a padding token)
-writes nothing to the caches, but its q_rot is still written.
-
-Rotary is the half-split layout of the reference models' `Rotary`
-(compile_backend/demo/models/blocks.py), all in fp32:
-    angle = float(positions[t]) * inv_freq          # [D/2]
+writes nothing to the caches, but its q_rot is still written. Rotary is the
+half-split layout of the reference models' `Rotary`, all in fp32:
+    angle = float(positions[t]) * inv_freq          # [D/2], inv_freq upcast to fp32
     x1, x2 = x[..., :D/2], x[..., D/2:]              # upcast to fp32
     x_rot = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-rounded to the output dtype once. inv_freq (the module's buffer, [D/2]) is
-read in its own dtype and upcast to fp32, as torch's type promotion does in
-`positions.float() * inv_freq` (a bf16 model holds a bf16 inv_freq).
+rounded to the output dtype once. docs/design.md, section "Rotary and the KV
+write in one kernel".
 """
 
 from __future__ import annotations

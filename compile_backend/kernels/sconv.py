@@ -7,12 +7,9 @@ read from conv_state[state_indices[b]] ([C, K-1], oldest first; zeros when
 has_initial_state[b] is False). The op then stores the request's last K-1
 inputs back into that slot. state_indices[b] == -1 marks a padding row: no
 state read or written, its tokens' output (like any token outside a request)
-is 0, written by the kernel (the output needs no zeroing launch). The grid
-scales with the tokens present (Note [request tiles] in compile_backend/kernels/_device.py).
-
-The state holds inputs, not partial sums, and every output is the same fixed
-sum order over the same values, so one step and the same tokens split over
-several steps give bit-identical results in every dtype.
+is 0, written by the kernel. One step and the same tokens split over several
+steps give bit-identical results in every dtype. docs/design.md, section
+"Ops with per-request state".
 """
 
 from __future__ import annotations

@@ -3,23 +3,14 @@
     sibling_linear(x, [w_0, ..., w_n], [b_0, ..., b_n] or [])
         == torch.cat([F.linear(x, w_i, b_i) for i], dim=-1)      # [..., sum N_i]
 
-The pass compile_backend/passes/fuse_sibling_linears.py writes it in place of several
-`linear`s that read the same input (q/k/v, gate/up). The op needs no new
-tensor: when the weights lie back to back in one storage, in order (row
-slices of one [sum N_i, K] weight, which is what `pack_siblings` makes of
-them), it runs ONE `F.linear` over a view of that weight, so a decode step
-launches one GEMV and reads the weights once. Otherwise (a parameter was
-replaced by a new tensor, or never packed) it runs the separate linears and
-concatenates them: slower, never wrong. The check compares storage pointers
-and offsets on the host; under a CUDA graph it runs at capture, and a replay
-reads the addresses it captured (docs/design.md, "What may move between
-calls": parameters do not move under a runner; a plain caller's moved input
-is captured again, and the op checks again then).
-
-`pack_siblings(tensors)` (compile_backend/core/packed_weights.py) makes a
-group adjacent without a second copy of the weights: it allocates the
-[sum N_i, K] weight once, copies each sibling in and rebinds each
-parameter's `.data` to its row slice.
+The pass compile_backend/passes/fuse_sibling_linears.py writes it in place of
+several `linear`s that read the same input (q/k/v, gate/up). When the weights
+are consecutive row slices of one storage, in order (what `pack_siblings`,
+compile_backend/core/packed_weights.py, makes of them), it runs ONE
+`F.linear` over a view of that weight: one GEMV at decode, the weights read
+once. Otherwise it runs the separate linears and concatenates: slower, never
+wrong. The check compares storage pointers and offsets on the host; under a
+CUDA graph it runs at capture. docs/design.md, section "Sibling linears".
 """
 
 from __future__ import annotations

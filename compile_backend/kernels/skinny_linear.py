@@ -1,7 +1,6 @@
-"""Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel,
-with the residual add in its epilogue (`mrv2::linear_add`), and optionally
-an RMSNorm of x in its prologue and SiLU·mul in its epilogue
-(`mrv2::norm_linear`, compile_backend/kernels/norm_linear.py).
+"""Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel, with
+the residual add in its epilogue (`mrv2::linear_add`), and optionally an
+RMSNorm of x in its prologue and SiLU·mul in its epilogue (`mrv2::norm_linear`).
 
     skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N_out] | None,
                   norm_weight [K] | None, eps, gated)
@@ -10,79 +9,9 @@ an RMSNorm of x in its prologue and SiLU·mul in its epilogue
         gated: y = silu(y[:, :N/2]) * y[:, N/2:]                      # [M, N_out = N/2]
         == y (+ residual)                                             # [M, N_out]
 
-Why (Note [skinny GEMMs]): at decode a linear reads its whole weight to make
-a few rows, so it is bound by HBM bandwidth, and what else it launches shows
-in the step. On the H200 (llama-8B, one token; bench/profile_step.py) cuBLAS
-ran the o and down projections as split-K GEMMs, each followed by a split-K
-reduce kernel, and Inductor's `addmm` for `residual + linear(x)` first
-copies the residual into the output (a D2D memcpy) and then accumulates
-into it: four launches per layer besides the two GEMMs. This kernel gives
-each program BLOCK_N output columns over the whole K, or over one of
-SPLIT_K runs of it whose parts the last program to finish sums (Note
-[split K]; no reduce kernel either way), streams its slice of the weight
-through a pipelined loop, and
-adds bias and residual to the fp32 accumulator before the one rounding to
-the output dtype (what `addmm` computes too).
-
-Measured (bench/results/skinny_gemm.md, 12 calls in a CUDA graph, weights
-past L2): with the residual, the kernel takes 0.77-0.78x cuBLAS's time for
-the o projection (4096 x 4096) at 1-32 rows and 0.89-0.90x for down
-(4096 x 14336) at 1-16 rows; 0.89-0.95x for both at 32-64 rows. Without
-one, cuBLAS's single GEMV is as fast as the best configuration swept
-(qkv 0.97-0.99x, gate_up 1.04x, lm_head 0.96x): so a plain linear never
-uses the kernel (`mrv2::sibling_linear` keeps cuBLAS); `mrv2::linear_add`
-does, and `mrv2::norm_linear` does where it also saves the RMSNorm and
-SiLU·mul kernels (`python bench/skinny_gemm.py --fused` times that against
-the unfused sequence).
-
-Norm and gate (Note [norm and gate in the GEMM], compile_backend/kernels/norm_linear.py):
-out[m, n] = rstd[m] * sum_k (x[m,k] nw[k]) w[n,k], so with a norm weight
-the K loop also sums x[m,k]^2 in fp32 from the x tile it loaded for the dot
-(no second pass over x), feeds the dot x * nw rounded to x's dtype, and
-scales the accumulator by rstd[m] = 1/sqrt(mean_k x^2 + eps) after the
-loop. Gated, program p keeps two accumulators, for the gate's weight rows n
-and the up projection's rows N/2 + n (n in its BLOCK_N columns), adds the
-packed bias's entries n and N/2 + n, and stores silu(g) * u (+ residual)
-from fp32, one rounding. These variants take their own meta-parameters
-(`FUSED_CONFIGS`): with the norm's fp32 tiles the plain ones spill registers.
-
-Rows: x's M rows are padded to one dot tile of 16, 32 or 64 rows (`tl.dot`
-needs every dimension >= 16); the tensor cores have time to spare at these
-shapes, and each row tile has its own meta-parameters (`CONFIGS`).
-Grid: cdiv(N_out, BLOCK_N) x SPLIT_K programs. The kernel is used only where its grid is
-wide enough to win (`skinny_fills`), so a narrow projection (a TP shard, a
-small model) stays with cuBLAS.
-
-Note [split K]: with SPLIT_K > 1 (a config's key) the grid is (column
-tiles, SPLIT_K) and program (t, s) sums its tile over the s-th of SPLIT_K
-runs of K (K_SPLIT columns, whole BLOCK_K tiles), so that a weight whose
-column tiles do not fill the SMs evenly (qkv: 6144 / 32 = 192 tiles on 132
-SMs) or whose tiles must be wide (64 rows re-read x once per tile) still
-spreads evenly. No second kernel reduces: each program stores its fp32 part
-to `parts` [SPLIT_K, M, N_out] and adds one to its tile's arrival counter
-(acq_rel, GPU scope, after a CTA barrier, so every thread's part is
-visible first); the program that sees SPLIT_K - 1 is the last, sums the
-parts in split order (the result does not depend on the arrival order, so
-replays are bit-equal), runs the epilogue and sets the counter back to 0.
-The counters are a per-stream buffer (compile_backend/core/stream_buffers.py),
-zeroed once outside any capture and zero again after every launch; with PDL
-a launch touches them only after `pdl_wait`, when the launch before it on
-the stream has completed. Inside a capture on a stream without counters
-the launch takes one split (counted: `skinny_split_k_fallbacks`). The norm
-and gate variants never split (their epilogues need all of K).
-Measured on the H200 (bench/results/skinny_gemm_split.md): two splits over
-64-column tiles are the 16-row tile's best (o and down, 1-3% faster than
-the best single split); qkv stays at 15.9 µs with 1, 2 or 4 splits, so
-uneven waves were not what held it back (docs/design.md, "Decode at
-llama8b"), and at 64 rows the wider tiles lose.
-
-`MRV2_SKINNY_GEMM=0` never uses it, `=1` uses it whenever the inputs allow
-(benchmarks: bench/skinny_gemm.py); unset, `skinny_pays` decides.
-
-The op `mrv2::linear_add(x, weight, bias, residual)` is what
-compile_backend/passes/fuse_linear_residual.py writes for `residual + linear(x, weight, bias)`;
-`mrv2::norm_linear` (compile_backend/kernels/norm_linear.py) calls the launcher with
-`norm_weight`, `eps` and `gated`.
+Used where its grid is wide enough to beat cuBLAS (`skinny_pays`;
+`MRV2_SKINNY_GEMM=0/1` overrides). Note [skinny GEMMs], Note [split K]:
+docs/design.md, sections "The skinny GEMM" and "Split K without a reduce kernel".
 """
 
 from __future__ import annotations

@@ -5,74 +5,12 @@ attends causally to its first seq_lens[b] cached tokens, found through
 block_table[b] in caches [num_blocks, block_size, KVH, D]. The query at index i
 of a request with q_len queries sits at position seq_lens[b] - q_len + i and
 sees keys at positions <= that. Grouped-query attention: query head h reads kv
-head h // (H // KVH).
-
-Two paths, picked by the Python int `max_query_len`:
-  * prefill / mixed (max_query_len != 1): one program per (query tile, kv
-    head), the tiles laid over the flattened batch (Note [request tiles] in
-    compile_backend/kernels/_device.py); a tile's rows are BLOCK_Q tokens of one request x the
-    kv head's query heads.
-  * decode (max_query_len == 1): split-KV ("flash decoding") in one launch
-    (Note [one-launch decode]): one program per (request, kv head, split).
-    The grid's number of splits comes from num_reqs, KVH, max_seq_len and the
-    SM count, never from tensor values (the op runs inside CUDA graphs); how
-    many of them a request uses is decided in the kernel from its runtime
-    seq_len, and the last of its splits to finish merges them. The
-    two-launch form (a split kernel, then a reduce kernel) runs where one
-    launch does not pay (`one_launch_pays`: on the H200, fewer than about 264
-    (request, kv head) programs, e.g. llama-8B below 33 requests), for a
-    capture without a ticket buffer (Note [decode tickets]), and when asked
-    (config["TWO_LAUNCH"], MRV2_DECODE_TWO_LAUNCH=1 or 0).
-
-The op writes its output (an out-parameter, so that a caller can allocate it
-where a CUDA graph keeps it). Rows of tokens that belong to no request (past
-qsl[B]) come out 0, written by the kernels themselves (prefill: the padding
-pseudo-request's tiles; decode: split 0 of the program for that row; the
-two-launch form: the reduce kernel), so no zeroing launch is needed.
-Configs are chosen by functions, not autotuned: autotuning would benchmark
-during the first call, which may be a CUDA-graph capture.
-
-Eager pieces call `unified_attention_direct`, which reuses a step's launch
-plan (Note [attention plans] in compile_backend/kernels/attention_plan.py, the plan cache).
-
-Note [one-launch decode]: program (p, kvh, split) of the grid
-(max(B, T), KVH, S). Request b = p with a query and L = seq_lens[b] keys
-uses n = cdiv(L, per) splits, per = max(TILE_N, round_up(cdiv(L, n_want),
-TILE_N)), n_want = clamp(L // MIN_SPLIT_LEN, 1, S): at most S, each of at
-least MIN_SPLIT_LEN keys but the last, every one non-empty; programs with
-split >= n exit at once. So a short context is one split, whatever S the
-graph was captured with: that program writes the normalized output itself,
-with no scratch and no atomic. With n > 1 each split writes its partial
-(unnormalized sum [H/KVH, D], running max and sum, fp32) to the scratch
-[B, H, S, D] / [B, H, S], then takes a ticket: an atomic add on the counter
-of (b, kvh) (Note [decode tickets]). The program that draws ticket n - 1
-arrived last: it resets the counter to 0, reads the n partials back and
-writes the merged output. The merge reads every partial from the scratch in
-split order, its own too, so the result does not depend on which split
-arrives last (bit-identical over replays).
-Memory ordering. A partial is stored by all threads of its program; the
-atomic is performed by one. `tl.debug_barrier()` (a CTA barrier) before the
-atomic orders every thread's stores before it, and the atomic's release
-(sem="acq_rel", scope="gpu") makes them visible device-wide before the
-counter changes (release is cumulative over what the barrier ordered before
-it). The last program's atomic reads the final count with acquire semantics
-and so observes the other splits' releases; its result reaches the other
-threads through Triton's broadcast of a scalar atomic (shared memory and a
-barrier), followed by an explicit barrier, so every thread's loads of the
-partials come after the acquire. The partials are stored and loaded with
-cache_modifier=".cg" (cached in L2 only): L1 is not coherent across SMs,
-and a line of the [B, H, S] maxima holds entries of several (request, kv
-head) pairs, so another program on the same SM could have left a stale copy
-in L1. The reset needs no ordering within the launch (no program of this
-launch touches the counter after the last ticket) and is visible to the
-next launch at the kernel boundary. Kernels of one stream do not overlap,
-so the layers of a step share the counters and the scratch.
-
-Note [dot tiles]: on the GPU, `tl.dot` needs every dimension >= 16 (the
-interpreter does not check). The head dimension of every tile (BLOCK_D) is
-padded to at least 16, its extra columns masked to 0 on load and never
-stored, so any head size from 1 to MAX_HEAD_DIM works; the row tiles
-(BLOCK_M, BLOCK_H) and key tiles (TILE_N) are at least 16 too.
+head h // (H // KVH). `out` is an out-parameter; rows past qsl[B] come out 0,
+written by the kernels. Prefill and mixed batches (max_query_len != 1) run one
+program per (query tile, kv head), decode runs split-KV in one launch or two;
+eager pieces call `unified_attention_direct` (compile_backend/kernels/attention_plan.py).
+Note [one-launch decode], Note [dot tiles]: docs/design.md, sections "Unified
+attention: two paths" and "Decode attention in one launch".
 """
 
 from __future__ import annotations

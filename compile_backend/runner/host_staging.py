@@ -1,25 +1,15 @@
 """Persistent step-input buffers carved out of one device arena, written
 through a pinned host twin of it.
 
-A step's inputs (token ids, positions, block tables, ...) are built on the host
-and copied into persistent device buffers (graphs read them where they were
-captured). Two costs are avoided here:
-- A copy from pageable memory blocks the host until the device has drained the
-  queue ahead of it, so the host could not prepare step i+1 while step i runs.
-  The twin is pinned and the copy is queued (`non_blocking`).
-- A copy per field costs a copy call per field (and a tensor built per field).
-  Values go into the twin with a plain memory move from a host `array`, and one
-  copy moves the twin's used range to the device.
-
-Every field is a typed, shaped view of the device arena, so its address never
-changes. The device range copied at a write is [0, `upto` bytes): everything
-the step reads must lie in it, and the twin must hold the right values for all
-of it (a field written at an earlier step keeps its twin values).
-
-Reuse hazard: the twin must not be rewritten before the copy queued from it
-last time has run, so `write()` waits on an event recorded after the previous
-copy (normally long done: it waits only when the host runs more than one step
-ahead). On a CPU device the copy is immediate.
+Every field is a typed, shaped view of the device arena, so its address
+never changes (graphs read the inputs where they were captured). Values go
+into the twin with a plain memory move from a host `array`, and one queued
+(`non_blocking`) copy moves the twin's used range, [0, `upto` bytes), to the
+device: everything the step reads must lie in it, and the twin must hold the
+right values for all of it (a field written at an earlier step keeps its
+twin values). `write()` waits until the copy queued last time has run before
+it rewrites the twin. On a CPU device the copy is immediate. docs/design.md,
+section "Step inputs: one device arena, one pinned copy".
 """
 
 from __future__ import annotations

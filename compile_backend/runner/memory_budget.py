@@ -1,9 +1,5 @@
-"""Sizing the KV cache from a memory budget.
-
-An engine gives a fraction of the device (`gpu_memory_utilization`) and its
-limits (block size, max_model_len, max_num_reqs, max_num_tokens); this module
-measures what everything but the KV cache takes and gives the KV cache the
-rest, in whole blocks:
+"""Sizing the KV cache from a memory budget: what everything else takes is
+measured, and the KV cache gets the rest of the budget, in whole blocks.
 
     budget = size_kv_cache(model, CompilationConfig(cudagraph_mode="piecewise"),
                            gpu_memory_utilization=0.9, max_model_len=8192,
@@ -13,36 +9,9 @@ rest, in whole blocks:
     model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cuda")
     runner = ModelRunner(model, kv, config, "cuda")
 
-Three layers, so that each can be tested on its own:
-
-- `cache_layout(model, block_size)`: bytes per KV block and per request slot,
-  read from a dry `model.bind_caches(...)` on the meta device (the layers say
-  what they allocate; nothing is allocated, and the model's buffers are put
-  back as they were).
-- `measure_memory(...)` -> `MemoryTerms`: the measured terms. It binds small
-  caches, builds a throwaway ModelRunner, runs the largest step, captures the
-  real plan, reads the allocator around each phase, then frees all of it.
-- `plan_memory(terms, ...)` -> `MemoryBudget`: pure arithmetic from the terms
-  to num_blocks, or ValueError naming each term when not even one request of
-  max_model_len fits. `MemoryBudget.report()` is the text a person reads.
-
-Measured, not predicted: the graph pool (the capture plan is captured for real
-against a 2-block KV cache: the pool holds the graphs' activations and
-outputs, whose sizes depend on the capture sizes and the model, never on
-num_blocks, since the caches are inputs the graphs read in place), the
-activation peak (the largest step, a dummy batch of max_batch_tokens tokens,
-run without graphs: Inductor's buffers and the eager attention's scratch
-are what they are at run time), the workspaces (what the first steps leave
-allocated: cuBLAS's per-stream workspaces and the like) and the memory
-outside torch's allocator (CUDA context, kernel code, graph objects).
-Predicted exactly: the KV cache and per-request state (bytes the layers
-allocate, from the dry bind), and a bound on the allocator's rounding of the
-cache tensors (2 MiB each). Measuring costs one compile and one capture of
-the plan; the runner built afterwards compiles again (its caches have other
-shapes, so its compiled step is another entry of the warm-start cache).
-
-On a CPU the allocator terms cannot be read: they count as 0 and `total_bytes`
-must be given (a dry run of the arithmetic and the plumbing).
+Three layers, each testable alone: `cache_layout` (bytes per block and per
+request slot), `measure_memory` (the measured terms) and `plan_memory` (pure
+arithmetic to num_blocks). docs/design.md, section "Memory budget".
 """
 
 from __future__ import annotations

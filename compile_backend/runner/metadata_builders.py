@@ -6,26 +6,12 @@
     builder.persistent_tensors()    name -> tensor whose address a graph keeps
     builder.build(batch, *, for_capture) -> the op family's metadata dataclass
 
-A runner constructs one builder per kind its model's layers use, as
-`builder_cls(kv_cache_config, input_buffers, block_tables)`. The built-in
-kinds are below; `register_metadata_builder(kind, builder_cls)` adds a user's.
-
-Every tensor a builder hands out is a view of a persistent buffer (InputBuffers,
-BlockTables), so its address is the same at capture and at every replay of the
-same padded size. What `for_capture` changes is the Python ints an op bakes
-into a graph (grid sizes): with it, they are worst cases for the padded size
-(max_seq_len = max_model_len); without it, exact values for eager execution.
-
-Note [attention-like metadata is always capturable]: sconv and the compressor
-run inside captured segments in every mode, PIECEWISE included, where
-`for_capture` is False. Their builders ignore the flag: request count and
-max_query_len are always the padded batch's (the same at capture and at any
-replay of that size), and their tensors are persistent views. One exception,
-as safe: in a uniform-decode graph (`batch.graph.uniform_decode`, true only
-for FULL graphs that replay one-token-per-request batches alone)
-max_query_len is 1. The padded T there would size the kernels' grids by T
-tokens per request: at 256 requests, 65 compressor groups per request instead
-of 1 (66560 programs for 1024 with work).
+A runner constructs one builder per kind its model's layers use
+(`builder_cls(kv_cache_config, input_buffers, block_tables)`; a user's kind:
+`register_metadata_builder`). Every tensor a builder hands out is a view of
+a persistent buffer; `for_capture` makes the Python ints an op bakes into a
+graph worst cases for the padded size. Note [attention-like metadata is
+always capturable]: docs/design.md, section "Metadata builders".
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Tensor parallelism in the runner: N processes (torchrun, one per GPU), each
-with its own ModelRunner, model shard, KV cache (its KV heads only: the
-layers hold H/N heads, and `bind_caches` sizes by them) and graph pool (one
-per process: runtime/cuda_graph.py).
+with its own ModelRunner, model shard, KV cache (its KV heads only) and graph
+pool.
 
 A graph that holds a collective must be replayed by every rank, or the ranks
-that did replay wait forever. So every rank must run the same graph each
-step (same mode, same padded tokens and requests). That holds by construction:
-
-  capture   every rank builds the same plan from the same CompilationConfig
-            and KVCacheConfig; checked once, when the runner is built (one
-            all_gather of the plans), since a difference there deadlocks at
-            the first capture;
-  serving   `ModelRunner.dispatch` depends only on the batch and that plan,
-            and every rank gets the same batch (each rank's engine schedules
-            the same requests; the replicated lm_head gives every rank the
-            same logits, so the same sampled tokens).
-
-The all-reduce itself (`tp_all_reduce`, compile_backend/core/all_reduce.py):
-the plan compared at build time includes the mode and threshold, and then
-`setup_all_reduce` compares capability and sets up the symmetric buffers,
-eagerly, before the first compile; `end_tensor_parallel` frees them.
-
-With `CompilationConfig.debug_checks` every step's choice is compared before
-it runs (an all_gather of 4 ints on the group, a sync per step), and a
-mismatch raises naming each rank's choice instead of hanging.
-
-Which runners take part: those whose model has a `tp` attribute, a
-`compile_backend.core.parallel.TensorParallel` of more than one rank (the
-reference models do). A model without one runs no collectives the runner
-needs to line up.
+that did replay wait forever. Every rank builds the same capture plan from
+the same configs (checked once, when the runner is built: one all_gather of
+the plans) and dispatches on the batch alone, which every rank's engine
+schedules identically; under `debug_checks` each step's choice is compared
+before it runs, and a mismatch raises naming each rank's choice. Runners
+whose model has a `tp` of more than one rank take part, and set up the
+symmetric all-reduce's buffers (compile_backend/core/all_reduce.py).
+docs/design.md, section "Tensor parallelism: every rank replays the same
+graph".
 """
 
 from __future__ import annotations

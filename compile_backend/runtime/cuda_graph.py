@@ -5,34 +5,13 @@ replays it after.
 Which graph a call uses comes from the forward context the runner sets:
   the context's graph has the wrapper's mode  -> capture or replay, keyed by graph.key
   anything else (NONE, no graph, FULL around a PIECEWISE piece) -> run the callable
-Without a forward context (plain torch.compile use, no runner), a wrapper keys
-graphs by its inputs' shapes: the first call of a shape runs eagerly as
-warm-up, the second captures, later ones replay. A FULL wrapper runs its
-callable under a forward context without a graph, so PIECEWISE wrappers
-inside it run their callables (one graph, not nested captures).
-
-Capture never hands out what it recorded. Capturing records kernels and runs
-none: the capturing call's outputs are uninitialised memory and its writes
-(KV cache, conv state) do not happen. So every capture is followed by one
-replay, whose outputs the call returns and whose writes happen exactly once.
-A caller that must not capture on demand (the draft loop) checks
-`is_captured` first and raises.
-
-Addresses. A graph reads and writes the addresses seen at capture, so a
-replay must never copy an input it writes into a capture-time tensor: the
-caller's tensor would miss the write (a KV cache, a counter). Which inputs a
-graph writes comes from the compile (`written_inputs`; unknown means all).
-An input it writes that moved gets a graph captured for the new address
-(kept per key, `graphs_per_shape` at most, least recently used evicted);
-a read-only input that moves is copied, from then on, into a private buffer
-the graph reads (never into the caller's old tensor). Outputs that alias an
-input are views of the caller's tensor. With `debug_checks` every moved
-input is logged (name, addresses, written or read), and inputs named stable
-(parameters, buffers) and persistent metadata tensors raise if they move.
-Outputs are held weakly (a non-owning tensor on the pool's memory), so a
-block no later graph reads returns to the shared pool; graphs captured
-outside the runner's ordered capture (lazily, or for a new address) get a
-pool of their own. docs/design.md says why each rule holds.
+Without a forward context (plain torch.compile use), graphs are keyed by the
+inputs' shapes: warm-up, capture, then replay. Every capture is followed by
+one replay, whose outputs the call returns. A written input that moved gets
+a graph for its new address; a moved read-only input is copied into a
+private buffer; outputs are held weakly. docs/design.md, sections "Capture
+never hands out what it recorded" and "A replay never writes into a private
+copy of a caller's tensor".
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """A CPU stand-in for CUDA graphs, exactly as strict as the real thing, for
 tests and benchmark dry runs (`with use_graph_backend(StandInGraphs()):`).
 
-The contract (what a CUDA graph does, and so what this does):
-
-- **Capture runs nothing observable.** On a GPU, capture records kernels and
-  runs none: the capturing call's outputs are uninitialised memory and no
-  tensor is written. Here the callable runs (so Python-level effects, such as
-  the metadata an op reads and the trace it records, happen as on a GPU), but
-  under a dispatch mode that saves every tensor an op is about to write and
-  puts it back when capture ends; the callable's own tensor arguments are
-  also saved whole, which covers compiled code that writes its inputs
-  without going through the dispatcher. Then every output that is new memory
-  (aliases no pre-existing tensor) is poisoned: NaN for floats, a sentinel
-  (the dtype's minimum) for integers, True for bools. So a caller that uses
-  what a capture returned, or relies on a capture's writes, fails on the CPU
-  as it would on the H200.
-  Not covered: a write that bypasses the dispatcher into a tensor that is not
-  one of the callable's arguments (an Inductor kernel of a piece nested in a
-  FULL capture, writing its own inputs). CPU tests compile pieces eagerly.
-- **Replay** re-runs the callable on the tensors held from capture and under
-  the forward context seen at capture: the Python ints baked into a graph and
-  the metadata tensor objects are the capture-time ones, and only what was
-  copied into the held input and persistent buffers is new, as on a GPU.
-  Results are copied into the capture-time output tensors.
-
-`compile_backend.standin_graphs()` is the public switch (`mrv2 demo
---standin` and `check_against_eager(..., standin=True)` use it): graph modes
-then capture and replay on the CPU instead of running as `none`.
+Capture runs the callable (its Python-level effects happen, as on a GPU) but
+leaves no tensor written: every tensor an op writes, and the callable's
+tensor arguments, are restored when capture ends, and every new output is
+poisoned (NaN; integers: the dtype's minimum; bools: True). Replay re-runs
+the callable on the capture-time tensors under the capture-time forward
+context and copies the results into the capture-time outputs. So a caller
+that uses what a capture returned, or relies on its writes, fails here as on
+a GPU. `compile_backend.standin_graphs()` is the public switch (`mrv2 demo
+--standin`, `check_against_eager(..., standin=True)`). docs/design.md,
+section "The CPU stand-in is as strict as a GPU".
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """No Triton JIT compile inside a graph capture: the guard that lets a
 runner's plan skip the eager warm-up before most captures
-(docs/design.md, "Capture warms up per kernel configuration").
+(docs/design.md, section "Capture warms up per kernel configuration").
 
-A warm-up before a capture exists for what must not happen while a stream
-captures: a Triton kernel compiled (or loaded from Triton's disk cache) for a
-new specialisation, which loads a module into the CUDA context. Everything
-else a first call does at a new size is capturable (cuBLAS's workspaces and
-the kernels' per-stream buffers are made before any capture:
-runtime/graph_pool.py, `warm_capture_stream`). So the runner captures first
-and warms up only when a capture asks Triton for a new kernel: Triton calls
-its `jit_cache_hook` before compiling, and the hook installed here raises
-`CompileInCapture` while a capture is in progress, before any CUDA call;
-Inductor's kernels, which bypass the JIT, are refused at their first-launch
-compile or autotune the same way.
-The runner drops that graph, runs the eager warm-up (which compiles) and
-captures again. Outside a capture the hook only counts (`triton_compiles`).
+A warm-up exists for what must not happen while a stream captures: a Triton
+kernel compiled (or loaded from Triton's disk cache) for a new
+specialisation. Triton calls its `jit_cache_hook` before compiling; the hook
+installed here raises `CompileInCapture` while a capture is in progress,
+before any CUDA call, and refuses Inductor's first-launch compile or
+autotune the same way. The runner then drops that graph, runs the eager
+warm-up (which compiles) and captures again. Outside a capture the hook only
+counts (`triton_compiles`).
 """
 
 from __future__ import annotations

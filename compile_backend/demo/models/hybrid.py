@@ -7,15 +7,10 @@ attention-like, side by side on the layer's input, then a SwiGLU MLP.
     x = x + mlp(norm(x))
 
 sconv and the compressor depend only on the layer input, so the segment pass
-can keep them in the captured segment before the attention breakpoint.
-
-Tensor parallel (`tp_size`, default: the process group's size): attention
-and MLP as in blocks.py; the short conv's channels are split (conv_in
-column-parallel, the depthwise conv's weight, bias and state by channel,
-conv_out row-parallel) and the compressor works on this rank's KV heads
-(score column-parallel, one score per KV head; comp_out row-parallel). The
-three partial outputs are summed, then all-reduced once: two collectives
-per layer, as in the Llama-like model.
+can keep them in the captured segment before the attention breakpoint. Tensor
+parallel (`tp_size`, default: the process group's size; README.md, "Tensor
+parallelism"): the conv's channels and the compressor's KV heads (one score
+per KV head) are split, and the three partial sums share one all-reduce.
 """
 
 from __future__ import annotations
