@@ -13,8 +13,9 @@ is not timed), the back-to-back step time (20 steps queued with no synchronize i
 between: the host prepares step i+1 while the device runs step i, as an engine
 that schedules ahead does), the FULL graph's replay alone where there is one,
 the ratio to the HBM floor (weight bytes + KV bytes read, over the device-to-device copy
-bandwidth measured in this run), and the relative error of the first step's
-logits against eager (match: < 5e-2, bf16 over 8 layers).
+bandwidth: the median of 5 rounds at the run's start and 5 at its end, min-max
+beside it in the header), and the relative error of the first step's logits
+against eager (match: < 5e-2, bf16 over 8 layers).
 
 Variants (all with the project's kernels):
   eager                    the model uncompiled
@@ -38,12 +39,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,7 +62,10 @@ from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.demo.models import build_model, preset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
+from report import (  # noqa: E402
+    add_dry_run, add_out, comma_list, heading, names, run_meta, table, write_md_and_json)
 from roofline import Work, floor_seconds, gemm_peak_flops, step_work  # noqa: E402
+from timing import Bandwidth, call_ms, copy_bandwidth, spread_text  # noqa: E402
 from workload import config_options, decode_batch, fill_caches, mixed_batch  # noqa: E402
 
 # Where mrv2 splits (the KV write runs inside mrv2's pieces, so not here either).
@@ -125,35 +127,15 @@ class Setup:
 
 
 def median_ms(fn: Callable[[], Any], setup: Setup, reps: int = 30) -> float:
-    times = []
-    for _ in range(reps):
-        if setup.device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); fn(); e.record(); torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(call_ms(fn, setup.device, reps))
 
 
 def back_to_back_ms(fn: Callable[[], Any], setup: Setup, steps: int = 20, reps: int = 5) -> float:
     """Per-step time of `steps` calls queued without a synchronize between them."""
-    times = []
-    for _ in range(reps):
-        sync(setup)
-        if setup.device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(steps):
-                fn()
-            e.record(); torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) / steps)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(times)
+    def queued():
+        for _ in range(steps):
+            fn()
+    return statistics.median(call_ms(queued, setup.device, reps)) / steps
 
 
 def sync(setup: Setup) -> None:
@@ -168,16 +150,6 @@ def allocated(setup: Setup) -> int:
 def reserved(setup: Setup) -> int:
     """Device memory the allocator holds, graph pools' free blocks included."""
     return torch.cuda.memory_reserved() if setup.device == "cuda" else 0
-
-
-def copy_bandwidth(setup: Setup) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted)."""
-    n = (1 << 30) if setup.device == "cuda" else (1 << 24)
-    a = torch.empty(n, dtype=torch.uint8, device=setup.device).random_(0, 255)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    return 2 * n / (median_ms(lambda: b.copy_(a), setup, reps=20) / 1e3)
 
 
 def step_floor_work(model: torch.nn.Module, batch: int, context: int) -> dict[str, list[int]]:
@@ -250,7 +222,7 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
 
 
 @torch.no_grad()
-def run_decode(model_name, variant, setup, batches, bw):
+def run_decode(model_name, variant, setup, batches):
     sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
     blocks = max(batches) * (math.ceil((setup.context + 1) / 16) + 2) + 2
     runner, model, kv, startup = build(model_name, variant, setup, sizes, max(batches),
@@ -327,63 +299,78 @@ def _peak_note(meta) -> str:
     return f", measured {peak:.0f} TFLOP/s" if peak else ", not measured here"
 
 
-def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "first"} for r in rows]  # noqa: E731
-    with open(os.path.join(out_dir, "decode.json"), "w") as f:
-        json.dump({"meta": meta, "decode": strip(decode), "mixed": strip(mixed),
-                   "startup": startup, "compile": compile_times, "skipped": skipped}, f, indent=1)
-    L = [f"# Decode benchmark ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-         f"{meta['date']})", "",
-         f"Command: `{meta['command']}`; copy bandwidth "
-         f"{meta.get('copy_bandwidth_range') or format(meta['copy_bandwidth_GBps'], '.0f')} GB/s; "
+def _bandwidth_note(meta) -> str:
+    """A merged table's range of its runs' figures; one run's median (min-max)
+    over its rounds; an older run's one figure."""
+    if meta.get("copy_bandwidth_range"):
+        return f"copy bandwidth {meta['copy_bandwidth_range']} GB/s"
+    samples = meta.get("copy_bandwidth_samples_GBps")
+    if not samples:
+        return f"copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s"
+    return (f"copy bandwidth {spread_text(samples)} over {len(samples)} rounds of 20 copies "
+            "(the floors divide by the median)")
+
+
+def _mib(s, key) -> str:
+    return "-" if s.get(key) is None else f"{s[key] / 2**20:.0f}"
+
+
+def _dash(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def decode_table(decode) -> list[str]:
+    return table(
+        ["model", "variant", "batch", "step ms", "back-to-back ms", "replay ms", "HBM floor ms",
+         "compute-aware floor ms", "x floor (step / b2b)", "x compute-aware (b2b)", "rel err",
+         "match", "ran as"], "ll" + "r" * 9 + "ll",
+        [[r["model"], r["variant"], r["batch"], f"{r['ms']:.3f}", f"{r['b2b_ms']:.3f}",
+          _dash(r["replay_ms"], ".3f"), f"{r['floor_ms']:.3f}", _dash(r.get("compute_floor_ms"), ".3f"),
+          f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f}",
+          "-" if r.get("compute_floor_ms") is None else f"{r['b2b_ms'] / r['compute_floor_ms']:.2f}",
+          f"{r['rel_err']:.1e}", "yes" if r["match"] else "NO", r["dispatched"]] for r in decode])
+
+
+def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str:
+    L = [heading("Decode benchmark", meta), "",
+         f"Command: `{meta['command']}`; {_bandwidth_note(meta)}; "
          f"{meta['context']} cached tokens per request; {meta['dtype']}; match = relative error "
          f"of the first step's logits against eager < {MATCH_TOL}.", "",
          "Floors (bench/roofline.py): HBM = bytes read / copy bandwidth (the embedding "
          "counted as the rows a lookup reads); compute-aware = the sum over kernel classes "
          "(gemm, attention, embedding, other) of max(bytes / bandwidth, FLOPs / bf16 GEMM "
-         f"peak{_peak_note(meta)}).", "",
-         "| model | variant | batch | step ms | back-to-back ms | replay ms | HBM floor ms | "
-         "compute-aware floor ms | x floor (step / b2b) | x compute-aware (b2b) | rel err | "
-         "match | ran as |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in decode:
-        replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.3f}"
-        compute = r.get("compute_floor_ms")
-        L.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['ms']:.3f} | "
-                 f"{r['b2b_ms']:.3f} | {replay} | {r['floor_ms']:.3f} | "
-                 f"{'-' if compute is None else format(compute, '.3f')} | "
-                 f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f} | "
-                 f"{'-' if compute is None else format(r['b2b_ms'] / compute, '.2f')} | "
-                 f"{r['rel_err']:.1e} | {'yes' if r['match'] else 'NO'} | {r['dispatched']} |")
+         f"peak{_peak_note(meta)}).", "", *decode_table(decode)]
     if mixed:
-        L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", "",
-              "| model | variant | tokens | step ms | rel err | ran as |", "|---|---|---:|---:|---:|---|"]
-        L += [f"| {r['model']} | {r['variant']} | {r['tokens']} | {r['ms']:.3f} | "
-              f"{r['rel_err']:.1e} | {r['dispatched']} |" for r in mixed]
+        L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", ""]
+        L += table(["model", "variant", "tokens", "step ms", "rel err", "ran as"], "llrrrl",
+                   [[r["model"], r["variant"], r["tokens"], f"{r['ms']:.3f}", f"{r['rel_err']:.1e}",
+                     r["dispatched"]] for r in mixed])
     L += ["", "Pool: device memory that capture added, all sizes vs the largest size "
           "captured alone; allocated (tensors the graphs keep alive: held outputs, "
-          "capture-time inputs) and reserved (the pools' whole footprint).", "",
-          "| model | variant | compile s | capture s (all sizes) | graphs | pieces | "
-          "allocated MiB (all / largest alone) | reserved MiB (all / largest alone) | "
-          "input copies |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def mib(s, key):
-        return "-" if s.get(key) is None else f"{s[key] / 2**20:.0f}"
-    for s in startup:
-        L.append(f"| {s['model']} | {s['variant']} | {s['compile_s']:.1f} | {s['capture_s']:.2f} | "
-                 f"{s['graphs']} | {s['pieces']} | {mib(s, 'pool_bytes')} / "
-                 f"{mib(s, 'pool_largest_alone_bytes')} | {mib(s, 'pool_reserved_bytes')} / "
-                 f"{mib(s, 'pool_largest_alone_reserved_bytes')} | {s['replay_input_copies']} |")
+          "capture-time inputs) and reserved (the pools' whole footprint).", ""]
+    L += table(["model", "variant", "compile s", "capture s (all sizes)", "graphs", "pieces",
+                "allocated MiB (all / largest alone)", "reserved MiB (all / largest alone)",
+                "input copies"], "ll" + "r" * 7,
+               [[s["model"], s["variant"], f"{s['compile_s']:.1f}", f"{s['capture_s']:.2f}", s["graphs"],
+                 s["pieces"], f"{_mib(s, 'pool_bytes')} / {_mib(s, 'pool_largest_alone_bytes')}",
+                 f"{_mib(s, 'pool_reserved_bytes')} / {_mib(s, 'pool_largest_alone_reserved_bytes')}",
+                 s["replay_input_copies"]] for s in startup])
     if compile_times:
-        L += ["", "| model | variant | cold compile s | warm compile s |", "|---|---|---:|---:|"]
-        L += [f"| {c['model']} | {c['variant']} | {c['cold_s']:.1f} | {c['warm_s']:.1f} |"
-              for c in compile_times]
+        L += [""] + table(["model", "variant", "cold compile s", "warm compile s"], "llrr",
+                          [[c["model"], c["variant"], f"{c['cold_s']:.1f}", f"{c['warm_s']:.1f}"]
+                           for c in compile_times])
     if skipped:
         L += ["", "Not measured: " + "; ".join(skipped)]
-    text = "\n".join(L) + "\n"
-    with open(os.path.join(out_dir, "decode.md"), "w") as f:
-        f.write(text)
+    return "\n".join(L) + "\n"
+
+
+def write_results(out_dir, meta, decode, mixed, startup, compile_times, skipped) -> str:
+    """decode.md and decode.json (the rows less their first logits); returns the markdown."""
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "first"} for r in rows]  # noqa: E731
+    text = decode_markdown(meta, decode, mixed, startup, compile_times, skipped)
+    write_md_and_json(os.path.join(out_dir, "decode.md"), text,
+                      {"meta": meta, "decode": strip(decode), "mixed": strip(mixed),
+                       "startup": startup, "compile": compile_times, "skipped": skipped})
     return text
 
 
@@ -400,6 +387,9 @@ def merge_results(paths: list[str], out_dir: str) -> str:
     bws = [r["meta"]["copy_bandwidth_GBps"] for r in runs]
     meta["copy_bandwidth_GBps"] = min(bws)
     meta["copy_bandwidth_range"] = f"{min(bws):.0f}-{max(bws):.0f}"
+    samples = [x for r in runs for x in r["meta"].get("copy_bandwidth_samples_GBps", [])]
+    if samples:  # every run's rounds (older runs have none)
+        meta["copy_bandwidth_samples_GBps"] = samples
     joined = {k: [row for r in runs for row in r[k]] for k in ("decode", "mixed", "startup",
                                                                 "compile", "skipped")}
     text = write_results(out_dir, meta, joined["decode"], joined["mixed"], joined["startup"],
@@ -438,12 +428,7 @@ def plot(decode, out_dir) -> str | None:
     return path
 
 
-def main(argv=None) -> int:
-    given = sys.argv[1:] if argv is None else list(argv)
-    if "--tp" in given:  # tensor parallel, under torchrun: this process becomes bench/tp.py
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, os.path.relpath(TP_SCRIPT), *given])
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama", "hybrid", "both"], default="both")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
@@ -456,87 +441,158 @@ def main(argv=None) -> int:
     ap.add_argument("--only-startup", action="store_true", help="only cold/warm compile")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' decode.json")
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
-    ap.add_argument("--out", default="bench/results")
+    add_dry_run(ap)
+    add_out(ap)
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a CompilationConfig field for the mrv2 variants, e.g. "
                          "fuse_sibling_linears=false (repeatable)")
+    return ap
+
+
+def make_setup(args, ap) -> Setup:
+    """A GPU run's, or a dry run's on the CPU: tiny preset, fp32, eager
+    pieces, a context of 40 at most, the graph stand-in."""
+    cuda = torch.cuda.is_available() and not args.dry_run
+    return Setup(device="cuda" if cuda else "cpu",
+                 dtype=torch.bfloat16 if cuda else torch.float32,
+                 preset=args.preset or ("bench" if cuda else "tiny"),
+                 piece_compiler="inductor" if cuda else "eager",
+                 context=args.context if cuda else min(args.context, 40),
+                 graphs=None if cuda else StandInGraphs(), options=config_options(ap, args.config))
+
+
+@dataclasses.dataclass
+class Results:
+    """One run's tables so far, written after every variant (a run cut short
+    keeps what it measured)."""
+
+    meta: dict
+    bandwidth: Bandwidth  # the rounds so far; the floors divide by their median
+    peak: float | None  # bf16 GEMM FLOP/s; None (off CUDA): no compute-aware floor
+    skipped: list[str]
+    decode: list[dict] = dataclasses.field(default_factory=list)
+    mixed: list[dict] = dataclasses.field(default_factory=list)
+    startup: list[dict] = dataclasses.field(default_factory=list)
+    compile: list[dict] = dataclasses.field(default_factory=list)
+
+    def set_floors(self) -> None:
+        """The meta's copy bandwidth and every decode row's floors from the rounds so far."""
+        bw = self.bandwidth.median
+        self.meta["copy_bandwidth_GBps"] = bw / 1e9
+        self.meta["copy_bandwidth_samples_GBps"] = self.bandwidth.gbps()
+        for r in self.decode:
+            r["floor_ms"], r["compute_floor_ms"] = floor_times(r, bw, self.peak)
+            r["x_floor"] = r["ms"] / r["floor_ms"]
+
+    def write(self, out_dir: str) -> str:
+        return write_results(out_dir, self.meta, self.decode, self.mixed, self.startup, self.compile,
+                             self.skipped)
+
+
+def start_results(setup: Setup, variants: list[str], argv) -> Results:
+    """The meta, the first rounds of the copy bandwidth and the GEMM peak;
+    variants that need CUDA are listed as skipped off it."""
+    cuda = setup.device == "cuda"
+    bw = copy_bandwidth(device=setup.device)
+    peak = gemm_peak_flops(setup.device)
+    meta = {**run_meta("decode", argv, torch.cuda.get_device_name() if cuda else "CPU dry run",
+                       env_prefix="MRV2_DECODE"),
+            "dtype": str(setup.dtype).replace("torch.", ""),
+            "copy_bandwidth_GBps": None, "copy_bandwidth_samples_GBps": None,  # set_floors's
+            "context": setup.context,
+            "gemm_peak_TFLOPs": peak / 1e12 if peak else None}
+    results = Results(meta, bw, peak, [f"{v} (needs CUDA)" for v in variants
+                                       if VARIANTS[v].needs_cuda and not cuda])
+    results.set_floors()
+    return results
+
+
+def against_first(rows: list[dict], ref: dict, key: str) -> None:
+    """Each row's rel err against the first logits seen at its `key` (eager's:
+    eager runs first where it runs)."""
+    for r in rows:
+        ref.setdefault(r[key], r["first"])
+        r["rel_err"] = rel_err(r["first"], ref[r[key]])
+
+
+def run_model(m: str, variants: list[str], setup: Setup, batches: list[int], mixed_sizes: list[int],
+              results: Results, out_dir: str) -> None:
+    """One model: every variant's decode rows, then the mixed step's."""
+    ref: dict[int, torch.Tensor] = {}
+    name = m if setup.preset in ("bench", "tiny") else f"{m} ({setup.preset})"
+    for v in variants:
+        rows, s = run_decode(m, v, setup, batches)
+        for r in rows:
+            r["model"] = name
+        against_first(rows, ref, "batch")
+        for r in rows:
+            r["match"] = r["rel_err"] < MATCH_TOL
+        results.decode += rows
+        results.set_floors()
+        results.startup.append({"model": name, "variant": v, **s})
+        print(f"done {m} {v}: {s}", flush=True)
+        results.write(out_dir)
+    if mixed_sizes:
+        mref: dict[int, torch.Tensor] = {}
+        for v in [v for v in ("eager", "inductor", "mrv2-piecewise") if v in variants]:
+            rows = run_mixed(m, v, setup, mixed_sizes)
+            for r in rows:
+                r["model"] = name
+            against_first(rows, mref, "tokens")
+            results.mixed += rows
+        results.write(out_dir)
+
+
+def run_compile_times(models: list[str], results: Results, out_dir: str) -> None:
+    """--startup: cold and warm compile, two fresh processes sharing one Inductor cache."""
+    for m in models:
+        for v in ("mrv2-piecewise", "inductor"):
+            with tempfile.TemporaryDirectory() as cache:
+                cold = compile_seconds_in_fresh_process(m, v, cache)
+                warm = compile_seconds_in_fresh_process(m, v, cache)
+            results.compile.append({"model": m, "variant": v, "cold_s": cold, "warm_s": warm})
+            print(f"compile {m} {v}: cold {cold:.1f} s, warm {warm:.1f} s", flush=True)
+            results.write(out_dir)
+
+
+def compile_only(model_name: str, variant: str, setup: Setup) -> int:
+    """--compile-only: the fresh process compile_seconds_in_fresh_process runs."""
+    with setup.scope():
+        _, _, _, s = build(model_name, variant, setup, [1, 2, 4, 8], 8, 8, 64)
+    print(f"compile_s={s['compile_s']:.3f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    given = sys.argv[1:] if argv is None else list(argv)
+    if "--tp" in given:  # tensor parallel, under torchrun: this process becomes bench/tp.py
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, os.path.relpath(TP_SCRIPT), *given])
+    ap = parser()
     args = ap.parse_args(argv)
     if args.merge:
-        text = merge_results(args.merge, args.out)
-        print(text)
+        print(merge_results(args.merge, args.out))
         return 0
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    cuda = torch.cuda.is_available() and not args.dry_run
-    setup = Setup(device="cuda" if cuda else "cpu",
-                  dtype=torch.bfloat16 if cuda else torch.float32,
-                  preset=args.preset or ("bench" if cuda else "tiny"),
-                  piece_compiler="inductor" if cuda else "eager",
-                  context=args.context if cuda else min(args.context, 40),
-                  graphs=None if cuda else StandInGraphs(), options=config_options(ap, args.config))
-    batches = [int(b) for b in args.batches.split(",")]
+    variants = names(ap, "--variants", args.variants, VARIANTS)
+    setup = make_setup(args, ap)
     models = ["llama", "hybrid"] if args.model == "both" else [args.model]
     if args.compile_only:
-        with setup.scope():
-            _, _, _, s = build(models[0], variants[0], setup, [1, 2, 4, 8], 8, 8, 64)
-        print(f"compile_s={s['compile_s']:.3f}")
-        return 0
-    if not cuda and not args.dry_run:
+        return compile_only(models[0], variants[0], setup)
+    if setup.device != "cuda" and not args.dry_run:
         ap.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on the CPU")
-    skipped = [f"{v} (needs CUDA)" for v in variants if VARIANTS[v].needs_cuda and not cuda]
-    variants = [v for v in variants if not (VARIANTS[v].needs_cuda and not cuda)]
-    bw = copy_bandwidth(setup)
-    peak = gemm_peak_flops(setup.device)  # None off CUDA: the compute-aware floor is left out
-    decode, mixed, startup, compile_times = [], [], [], []
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if cuda else "CPU dry run",
-            "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "python": platform.python_version(), "dtype": str(setup.dtype).replace("torch.", ""),
-            "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MRV2_DECODE")]
-                                + ["python", "bench/decode.py"] + list(argv if argv is not None else sys.argv[1:])),
-            "copy_bandwidth_GBps": bw / 1e9, "context": setup.context,
-            "gemm_peak_TFLOPs": peak / 1e12 if peak else None}
-    mixed_sizes = [int(n) for n in args.mixed.split(",") if n]
+    results = start_results(setup, variants, argv)
+    runnable = [v for v in variants if setup.device == "cuda" or not VARIANTS[v].needs_cuda]
     with setup.scope():
         for m in (models if not args.only_startup else []):
-            ref: dict[int, torch.Tensor] = {}
-            name = m if setup.preset in ("bench", "tiny") else f"{m} ({setup.preset})"
-            for v in variants:
-                rows, s = run_decode(m, v, setup, batches, bw)
-                for r in rows:
-                    r["model"] = name
-                    ref.setdefault(r["batch"], r["first"])
-                    r["rel_err"] = rel_err(r["first"], ref[r["batch"]])
-                    r["match"] = r["rel_err"] < MATCH_TOL
-                    r["floor_ms"], r["compute_floor_ms"] = floor_times(r, bw, peak)
-                    r["x_floor"] = r["ms"] / r["floor_ms"]
-                decode += rows
-                startup.append({"model": name, "variant": v, **s})
-                print(f"done {m} {v}: {s}", flush=True)
-                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
-            if mixed_sizes:
-                mref: dict[int, torch.Tensor] = {}
-                for v in [v for v in ("eager", "inductor", "mrv2-piecewise") if v in variants]:
-                    for r in run_mixed(m, v, setup, mixed_sizes):
-                        r["model"] = name
-                        mref.setdefault(r["tokens"], r["first"])
-                        r["rel_err"] = rel_err(r["first"], mref[r["tokens"]])
-                        mixed.append(r)
-                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
+            run_model(m, runnable, setup, comma_list(args.batches, int), comma_list(args.mixed, int),
+                      results, args.out)
     if args.startup or args.only_startup:
-        for m in models:
-            for v in ("mrv2-piecewise", "inductor"):
-                with tempfile.TemporaryDirectory() as cache:
-                    cold = compile_seconds_in_fresh_process(m, v, cache)
-                    warm = compile_seconds_in_fresh_process(m, v, cache)
-                compile_times.append({"model": m, "variant": v, "cold_s": cold, "warm_s": warm})
-                print(f"compile {m} {v}: cold {cold:.1f} s, warm {warm:.1f} s", flush=True)
-                write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
-    text = write_results(args.out, meta, decode, mixed, startup, compile_times, skipped)
-    png = plot(decode, args.out)
+        run_compile_times(models, results, args.out)
+    results.bandwidth += copy_bandwidth(device=setup.device)  # rounds at the end too: the spread over the run
+    results.set_floors()
+    text = results.write(args.out)
+    png = plot(results.decode, args.out)
     print(text + (f"\nplot: {png}" if png else "\n(no matplotlib: no plot)"))
     return 0
 

@@ -26,22 +26,21 @@ decode_splits.md / .json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
 import os
 import sys
 import traceback
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import copy_bandwidth as timing_copy_bandwidth, graph_ms, median_ms  # noqa: E402
+from report import RESULTS_DIR, add_out, comma_list, run_meta, write_md_and_json  # noqa: E402
+from report import table as md_table  # noqa: E402
+from timing import copy_bandwidth, graph_ms, median_ms, spread_text  # noqa: E402
 
 from compile_backend.kernels import kv_compress, reshape_and_cache, sconv, unified_attention  # noqa: E402
 from compile_backend.kernels.unified_attention import (  # noqa: E402
@@ -79,11 +78,6 @@ def timed(fns):
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         return float("nan"), eager
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB D2D copy (read + written)."""
-    return timing_copy_bandwidth() / 1e9
 
 
 def paged(B, ctx, q_len=1, g=None):
@@ -189,21 +183,29 @@ def decode_compare_rows(B, ctx, copy_bw, g, bound=None, variants=None):
     return rows
 
 
-def fmt_decode_compare(rows, copy_bw):
-    lines = [f"copy bandwidth (1 GiB D2D, read+write): {copy_bw:.0f} GB/s", "",
+def bandwidth_line(meta) -> str:
+    """The tables' first line: the copy bandwidth the % column divides by
+    (the median of the run's rounds, min-max beside it; an older run's one figure)."""
+    samples = meta.get("copy_gbps_samples")
+    if not samples:
+        return f"copy bandwidth (1 GiB D2D, read+write): {meta['copy_gbps']:.0f} GB/s"
+    return (f"copy bandwidth (1 GiB D2D, read+write): {spread_text(samples)} over "
+            f"{len(samples)} rounds of 20 copies (% copy BW divides by the median)")
+
+
+def fmt_decode_compare(rows, bandwidth: str) -> str:
+    """`bandwidth`: bandwidth_line's."""
+    lines = [bandwidth, "",
              "Decode attention, llama-8B shapes (32 q heads, 8 kv heads, head dim 128, bf16, block 16).",
              "us: per call inside a CUDA graph (12 calls per graph); eager us: do_bench of the plain",
              "call; splits: the grid's splits (fixed by the bound; the one-launch kernel uses fewer",
-             "for short contexts); speed-up: against the first row of the same shape.", "",
-             "| B | ctx | bound | path | splits | us | eager us | GB/s | % copy BW | speed-up |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['op']} | | | | | | | | | {r['error'][:80]} |")
-            continue
-        lines.append(f"| {r['B']} | {r['ctx']} | {r['bound']} | {r['path']} | {r['splits']} | "
-                     f"{1e3 * r['ms']:.1f} | {1e3 * r['eager_ms']:.1f} | {r['gbps']:.0f} | "
-                     f"{r['pct_copy']:.1f} | {r['speedup']:.2f}x |")
+             "for short contexts); speed-up: against the first row of the same shape.", ""]
+    lines += md_table(["B", "ctx", "bound", "path", "splits", "us", "eager us", "GB/s", "% copy BW", "speed-up"],
+                   "rrrl" + "r" * 6,
+                   [[r["op"]] + [None] * 8 + [r["error"][:80]] if "error" in r else
+                    [r["B"], r["ctx"], r["bound"], r["path"], r["splits"], f"{1e3 * r['ms']:.1f}",
+                     f"{1e3 * r['eager_ms']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}",
+                     f"{r['speedup']:.2f}x"] for r in rows])
     return "\n".join(lines)
 
 
@@ -226,7 +228,21 @@ def tile_sweep_variants():
     return out
 
 
-def decode_compare(out_dir, sweep="compare") -> None:
+def gather(steps) -> list[dict]:
+    """The rows of each (name, step): a step that raises is one row with its
+    error, under `name` (None: "step <rows so far>"), and the next step runs."""
+    rows = []
+    for name, step in steps:
+        try:
+            rows += step()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append(dict(op=name or f"step {len(rows)}", error=traceback.format_exc(limit=1)[-200:]))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_compare(out_dir, argv=None, sweep="compare") -> None:
     """Decode attention at llama-8B shapes, one table: `sweep` "compare" (one
     launch against two), "splits" (the two-launch form's splits) or "tiles"
     (the one-launch kernel's tiles)."""
@@ -237,32 +253,13 @@ def decode_compare(out_dir, sweep="compare") -> None:
         "tiles": ((64, 256), tile_sweep_variants(), lambda ctx: (ctx + 64,), "decode_tiles"),
     }[sweep]
     g = torch.Generator().manual_seed(0)
-    copy_bw = copy_bandwidth()
-    rows = []
-    for B in batches:
-        for ctx in (500, 4000):
-            for bound in bounds(ctx):
-                try:
-                    rows += decode_compare_rows(B, ctx, copy_bw, g, bound, variants)
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
-                    rows.append(dict(op=f"decode_b{B}_ctx{ctx} bound {bound}",
-                                     error=traceback.format_exc(limit=1)[-200:]))
-                torch.cuda.empty_cache()
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        command="python " + " ".join(sys.argv), copy_gbps=copy_bw,
-        shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
-    )
-    table = fmt_decode_compare(rows, copy_bw)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(f"# Decode attention: one launch vs two\n\n{meta['date']} on {meta['gpu']}, torch "
-                f"{meta['torch']}, triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
-    print(table)
+    bw = copy_bandwidth()
+    copy_bw = bw.median / 1e9
+    rows = gather((f"decode_b{B}_ctx{ctx} bound {bound}",
+                   lambda B=B, ctx=ctx, bound=bound: decode_compare_rows(B, ctx, copy_bw, g, bound, variants))
+                  for B in batches for ctx in (500, 4000) for bound in bounds(ctx))
+    print(write_kernel_results(out_dir, name, "Decode attention: one launch vs two",
+                               kernels_meta(argv, bw), rows))
 
 
 def prefill_rows(B, L, copy_bw, g):
@@ -354,46 +351,44 @@ def compress_rows(B, q_len, ctx, ratio, copy_bw, g, q_lens=None, bound=None):
     return [row(_bound_name(f"kv_compress_{{shape}}_r{ratio}", q_lens, bound), timed([f]), nbytes, copy_bw)]
 
 
-def fmt_table(rows, copy_bw):
-    lines = [f"copy bandwidth (1 GiB D2D, read+write): {copy_bw:.0f} GB/s", "",
-             "ms: per call inside a CUDA graph (how mrv2 runs the ops); eager ms: do_bench of the",
-             "plain call (adds host launch overhead where the GPU work is short).", "",
-             "| op | ms | eager ms | MB moved | GB/s | % copy BW | TFLOP/s | target | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
+def fmt_table(rows, bandwidth: str) -> str:
+    """`bandwidth`: bandwidth_line's."""
+    def cells(r):
         if "error" in r:
-            lines.append(f"| {r['op']} | - | - | - | - | - | - | - | {r['error'][:80]} |")
-            continue
+            return [r["op"]] + ["-"] * 7 + [r["error"][:80]]
         tgt = ""
         if "target_pct" in r:
             tgt = f">= {r['target_pct']:.0f}% {'met' if r['meets_target'] else 'MISSED'}"
-        note = f"splits={r['splits']}" if "splits" in r else ""
-        tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
-        lines.append(f"| {r['op']} | {r['ms']:.4f} | {r['eager_ms']:.4f} | {r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} | "
-                     f"{r['pct_copy']:.1f} | {tf} | {tgt} | {note} |")
+        return [r["op"], f"{r['ms']:.4f}", f"{r['eager_ms']:.4f}", f"{r['bytes'] / 1e6:.1f}", f"{r['gbps']:.0f}",
+                f"{r['pct_copy']:.1f}", f"{r['tflops']:.0f}" if "tflops" in r else "", tgt,
+                f"splits={r['splits']}" if "splits" in r else ""]
+    lines = [bandwidth, "",
+             "ms: per call inside a CUDA graph (how mrv2 runs the ops); eager ms: do_bench of the",
+             "plain call (adds host launch overhead where the GPU work is short).", ""]
+    lines += md_table(["op", "ms", "eager ms", "MB moved", "GB/s", "% copy BW", "TFLOP/s", "target", "note"],
+                   "l" + "r" * 6 + "ll", [cells(r) for r in rows])
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", help="comma-separated ops: decode,kv_write,prefill,sconv,kv_compress")
-    ap.add_argument("--decode-compare", action="store_true",
-                    help="only decode attention: one launch vs two at llama-8B shapes (decode_compare.md)")
-    ap.add_argument("--decode-split-sweep", action="store_true",
-                    help="only decode attention at B <= 32: the two-launch path's splits (decode_splits.md)")
-    ap.add_argument("--decode-tile-sweep", action="store_true",
-                    help="only decode attention at B = 64 and 256: the one-launch kernel's tiles "
-                         "(decode_tiles.md)")
-    args = ap.parse_args()
-    if args.decode_compare or args.decode_split_sweep or args.decode_tile_sweep:
-        decode_compare(args.out_dir, "splits" if args.decode_split_sweep
-                       else "tiles" if args.decode_tile_sweep else "compare")
-        return
-    g = torch.Generator().manual_seed(0)
-    copy_bw = copy_bandwidth()
-    rows = []
+def kernels_meta(argv, bw) -> dict:
+    """`bw`: the run's copy bandwidth rounds (bench/timing.py)."""
+    return {**run_meta("kernels", argv, torch.cuda.get_device_name(), python=False),
+            "copy_gbps": bw.median / 1e9, "copy_gbps_samples": bw.gbps(),
+            "shapes": dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16")}
+
+
+def write_kernel_results(out_dir: str, name: str, title: str, meta: dict, rows: list[dict]) -> str:
+    """<name>.md (title, date, GPU, versions, command, the table) and <name>.json; returns the table."""
+    text = (fmt_table if name == "kernels" else fmt_decode_compare)(rows, bandwidth_line(meta))
+    write_md_and_json(os.path.join(out_dir, f"{name}.md"),
+                      f"# {title}\n\n{meta['date']} on {meta['gpu']}, torch {meta['torch']}, "
+                      f"triton {meta['triton']}\n\n`{meta['command']}`\n\n{text}\n",
+                      dict(meta=meta, rows=rows))
+    return text
+
+
+def kernel_steps(copy_bw, g, quick: bool) -> list[tuple[str, object]]:
+    """(op kind, step): the main table's shapes, each step a list of rows."""
     # PIECEWISE passes attention-like ops max_query_len = the padded token count:
     # a decode batch of 256 and a mixed batch (one long prefill and decodes).
     mixed = [1985] + [1] * 63
@@ -415,31 +410,39 @@ def main() -> None:
         ("kv_compress", lambda: compress_rows(256, 1, 4096, 4, copy_bw, g, bound=256)),
         ("kv_compress", lambda: compress_rows(0, 0, 4096, 4, copy_bw, g, q_lens=mixed, bound=2048)),
     ]
-    if not args.quick:
+    if not quick:
         steps.insert(2, ("decode", lambda: decode_rows(16, 8192, copy_bw, g)))
+    return steps
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    add_out(ap, RESULTS_DIR, flag="--out-dir")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--only", help="comma-separated ops: decode,kv_write,prefill,sconv,kv_compress")
+    ap.add_argument("--decode-compare", action="store_true",
+                    help="only decode attention: one launch vs two at llama-8B shapes (decode_compare.md)")
+    ap.add_argument("--decode-split-sweep", action="store_true",
+                    help="only decode attention at B <= 32: the two-launch path's splits (decode_splits.md)")
+    ap.add_argument("--decode-tile-sweep", action="store_true",
+                    help="only decode attention at B = 64 and 256: the one-launch kernel's tiles "
+                         "(decode_tiles.md)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.decode_compare or args.decode_split_sweep or args.decode_tile_sweep:
+        decode_compare(args.out_dir, argv, "splits" if args.decode_split_sweep
+                       else "tiles" if args.decode_tile_sweep else "compare")
+        return
+    g = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    steps = kernel_steps(bw.median / 1e9, g, args.quick)
     if args.only:
-        steps = [s for s in steps if s[0] in args.only.split(",")]
-    for _, step in steps:
-        try:
-            rows += step()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            rows.append(dict(op=f"step {len(rows)}", error=traceback.format_exc(limit=1)[-200:]))
-        torch.cuda.empty_cache()
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        command="python " + " ".join(sys.argv), copy_gbps=copy_bw,
-        shapes=dict(H=H, KVH=KVH, D=D, block_size=BS, dtype="bfloat16"),
-    )
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "kernels.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    table = fmt_table(rows, copy_bw)
-    with open(os.path.join(args.out_dir, "kernels.md"), "w") as f:
-        f.write(f"# mrv2 kernel benchmark\n\n{meta['date']} on {meta['gpu']}, torch {meta['torch']}, "
-                f"triton {meta['triton']}\n\n`{meta['command']}`\n\n{table}\n")
-    print(table)
+        steps = [s for s in steps if s[0] in comma_list(args.only)]
+    rows = gather((None, step) for _, step in steps)
+    print(write_kernel_results(args.out_dir, "kernels", "mrv2 kernel benchmark", kernels_meta(argv, bw), rows))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode as bench  # noqa: E402
-from timing import kernel_table  # noqa: E402
+from timing import copy_bandwidth, kernel_table  # noqa: E402
 from workload import config_options, decode_batch  # noqa: E402
 
 import compile_backend as cb  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                         piece_compiler="inductor", context=args.context, graphs=None,
                         options=config_options(ap, args.config))
     batches = [int(b) for b in args.batches.split(",")]
-    bw = bench.copy_bandwidth(setup)
+    bw = copy_bandwidth(device=setup.device).median
     peak = bench.gemm_peak_flops(setup.device)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 GEMM peak "
           f"{'-' if peak is None else format(peak / 1e12, '.0f')} TFLOP/s")

@@ -16,7 +16,7 @@ Activations are left out: at decode they are megabytes against gigabytes.
 
 `gemm_peak_flops(device)` measures the bf16 GEMM peak (a large square
 matmul, median of timed repeats with CUDA events); `copy_bandwidth` in
-bench/decode.py measures the bandwidth.
+bench/timing.py measures the bandwidth.
 """
 
 from __future__ import annotations

@@ -255,7 +255,7 @@ def fmt_fused(rows, bw, unfused_mode) -> str:
 def run_fused(args, argv) -> int:
     os.environ["MRV2_SKINNY_GEMM"] = "1"  # the op runs the kernel at every row count timed
     g = torch.Generator(device="cuda").manual_seed(0)
-    bw = copy_bandwidth(ms)
+    bw = copy_bandwidth().median  # bytes/s: the median of the rounds
     rows = []
     for name, sizes, gated in FUSED:
         if args.only and name not in set(args.only.split(",")):
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     if args.fused:
         return run_fused_sweep(args) if args.sweep else run_fused(args, argv)
     g = torch.Generator(device="cuda").manual_seed(0)
-    bw = copy_bandwidth(ms)
+    bw = copy_bandwidth().median  # bytes/s: the median of the rounds
     rows = []
     only = set(filter(None, args.only.split(",")))
     for preset in args.shapes.split(","):

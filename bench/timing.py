@@ -1,16 +1,22 @@
-"""Timing helpers shared by the kernel benchmarks (bench/kernels.py,
-bench/skinny_gemm.py), so that neither imports the other.
+"""Timing helpers shared by the benchmarks (bench/kernels.py,
+bench/skinny_gemm.py, bench/decode.py), so that none imports another.
 
     median_ms(fn)              do_bench's median, warm-up excluded
     graph_ms(fns, calls)       ms per call of `calls` calls captured in one
                                CUDA graph (cycling through `fns`: separate
                                input sets, so repeats do not hit L2)
-    copy_bandwidth()           bytes/s of a 1 GiB device-to-device copy
-                               (read + written)
+    call_ms(fn, device, reps)  ms of each of `reps` calls, one at a time
+    copy_bandwidth()           device-to-device copy bandwidth, bytes/s (read
+                               + written), in rounds: a Bandwidth, its median
+                               and its spread (min-max) over the rounds
+    kernel_profile, kernel_table   the kernels of one call (torch.profiler)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
 from typing import Callable
 
 import torch
@@ -42,13 +48,61 @@ def graph_ms(fns: list[Callable[[], object]], calls: int = 12,
     return timer(graph.replay) / calls
 
 
-def copy_bandwidth(timer: Callable[[Callable[[], object]], float] = median_ms) -> float:
-    n = 1 << 30  # 1 GiB read + 1 GiB written
-    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+def call_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 30) -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn`, one at a time: CUDA
+    events around each, the device idle before it (synchronized); perf_counter
+    off CUDA."""
+    times = []
+    if device == "cuda":  # the first call too starts on an idle device
+        torch.cuda.synchronize()
+    for _ in range(reps):
+        if device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter(); fn(); times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidth:
+    """Copy bandwidth samples, bytes/s, one a round. The median is the figure
+    floors divide by; min-max is its spread, what a difference between two
+    rows of a table is to be judged against."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def __add__(self, other: "Bandwidth") -> "Bandwidth":
+        return Bandwidth(self.samples + other.samples)
+
+    def gbps(self) -> list[float]:
+        return [s / 1e9 for s in self.samples]
+
+
+def spread_text(samples_gbps: list[float]) -> str:
+    """`median (min-max) GB/s` of samples in GB/s."""
+    return (f"{statistics.median(samples_gbps):.0f} ({min(samples_gbps):.0f}-"
+            f"{max(samples_gbps):.0f}) GB/s")
+
+
+def copy_bandwidth(rounds: int = 5, copies: int = 20, device: str = "cuda") -> Bandwidth:
+    """`rounds` samples of the device-to-device copy bandwidth, each the
+    median of `copies` copies timed one by one (call_ms), of 1 GiB read + 1
+    GiB written (16 MiB each off CUDA: a dry run's stand-in, which means nothing)."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    for _ in range(3):  # warm-up, not timed
+        dst.copy_(src)
+    samples = tuple(2 * n / (statistics.median(call_ms(lambda: dst.copy_(src), device, copies)) * 1e-3)
+                    for _ in range(rounds))
     del src, dst
-    return 2 * n / (ms * 1e-3)
+    return Bandwidth(samples)
 
 
 def kernel_profile(fn: Callable[[], object]) -> list[tuple[str, int, float]]:
