@@ -44,11 +44,10 @@ The numbers mean nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py, workload.py)
 
 from decode import Setup, sync  # noqa: E402  (puts the repo on sys.path)
+from report import add_dry_run, add_out, heading, names, run_meta, table, write_md_and_json  # noqa: E402
 from workload import decode_batch  # noqa: E402
 import compile_backend as cb  # noqa: E402
 from compile_backend.core.config import default_capture_sizes  # noqa: E402
@@ -376,56 +376,51 @@ def cell_row(model: str, preset_name: str, mode: str, budget_probe: dict, bisect
 
 
 def write_results(out_dir: str, meta: dict, rows: list[dict], errors: list[str]) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "memory.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "errors": errors}, f, indent=1)
-
+    """memory.md and memory.json; returns the markdown."""
     def gib(x):
         return "-" if x is None else f"{x / GiB:.2f}"
 
     def pct(x):
         return "-" if x is None else f"{x * 100:+.2f}%"
 
-    L = [f"# Memory budget ({meta['gpu']}, torch {meta['torch']}, {meta['date']})", "",
+    def cells(r):
+        return [r["model"], r["mode"], f"{r['utilization']:g}", r["num_blocks"], gib(r["kv_cache_bytes"]),
+                r["num_tokens"], gib(r["predicted_peak"]), gib(r["measured_peak"]), pct(r["peak_error"]),
+                gib(r["limit"]), "-" if r["within_limit"] is None else "yes" if r["within_limit"] else "NO",
+                r["budget_at_1"], "-" if r["largest_ok"] is None else str(r["largest_ok"]),
+                "-" if r["budget_at_1_over_largest"] is None else f"{r['budget_at_1_over_largest']:.4f}",
+                len(r["probes"])]
+
+    L = [heading("Memory budget", meta), "",
          f"Command: `{meta['command']}`. Limits: max_model_len {meta['limits']['max_model_len']}, "
          f"max_num_reqs {meta['limits']['max_num_reqs']}, max_num_tokens "
          f"{meta['limits']['max_num_tokens']}, block_size 16; capture sizes {meta['capture_sizes']}; "
          f"PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf'] or '(unset)'}. Peak = the process's "
          "max_memory_reserved + memory outside torch's allocator at the end. Largest that survives: "
          "bind, capture, a max-batch prefill and a max-batch decode in a fresh process, by bisection "
-         "from the budget at utilization 1.0.", "",
-         "| model | mode | util | num_blocks | KV GiB | tokens | predicted peak GiB | measured peak GiB "
-         "| error | limit GiB | within | budget@1.0 | largest that survives | budget@1.0 / largest | probes |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for r in rows:
-        ratio = "-" if r["budget_at_1_over_largest"] is None else f"{r['budget_at_1_over_largest']:.4f}"
-        largest = "-" if r["largest_ok"] is None else str(r["largest_ok"])
-        within = "-" if r["within_limit"] is None else "yes" if r["within_limit"] else "NO"
-        L.append(f"| {r['model']} | {r['mode']} | {r['utilization']:g} | {r['num_blocks']} | "
-                 f"{gib(r['kv_cache_bytes'])} | {r['num_tokens']} | {gib(r['predicted_peak'])} | "
-                 f"{gib(r['measured_peak'])} | {pct(r['peak_error'])} | {gib(r['limit'])} | "
-                 f"{within} | {r['budget_at_1']} | {largest} | {ratio} | "
-                 f"{len(r['probes'])} |")
+         "from the budget at utilization 1.0.", ""]
+    L += table(["model", "mode", "util", "num_blocks", "KV GiB", "tokens", "predicted peak GiB",
+                "measured peak GiB", "error", "limit GiB", "within", "budget@1.0",
+                "largest that survives", "budget@1.0 / largest", "probes"],
+               "ll" + "r" * 8 + "l" + "r" * 4, [cells(r) for r in rows])
     L += ["", "Terms, predicted / measured in the real run (MiB); each column adds up to its peak:", ""]
     if rows:
-        names = list(rows[0]["terms_predicted"])
-        L += ["| model | mode | " + " | ".join(names) + " | peak |",
-              "|---|---|" + "---:|" * (len(names) + 1)]
-        for r in rows:
-            cells = [f"{r['terms_predicted'][n] / MiB:.0f} / {r['terms_measured'][n] / MiB:.0f}"
-                     for n in names]
-            peak = "-" if r["measured_peak"] is None else f"{r['measured_peak'] / MiB:.0f}"
-            L.append(f"| {r['model']} | {r['mode']} | " + " | ".join(cells) +
-                     f" | {r['predicted_peak'] / MiB:.0f} / {peak} |")
+        terms = list(rows[0]["terms_predicted"])
+        L += table(["model", "mode", *terms, "peak"], "ll" + "r" * (len(terms) + 1),
+                   [[r["model"], r["mode"],
+                     *(f"{r['terms_predicted'][n] / MiB:.0f} / {r['terms_measured'][n] / MiB:.0f}"
+                       for n in terms),
+                     f"{r['predicted_peak'] / MiB:.0f} / "
+                     + ("-" if r["measured_peak"] is None else f"{r['measured_peak'] / MiB:.0f}")]
+                    for r in rows])
     if errors:
         L += ["", "Errors:", ""] + [f"- {e}" for e in errors]
     text = "\n".join(L) + "\n"
-    with open(os.path.join(out_dir, "memory.md"), "w") as f:
-        f.write(text)
+    write_md_and_json(os.path.join(out_dir, "memory.md"), text, {"meta": meta, "rows": rows, "errors": errors})
     return text
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=None, help=f"comma-separated, of {list(MODELS)} "
                     "(default: all; llama,hybrid on a dry run)")
@@ -443,89 +438,124 @@ def main(argv=None) -> int:
                     "<out>/memory.json instead of measuring it again (bisection only)")
     ap.add_argument("--append", action="store_true", help="keep other cells' rows of <out>/memory.json")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per process")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check (numbers mean nothing)")
+    add_out(ap)
+    add_dry_run(ap)
     ap.add_argument("--dry-run-mib", type=int, default=256, help="the dry run's simulated device")
     ap.add_argument("--probe", metavar="SPEC", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.probe:
-        print(JSON_PREFIX + json.dumps(probe(json.loads(args.probe))), flush=True)
-        return 0
+    return ap
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a run measures."""
+
+    cells: list[tuple[str, str]]  # (model, mode)
+    presets: dict[str, str]  # model -> preset
+    steps: int | None  # bisection halvings after the bracket; None: no blocks probes
+    limits: dict[str, int]  # max_model_len, max_num_reqs, max_num_tokens
+
+
+def plan_run(args, ap) -> Plan:
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        ap.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on the CPU")
-    models = (args.models or ("llama,hybrid" if dry else ",".join(MODELS))).split(",")
-    modes = (args.modes or ("full_and_piecewise" if dry else ",".join(MODES))).split(",")
-    bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in MODES]
-    if bad:
-        ap.error(f"unknown {bad}; models: {list(MODELS)}, modes: {MODES}")
+    models = names(ap, "--models", args.models or ("llama,hybrid" if dry else ",".join(MODELS)), MODELS)
+    modes = names(ap, "--modes", args.modes or ("full_and_piecewise" if dry else ",".join(MODES)), MODES)
     steps = None if args.no_bisect else (
         args.bisect_steps if args.bisect_steps is not None else (1 if dry else 3))
     limits = dict(DRY_LIMITS if dry else GPU_LIMITS)
     for k in limits:
         if getattr(args, k) is not None:
             limits[k] = getattr(args, k)
-    presets = {m: "tiny" if dry else MODELS[m][1] for m in models}
-    cells = [(m, mode) for m in models for mode in modes]
+    return Plan([(m, mode) for m in models for mode in modes],
+                {m: "tiny" if dry else MODELS[m][1] for m in models}, steps, limits)
+
+
+def announce(plan: Plan, args) -> float:
+    """Prints the cells and the time they take (estimate_seconds); returns it."""
+    est = estimate_seconds(plan.cells, plan.presets, plan.steps, args.reuse_budget)
+    print(f"{len(plan.cells)} cells ({', '.join(f'{m}/{mode}' for m, mode in plan.cells)}): about "
+          f"{est / 60:.1f} min ({'budget process' if not args.reuse_budget else 'no budget process'}"
+          f"{f' + {2 + plan.steps} probes at most' if plan.steps is not None else ''} per cell)", flush=True)
+    if est > 540 and not args.dry_run:
+        print("note: over 9 minutes; a GPU machine that limits one command to 10 minutes needs "
+              "this split by --models/--modes, with --append", flush=True)
+    return est
+
+
+def largest_that_survives(base: dict, budget_probe: dict, plan: Plan, args) -> dict[str, Any]:
+    """bisect_blocks over blocks probes, from the budget's num_blocks at utilization 1.0."""
+    terms = MemoryTerms.from_dict(budget_probe["budget"]["terms"])
+    guess = plan_memory(terms, gpu_memory_utilization=1.0, block_size=16, **plan.limits).num_blocks
+    cell = f"{base['model']}/{base['mode']}"
+
+    def survives(n: int) -> bool:
+        r = run_probe({**base, "kind": "blocks", "num_blocks": n}, args.timeout)
+        print(f"  {cell}: {n} blocks: {'ok' if r['ok'] else 'failed'}"
+              f"{'' if r['ok'] else ' (' + r['error'].splitlines()[-1][:120] + ')'}", flush=True)
+        return r["ok"]
+    return bisect_blocks(survives, guess, args.bracket, plan.steps)
+
+
+def measure_cell(model: str, mode: str, plan: Plan, args, earlier: dict, errors: list[str]) -> dict | None:
+    """One cell's row: its budget (a budget process, or --reuse-budget's from
+    `earlier`), then the bisection; None, its error listed, without a budget."""
+    base = {"model": model, "mode": mode, "dry_run": args.dry_run, "dry_run_mib": args.dry_run_mib,
+            "utilization": args.utilization, **plan.limits}
+    if args.reuse_budget:
+        old = next((r for r in earlier["rows"] if (r["model"], r["mode"]) == (model, mode)), None)
+        if old is None:
+            errors.append(f"{model}/{mode}: --reuse-budget, but "
+                          f"{os.path.join(args.out, 'memory.json')} has no budget for it")
+            return None
+        budget_probe = {"budget": old["budget"], "measured": old["measured"]}
+    else:
+        budget_probe = run_probe({**base, "kind": "budget"}, args.timeout)
+        if "budget" not in budget_probe:
+            errors.append(f"{model}/{mode} budget: {budget_probe.get('error')}")
+            print(f"{model}/{mode}: budget failed: {budget_probe.get('error')}", flush=True)
+            return None
+    bisect = None if plan.steps is None else largest_that_survives(base, budget_probe, plan, args)
+    return cell_row(model, plan.presets[model], mode, budget_probe, bisect, args.utilization)
+
+
+def print_cell(row: dict, seconds: float) -> None:
+    measured = "-" if row["measured_peak"] is None else f"{row['measured_peak'] / GiB:.2f}"
+    error = "-" if row["peak_error"] is None else f"{row['peak_error'] * 100:+.2f}%"
+    print(f"{row['model']}/{row['mode']}: {row['num_blocks']} blocks, peak {measured} GiB measured vs "
+          f"{row['predicted_peak'] / GiB:.2f} predicted ({error}), "
+          f"limit {row['limit'] / GiB:.2f}; largest that survives {row['largest_ok']} "
+          f"(budget at 1.0: {row['budget_at_1']}) [{seconds:.0f} s]", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.probe:
+        print(JSON_PREFIX + json.dumps(probe(json.loads(args.probe))), flush=True)
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on the CPU")
+    plan = plan_run(args, ap)
     path = os.path.join(args.out, "memory.json")
     earlier = {"rows": [], "errors": []}
     if (args.append or args.reuse_budget) and os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
-    est = estimate_seconds(cells, presets, steps, args.reuse_budget)
-    print(f"{len(cells)} cells ({', '.join(f'{m}/{mode}' for m, mode in cells)}): about "
-          f"{est / 60:.1f} min ({'budget process' if not args.reuse_budget else 'no budget process'}"
-          f"{f' + {2 + steps} probes at most' if steps is not None else ''} per cell)", flush=True)
-    if est > 540 and not dry:
-        print("note: over 9 minutes; a GPU machine that limits one command to 10 minutes needs "
-              "this split by --models/--modes, with --append", flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": "CPU dry run" if dry else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join(["python", "bench/memory.py"] + list(argv if argv is not None else sys.argv[1:])),
-            "limits": limits, "capture_sizes": "1,2,4,8" if dry else "1,2,4,8..256 step 8",
+    est = announce(plan, args)
+    meta = {**run_meta("memory", argv, "CPU dry run" if args.dry_run else torch.cuda.get_device_name(),
+                       triton=False),
+            "limits": plan.limits, "capture_sizes": "1,2,4,8" if args.dry_run else "1,2,4,8..256 step 8",
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "estimate_s": est}
     # --append: every earlier row stays until its cell is measured again (a
     # run cut short loses no row it did not replace).
     rows = list(earlier["rows"]) if args.append else []
     errors = list(earlier["errors"]) if args.append else []
     t_start = time.perf_counter()
-    for model, mode in cells:
-        base = {"model": model, "mode": mode, "dry_run": dry, "dry_run_mib": args.dry_run_mib,
-                "utilization": args.utilization, **limits}
+    for model, mode in plan.cells:
         t0 = time.perf_counter()
-        if args.reuse_budget:
-            old = next((r for r in earlier["rows"] if (r["model"], r["mode"]) == (model, mode)), None)
-            if old is None:
-                errors.append(f"{model}/{mode}: --reuse-budget, but {path} has no budget for it")
-                continue
-            budget_probe = {"budget": old["budget"], "measured": old["measured"]}
-        else:
-            budget_probe = run_probe({**base, "kind": "budget"}, args.timeout)
-            if "budget" not in budget_probe:
-                errors.append(f"{model}/{mode} budget: {budget_probe.get('error')}")
-                print(f"{model}/{mode}: budget failed: {budget_probe.get('error')}", flush=True)
-                write_results(args.out, meta, rows, errors)
-                continue
-        bisect = None
-        if steps is not None:
-            terms = MemoryTerms.from_dict(budget_probe["budget"]["terms"])
-            guess = plan_memory(terms, gpu_memory_utilization=1.0, block_size=16, **limits).num_blocks
-
-            def survives(n: int) -> bool:
-                r = run_probe({**base, "kind": "blocks", "num_blocks": n}, args.timeout)
-                print(f"  {model}/{mode}: {n} blocks: {'ok' if r['ok'] else 'failed'}"
-                      f"{'' if r['ok'] else ' (' + r['error'].splitlines()[-1][:120] + ')'}", flush=True)
-                return r["ok"]
-            bisect = bisect_blocks(survives, guess, args.bracket, steps)
-        row = cell_row(model, presets[model], mode, budget_probe, bisect, args.utilization)
-        rows = [r for r in rows if (r["model"], r["mode"]) != (model, mode)] + [row]
-        measured = "-" if row["measured_peak"] is None else f"{row['measured_peak'] / GiB:.2f}"
-        error = "-" if row["peak_error"] is None else f"{row['peak_error'] * 100:+.2f}%"
-        print(f"{model}/{mode}: {row['num_blocks']} blocks, peak {measured} GiB measured vs "
-              f"{row['predicted_peak'] / GiB:.2f} predicted ({error}), "
-              f"limit {row['limit'] / GiB:.2f}; largest that survives {row['largest_ok']} "
-              f"(budget at 1.0: {row['budget_at_1']}) [{time.perf_counter() - t0:.0f} s]", flush=True)
+        row = measure_cell(model, mode, plan, args, earlier, errors)
+        if row is not None:
+            rows = [r for r in rows if (r["model"], r["mode"]) != (model, mode)] + [row]
+            print_cell(row, time.perf_counter() - t0)
         write_results(args.out, meta, rows, errors)
     meta["seconds"] = time.perf_counter() - t_start
     print(write_results(args.out, meta, rows, errors))
