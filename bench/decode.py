@@ -63,7 +63,7 @@ from compile_backend.demo.models import build_model, preset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (workload.py)
 from report import (  # noqa: E402
-    add_dry_run, add_out, comma_list, heading, names, run_meta, table, write_md_and_json)
+    add_dry_run, add_out, comma_list, dash, heading, names, run_meta, table, write_md_and_json)
 from roofline import Work, floor_seconds, gemm_peak_flops, step_work  # noqa: E402
 from timing import Bandwidth, call_ms, copy_bandwidth, spread_text  # noqa: E402
 from workload import config_options, decode_batch, fill_caches, mixed_batch  # noqa: E402
@@ -315,17 +315,13 @@ def _mib(s, key) -> str:
     return "-" if s.get(key) is None else f"{s[key] / 2**20:.0f}"
 
 
-def _dash(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def decode_table(decode) -> list[str]:
     return table(
         ["model", "variant", "batch", "step ms", "back-to-back ms", "replay ms", "HBM floor ms",
          "compute-aware floor ms", "x floor (step / b2b)", "x compute-aware (b2b)", "rel err",
          "match", "ran as"], "ll" + "r" * 9 + "ll",
         [[r["model"], r["variant"], r["batch"], f"{r['ms']:.3f}", f"{r['b2b_ms']:.3f}",
-          _dash(r["replay_ms"], ".3f"), f"{r['floor_ms']:.3f}", _dash(r.get("compute_floor_ms"), ".3f"),
+          dash(r["replay_ms"], ".3f"), f"{r['floor_ms']:.3f}", dash(r.get("compute_floor_ms"), ".3f"),
           f"{r['x_floor']:.2f} / {r['b2b_ms'] / r['floor_ms']:.2f}",
           "-" if r.get("compute_floor_ms") is None else f"{r['b2b_ms'] / r['compute_floor_ms']:.2f}",
           f"{r['rel_err']:.1e}", "yes" if r["match"] else "NO", r["dispatched"]] for r in decode])

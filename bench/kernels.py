@@ -201,11 +201,11 @@ def fmt_decode_compare(rows, bandwidth: str) -> str:
              "call; splits: the grid's splits (fixed by the bound; the one-launch kernel uses fewer",
              "for short contexts); speed-up: against the first row of the same shape.", ""]
     lines += md_table(["B", "ctx", "bound", "path", "splits", "us", "eager us", "GB/s", "% copy BW", "speed-up"],
-                   "rrrl" + "r" * 6,
-                   [[r["op"]] + [None] * 8 + [r["error"][:80]] if "error" in r else
-                    [r["B"], r["ctx"], r["bound"], r["path"], r["splits"], f"{1e3 * r['ms']:.1f}",
-                     f"{1e3 * r['eager_ms']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}",
-                     f"{r['speedup']:.2f}x"] for r in rows])
+                      "rrrl" + "r" * 6,
+                      [[r["op"]] + [None] * 8 + [r["error"][:80]] if "error" in r else
+                       [r["B"], r["ctx"], r["bound"], r["path"], r["splits"], f"{1e3 * r['ms']:.1f}",
+                        f"{1e3 * r['eager_ms']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy']:.1f}",
+                        f"{r['speedup']:.2f}x"] for r in rows])
     return "\n".join(lines)
 
 
@@ -366,7 +366,7 @@ def fmt_table(rows, bandwidth: str) -> str:
              "ms: per call inside a CUDA graph (how mrv2 runs the ops); eager ms: do_bench of the",
              "plain call (adds host launch overhead where the GPU work is short).", ""]
     lines += md_table(["op", "ms", "eager ms", "MB moved", "GB/s", "% copy BW", "TFLOP/s", "target", "note"],
-                   "l" + "r" * 6 + "ll", [cells(r) for r in rows])
+                      "l" + "r" * 6 + "ll", [cells(r) for r in rows])
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 as parse, run, report:
   table(header, align, rows)      markdown lines: header row, alignment row, rows
   md_row(cells)                   one markdown row (a None cell reads `| |`)
+  dash(value, spec)               a cell's number, "-" for None
   utc_now()                       the run's date: UTC, ISO 8601 to the second
   command_line(script, argv)      `python bench/<script>.py ARGS`, as run
   run_meta(script, argv, gpu)     date, gpu, torch, triton, python, command
@@ -40,6 +41,11 @@ def table(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -
     assert len(align) == len(header), (align, header)
     return [md_row(header), "|" + "".join("---:|" if a == "r" else "---|" for a in align),
             *(md_row(r) for r in rows)]
+
+
+def dash(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`; "-" for None (not measured)."""
+    return "-" if value is None else format(value, spec)
 
 
 def utc_now() -> str:

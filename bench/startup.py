@@ -33,7 +33,6 @@ _T0 = time.perf_counter()
 _WALL0 = time.time()
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -49,6 +48,8 @@ _T_TORCH = time.perf_counter()  # torch's import, apart from mrv2's
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode.py, workload.py)
 
 from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
+from report import (  # noqa: E402
+    add_dry_run, add_out, comma_list, command_line, dash, heading, table, utc_now, write_md_and_json)
 from workload import decode_batch  # noqa: E402
 from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
@@ -219,15 +220,25 @@ def run_child(spec: dict, caches: dict[str, str], timeout: float) -> dict:
     return row
 
 
-def _f(x, fmt=".1f") -> str:
-    return "-" if x is None else format(x, fmt)
+def process_cells(r: dict) -> list:
+    """One fresh process's row of the first table."""
+    c, mib = r["counters"], {k: v / 2**20 for k, v in r.get("cache_bytes", {}).items()}
+    caches = " / ".join(dash(mib.get(k), ".1f") for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                          "MRV2_CACHE_DIR"))
+    return [r["model"], r["preset"], r["mode"], r["phase"], dash(r["compile_s"], ".1f"),
+            dash(r["capture_s"], ".2f"), r["graphs"], dash(r["start_to_first_step_s"], ".1f"),
+            dash(r.get("mrv2_share_s"), ".1f"), c["piece_compiles"], c["piece_compile_reuses"],
+            c["inductor_compiles"], c["dynamo_graphs"], dash(r.get("import_torch_s"), ".1f"),
+            dash(r.get("import_mrv2_s"), ".2f"), dash(r.get("model_s"), ".1f"),
+            dash(r.get("runner_s"), ".2f"), dash(r["first_step_s"], ".3f"), r["plan"], caches]
 
 
 def tables(meta: dict, rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
     first = ok[0] if ok else {}
-    L = [f"# Startup ({first.get('device_name', meta.get('device', '?'))}, torch "
-         f"{first.get('torch', torch.__version__)}, triton {first.get('triton', '?')}, {meta['date']})",
+    L = [heading("Startup", {"gpu": first.get("device_name", meta.get("device", "?")),
+                             "torch": first.get("torch", torch.__version__),
+                             "triton": first.get("triton", "?"), "date": meta["date"]}),
          "",
          f"Command: `{meta['command']}`. Each row is one fresh process (`bench/startup.py --child`); "
          "cold: new TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and MRV2_CACHE_DIR folders; warm: a "
@@ -238,59 +249,28 @@ def tables(meta: dict, rows: list[dict]) -> str:
          "plan (graphs: CUDA graphs captured; plan: sizes x graph kinds); start to first step: "
          "from the parent's spawn of the process to the end of the first step (interpreter "
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
-         "caches, runner.", "",
-         "| model | preset | mode | phase | compile s | capture s | graphs | start-to-first-step s "
-         "| mrv2's share s | piece_compiles | reuses | inductor_compiles | dynamo_graphs "
-         "| import torch s | import mrv2 s | weights s | runner s "
-         "| first step s | plan | caches MiB after (inductor / triton / mrv2) |",
-         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        head = f"| {r['model']} | {r['preset']} | {r['mode']} | {r['phase']} |"
-        if "error" in r:
-            L.append(f"{head} failed: {r['error']} |" + " |" * 15)
-            continue
-        c, mib = r["counters"], {k: v / 2**20 for k, v in r.get("cache_bytes", {}).items()}
-        caches = " / ".join(_f(mib.get(k)) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                                                     "MRV2_CACHE_DIR"))
-        L.append(f"{head} {_f(r['compile_s'])} | {_f(r['capture_s'], '.2f')} | {r['graphs']} | "
-                 f"{_f(r['start_to_first_step_s'])} | {_f(r.get('mrv2_share_s'))} | "
-                 f"{c['piece_compiles']} | "
-                 f"{c['piece_compile_reuses']} | {c['inductor_compiles']} | {c['dynamo_graphs']} | "
-                 f"{_f(r.get('import_torch_s'))} | {_f(r.get('import_mrv2_s'), '.2f')} | "
-                 f"{_f(r.get('model_s'))} | {_f(r.get('runner_s'), '.2f')} | "
-                 f"{_f(r['first_step_s'], '.3f')} | "
-                 f"{r['plan']} | {caches} |")
+         "caches, runner.", ""]
+    L += table(["model", "preset", "mode", "phase", "compile s", "capture s", "graphs",
+                "start-to-first-step s", "mrv2's share s", "piece_compiles", "reuses",
+                "inductor_compiles", "dynamo_graphs", "import torch s", "import mrv2 s", "weights s",
+                "runner s", "first step s", "plan", "caches MiB after (inductor / triton / mrv2)"],
+               "llll" + "r" * 15 + "l",
+               [[r["model"], r["preset"], r["mode"], r["phase"], f"failed: {r['error']}"] + [None] * 15
+                if "error" in r else process_cells(r) for r in rows])
     L += ["", "Capture profile: host seconds of runner.capture() by phase, summed over the "
           "plan's graphs (warm-up: the eager step before a capture; record: the step run under "
           "capture; instantiate: capture_end; other: the capture call's Python outside those, "
-          "eager attention between pieces, the replay after each capture).", "",
-          "| model | preset | mode | phase | capture_warmup | graph kind | steps | warm-ups "
-          "| total s | warm-up s | record s | instantiate s | other s | per step ms |",
-          "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in ok:
-        for kind, p in r.get("capture_profile", {}).items():
-            L.append(f"| {r['model']} | {r['preset']} | {r['mode']} | {r['phase']} | "
-                     f"{r.get('capture_warmup', 'every_size')} | {kind} | "
-                     f"{p['graphs']} | {p.get('warmups', '-')} | {p['total_s']:.2f} | {p['warmup_s']:.2f} | "
-                     f"{p['record_s']:.2f} | {p['instantiate_s']:.2f} | {p['other_s']:.2f} | "
-                     f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f} |")
-    # Anchors: one column per measured (model, preset, mode).
-    def column_of(r):
-        return r["model"], r["preset"], r["mode"], r.get("capture_warmup", "every_size")
-
-    keys = list(dict.fromkeys(column_of(r) for r in ok))
+          "eager attention between pieces, the replay after each capture).", ""]
+    L += table(["model", "preset", "mode", "phase", "capture_warmup", "graph kind", "steps", "warm-ups",
+                "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms"],
+               "l" * 6 + "r" * 8,
+               [[r["model"], r["preset"], r["mode"], r["phase"], r.get("capture_warmup", "every_size"),
+                 kind, p["graphs"], p.get("warmups", "-"), f"{p['total_s']:.2f}", f"{p['warmup_s']:.2f}",
+                 f"{p['record_s']:.2f}", f"{p['instantiate_s']:.2f}", f"{p['other_s']:.2f}",
+                 f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f}"]
+                for r in ok for kind, p in r.get("capture_profile", {}).items()])
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
-          "seconds\"), against this run:",
-          "", "| figure | vLLM, Llama-3-8B | target | "
-          + " | ".join(f"{m} {p} {mode} ({w})" for m, p, mode, w in keys) + " |",
-          "|---|---|---|" + "---:|" * len(keys)]
-    for name, vllm, target, phase, field in ANCHORS:
-        vals = []
-        for key in keys:
-            match = [r for r in ok if column_of(r) == key and r["phase"] == phase]
-            vals.append(_f(match[0].get(field), ".2f" if field == "capture_s" else ".1f")
-                        if match else "-")
-        L.append(f"| {name} | {vllm} | {target} | " + " | ".join(vals) + " |")
+          "seconds\"), against this run:", ""] + anchor_table(ok)
     odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]
     if odd:
         L += ["", "First step not as expected (non-finite logits, or not run in the row's mode): "
@@ -303,13 +283,27 @@ def tables(meta: dict, rows: list[dict]) -> str:
     return "\n".join(L) + "\n"
 
 
+def anchor_table(ok: list[dict]) -> list[str]:
+    """ANCHORS against one column per measured (model, preset, mode, capture_warmup)."""
+    def column_of(r):
+        return r["model"], r["preset"], r["mode"], r.get("capture_warmup", "every_size")
+
+    keys = list(dict.fromkeys(column_of(r) for r in ok))
+    rows = []
+    for name, vllm, target, phase, field in ANCHORS:
+        vals = []
+        for key in keys:
+            match = [r for r in ok if column_of(r) == key and r["phase"] == phase]
+            vals.append(dash(match[0].get(field), ".2f" if field == "capture_s" else ".1f")
+                        if match else "-")
+        rows.append([name, vllm, target, *vals])
+    return table(["figure", "vLLM, Llama-3-8B", "target", *(f"{m} {p} {mode} ({w})" for m, p, mode, w in keys)],
+                 "lll" + "r" * len(keys), rows)
+
+
 def write(out: str, meta: dict, rows: list[dict]) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     text = tables(meta, rows)
-    with open(out, "w") as f:
-        f.write(text)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_md_and_json(out, text, {"meta": meta, "rows": rows})
     return text
 
 
@@ -324,7 +318,7 @@ def merge(paths: list[str], out: str) -> str:
     return write(out, meta, [row for r in runs for row in r["rows"]])
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama", help="comma-separated: llama, hybrid")
     ap.add_argument("--preset", default=None,
@@ -344,20 +338,72 @@ def main(argv=None) -> int:
                     help="cProfile each child into DIR (<model>-<preset>-<mode>-<phase>.prof and "
                          "a .txt of the top functions by cumulative time)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
-    ap.add_argument("--smoke", action="store_true", help="quick CPU check (tiny, eager pieces, "
-                    "graph stand-in; numbers mean nothing)")
+    add_dry_run(ap, flag="--smoke", help="quick CPU check (tiny, eager pieces, "
+                "graph stand-in; numbers mean nothing)")
     ap.add_argument("--keep-caches", action="store_true", help="keep the cache folders (printed)")
-    ap.add_argument("--out", default=None, help="markdown file; raw JSON next to it "
-                    "(default bench/results/startup.md; with --smoke a temporary folder)")
+    add_out(ap, None, help="markdown file; raw JSON next to it "
+            "(default bench/results/startup.md; with --smoke a temporary folder)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' JSON")
     ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    return ap
+
+
+def child_base(args, cuda: bool) -> dict:
+    """What every child's spec shares (the model, preset, mode and phase are each one's)."""
+    sizes = comma_list(args.sizes, int) if args.sizes else GPU_SIZES if cuda else CPU_SIZES
+    return {"device": "cuda" if cuda else "cpu",
+            "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
+            "sizes": sizes, "batch": min(args.batch, max(sizes)),
+            "capture_warmup": args.capture_warmup,
+            "profile": os.path.abspath(args.profile) if args.profile else None,
+            "context": args.context if args.context is not None else (500 if cuda else 40)}
+
+
+def startup_meta(argv, base: dict) -> dict:
+    sizes = base["sizes"]
+    sizes_text = (f"{len(sizes)} ([1, 2, 4] + 8..256 step 8)" if sizes == GPU_SIZES
+                  else f"{len(sizes)} ({sizes})")
+    return {"date": utc_now(), "device": base["device"], "python": platform.python_version(),
+            "command": command_line("startup", argv), "sizes_text": sizes_text, "batch": base["batch"],
+            "context": base["context"], "piece_compiler": base["piece_compiler"]}
+
+
+def measure_cell(spec: dict, phases: list[str], args, out: str, meta: dict, rows: list[dict]) -> bool:
+    """Each phase of one (model, preset, mode) in a fresh process, all with the
+    same new cache folders, cold first (it fills what warm reads); the results
+    written after each. True where one failed (the phases after it do not run)."""
+    name = f"{spec['model']} {spec['preset']} {spec['mode']}"
+    root = tempfile.mkdtemp(prefix=f"mrv2-startup-{name.replace(' ', '-')}-")
+    caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+              "TRITON_CACHE_DIR": os.path.join(root, "triton"),
+              "MRV2_CACHE_DIR": os.path.join(root, "mrv2")}
+    for folder in caches.values():
+        os.makedirs(folder)
+    failed = False
+    for phase in phases:
+        row = run_child({**spec, "phase": phase}, caches, args.timeout)
+        rows.append(row)
+        if "error" in row:
+            failed = True
+            print(f"{name} {phase}: FAILED ({row['error']})\n{row.get('stderr_tail', '')}", flush=True)
+            break
+        print(f"{name} {phase}: compile {row['compile_s']:.1f} s, capture "
+              f"{row['capture_s']:.2f} s ({row['graphs']} graphs), start to first "
+              f"step {row['start_to_first_step_s']:.1f} s", flush=True)
+        write(out, meta, rows)
+    if args.keep_caches:
+        print(f"caches kept: {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return failed
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        if spec.get("profile"):
-            row = profiled_child(spec)
-        else:
-            row = child(spec)
+        row = profiled_child(spec) if spec.get("profile") else child(spec)
         print(JSON_PREFIX + json.dumps(row), flush=True)
         return 0
     if args.merge:
@@ -366,60 +412,23 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     out = args.out or (os.path.join(tempfile.mkdtemp(prefix="mrv2-startup-smoke-"), "startup.md")
                        if args.smoke else "bench/results/startup.md")
-    sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes
-             else GPU_SIZES if cuda else CPU_SIZES)
-    presets = (args.preset or ("bench,llama8b" if cuda else "tiny")).split(",")
-    models = args.models.split(",")
-    modes = args.modes.split(",")
-    phases = args.phases.split(",")
+    models = comma_list(args.models)
+    presets = comma_list(args.preset or ("bench,llama8b" if cuda else "tiny"))
+    phases = comma_list(args.phases)
     if not set(phases) <= {"cold", "warm"}:
         ap.error(f"--phases: cold and/or warm, not {args.phases}")
     if args.smoke and not args.preset:
         models, presets = ["llama"], ["tiny"]
-    base = {"device": "cuda" if cuda else "cpu",
-            "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
-            "sizes": sizes, "batch": min(args.batch, max(sizes)),
-            "capture_warmup": args.capture_warmup,
-            "profile": os.path.abspath(args.profile) if args.profile else None,
-            "context": args.context if args.context is not None else (500 if cuda else 40)}
-    sizes_text = (f"{len(sizes)} ([1, 2, 4] + 8..256 step 8)" if sizes == GPU_SIZES
-                  else f"{len(sizes)} ({sizes})")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": "cuda" if cuda else "cpu", "python": platform.python_version(),
-            "command": " ".join(["python", "bench/startup.py"]
-                                + list(argv if argv is not None else sys.argv[1:])),
-            "sizes_text": sizes_text, "batch": base["batch"], "context": base["context"],
-            "piece_compiler": base["piece_compiler"]}
+    base = child_base(args, cuda)
+    meta = startup_meta(argv, base)
     rows: list[dict] = []
     failed = False
     for model in models:
         for p in presets:
-            for mode in modes:
-                root = tempfile.mkdtemp(prefix=f"mrv2-startup-{model}-{p}-{mode}-")
-                caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
-                          "TRITON_CACHE_DIR": os.path.join(root, "triton"),
-                          "MRV2_CACHE_DIR": os.path.join(root, "mrv2")}
-                for folder in caches.values():
-                    os.makedirs(folder)
-                for phase in phases:  # cold first: it fills the folders warm reads
-                    spec = {**base, "model": model, "preset": p, "mode": mode, "phase": phase}
-                    row = run_child(spec, caches, args.timeout)
-                    rows.append(row)
-                    if "error" in row:
-                        failed = True
-                        print(f"{model} {p} {mode} {phase}: FAILED ({row['error']})\n"
-                              f"{row.get('stderr_tail', '')}", flush=True)
-                        break
-                    print(f"{model} {p} {mode} {phase}: compile {row['compile_s']:.1f} s, capture "
-                          f"{row['capture_s']:.2f} s ({row['graphs']} graphs), start to first "
-                          f"step {row['start_to_first_step_s']:.1f} s", flush=True)
-                    write(out, meta, rows)
-                if args.keep_caches:
-                    print(f"caches kept: {root}")
-                else:
-                    shutil.rmtree(root, ignore_errors=True)
-    text = write(out, meta, rows)
-    print(text)
+            for mode in comma_list(args.modes):
+                spec = {**base, "model": model, "preset": p, "mode": mode}
+                failed |= measure_cell(spec, phases, args, out, meta, rows)
+    print(write(out, meta, rows))
     print(f"written: {out} and {os.path.splitext(out)[0]}.json")
     return 1 if failed else 0
 
