@@ -41,9 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -54,6 +52,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from report import (  # noqa: E402
+    RESULTS_DIR, add_dry_run, add_out, comma_list, command_line, run_line, table, write_md_and_json)
 from timing import kernel_profile  # noqa: E402
 
 import compile_backend as cb  # noqa: E402,F401  (registers the backend)
@@ -210,7 +210,7 @@ def run_variant(model, label, options, ids_by_batch, new_tokens, mode, device, p
     return rows
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -238,19 +238,14 @@ def main(argv=None) -> int:
                     help="per variant and batch, the N functions with the most host time "
                          "(cProfile) in one generate call")
     ap.add_argument("--piece-compiler", default="inductor")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU plumbing check: fp32, eager pieces, graph stand-in (numbers mean nothing)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available() and not args.dry_run:
-        ap.error("needs a CUDA GPU; --dry-run checks the plumbing on a CPU")
-    device = "cpu" if args.dry_run else "cuda"
-    dtype = torch.float32 if args.dry_run else torch.bfloat16
-    model = build(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
-                  device, dtype)
-    g = torch.Generator().manual_seed(5)
-    ids_by_batch = {int(b): torch.randint(0, args.vocab, (int(b), args.prompt), generator=g).to(device)
-                    for b in args.batches.split(",")}
+    add_out(ap, RESULTS_DIR)
+    add_dry_run(ap, help="CPU plumbing check: fp32, eager pieces, graph stand-in (numbers mean nothing)")
+    return ap
+
+
+def variant_list(ap, args) -> list[tuple[str, object, str]]:
+    """(label, options, mode) of each --variants name, a compiled one once per
+    --mode; options: None (eager), "reduce-overhead" (Inductor's) or mrv2's."""
     base = {"piece_compiler": "eager" if args.dry_run else args.piece_compiler}
     off = {"fuse_sibling_linears": False, "fuse_linear_residual": False, "fuse_norm_linear": False}
     known = {"eager": ("eager", None),
@@ -259,27 +254,37 @@ def main(argv=None) -> int:
              "residual": ("mrv2 residual only", {**base, **off, "fuse_linear_residual": True}),
              "on": ("mrv2 passes on", base),
              "reduce-overhead": ("inductor reduce-overhead", "reduce-overhead")}
-    names = args.variants.split(",")
+    names = comma_list(args.variants)
     unknown = [n for n in names if n not in known]
     if unknown or "eager" not in names:
         ap.error(f"--variants: names among {', '.join(known)}, with eager (the table's "
                  f"reference); got {args.variants!r}")
-    modes = args.mode.split(",")
-    variants = []  # (label, options, mode)
+    modes = comma_list(args.mode)
+    variants = []
     for n in names:
         label, options = known[n]
         if options is None or options == "reduce-overhead":
             variants.append((label, options, modes[0]))
         else:
             variants += [(label if len(modes) == 1 else f"{label} [{m}]", options, m) for m in modes]
-    scope = contextlib.nullcontext()
-    if args.dry_run:
-        from compile_backend.runtime.graph_pool import use_graph_backend
-        from compile_backend.runtime.graph_standin import StandInGraphs
+    return variants
 
-        scope = use_graph_backend(StandInGraphs())
+
+def graph_scope(dry_run: bool):
+    """A dry run's graph stand-in (CUDA graphs otherwise)."""
+    if not dry_run:
+        return contextlib.nullcontext()
+    from compile_backend.runtime.graph_pool import use_graph_backend
+    from compile_backend.runtime.graph_standin import StandInGraphs
+
+    return use_graph_backend(StandInGraphs())
+
+
+def run_all(model, variants, ids_by_batch, args, argv, device: str) -> str:
+    """Every variant's rows, the tables written after each (a crash keeps
+    them); returns the tables."""
     rows: list[dict] = []
-    with scope:
+    with graph_scope(args.dry_run):
         for label, options, mode in variants:
             try:
                 rows += run_variant(model, label, options, ids_by_batch, args.new_tokens, mode,
@@ -291,31 +296,45 @@ def main(argv=None) -> int:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 print(f"{label}: FAILED ({reason})", flush=True)
                 rows += [{"variant": label, "batch": b, "error": reason} for b in ids_by_batch]
-            table = write_tables(args, argv, device, rows)  # after each variant: a crash keeps them
-    print(table)
+            text = write_tables(args, argv, device, rows)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and not args.dry_run:
+        ap.error("needs a CUDA GPU; --dry-run checks the plumbing on a CPU")
+    variants = variant_list(ap, args)
+    device = "cpu" if args.dry_run else "cuda"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    model = build(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
+                  device, dtype)
+    g = torch.Generator().manual_seed(5)
+    ids_by_batch = {b: torch.randint(0, args.vocab, (b, args.prompt), generator=g).to(device)
+                    for b in comma_list(args.batches, int)}
+    print(run_all(model, variants, ids_by_batch, args, argv, device))
     return 0
 
 
 def write_tables(args, argv, device: str, rows: list[dict]) -> str:
+    """<name>.md and <name>.json (the rows less their tokens); returns the tables."""
     eager = {r["batch"]: r for r in rows if r["variant"] == "eager"}
     off = {r["batch"]: r for r in rows if r["variant"].startswith("mrv2 passes off")
            and "error" not in r}
-    lines = ["| variant | batch | ms / token | of it GC | device ms / token | vs passes off "
-             "| vs eager | greedy tokens equal to eager |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+
+    def cells(r):
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['batch']} | failed: {r['error']} | | | | | |")
-            continue
+            return [r["variant"], r["batch"], f"failed: {r['error']}"] + [None] * 5
         e, o = eager[r["batch"]], off.get(r["batch"])
         same = (r["tokens"] == e["tokens"]).float().mean().item()
         r["tokens_equal_eager"] = same
-        dev = f"{r['device_ms_per_token']:.3f}" if "device_ms_per_token" in r else "-"
-        vs_off = f"{r['ms_per_token'] / o['ms_per_token']:.3f}x" if o else "-"
-        lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.3f} "
-                     f"| {r['gc_ms_per_token']:.3f} | {dev} | {vs_off} "
-                     f"| {r['ms_per_token'] / e['ms_per_token']:.3f}x "
-                     f"| {100 * same:.1f}% |")
+        return [r["variant"], r["batch"], f"{r['ms_per_token']:.3f}", f"{r['gc_ms_per_token']:.3f}",
+                f"{r['device_ms_per_token']:.3f}" if "device_ms_per_token" in r else "-",
+                f"{r['ms_per_token'] / o['ms_per_token']:.3f}x" if o else "-",
+                f"{r['ms_per_token'] / e['ms_per_token']:.3f}x", f"{100 * same:.1f}%"]
+    lines = table(["variant", "batch", "ms / token", "of it GC", "device ms / token", "vs passes off",
+                   "vs eager", "greedy tokens equal to eager"], "l" + "r" * 7, [cells(r) for r in rows])
     for r in rows:
         if "profile" in r:
             p = r["profile"]
@@ -323,26 +342,20 @@ def write_tables(args, argv, device: str, rows: list[dict]) -> str:
                       f"{args.profile_tokens} new tokens launched {p['launches']} kernels, "
                       f"{p['device_ms']:.3f} ms of device time "
                       f"({p['device_ms'] / args.profile_tokens:.3f} ms per new token, the prefill "
-                      f"included; wall {r['ms_per_token']:.3f} ms per decode token)", "",
-                      "| kernel | calls | total us |", "|---|---:|---:|"]
-            lines += [f"| {k[:70]} | {c} | {t:.1f} |" for k, c, t in p["kernels"][:args.top]]
-    table = "\n".join(lines)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = "python bench/hf_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+                      f"included; wall {r['ms_per_token']:.3f} ms per decode token)", ""]
+            lines += table(["kernel", "calls", "total us"], "lrr",
+                           [[k[:70], c, f"{t:.1f}"] for k, c, t in p["kernels"][:args.top]])
+    text = "\n".join(lines)
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (numbers mean nothing)"
-    head = (f"# HF Llama generate: the linear passes on and off\n\n{stamp}, {where}, "
-            f"torch {torch.__version__}, command: `{cmd}`\n\nModel: {args.layers} layers, hidden "
+    head = (f"# HF Llama generate: the linear passes on and off\n\n"
+            f"{run_line(where, command_line('hf_generate', argv))}\n\nModel: {args.layers} layers, hidden "
             f"{args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, intermediate "
             f"{args.intermediate}, vocab {args.vocab}, bf16; prompt {args.prompt} tokens, "
             f"{args.new_tokens} new tokens, greedy, {args.cache} cache; compiled variants: "
             f"cudagraph_mode={args.mode}, {args.piece_compiler} pieces.\n\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(head + table + "\n")
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1,
-                  default=str)
-    return table
+    write_md_and_json(os.path.join(args.out, f"{args.name}.md"), head + text + "\n",
+                      [{k: v for k, v in r.items() if k != "tokens"} for r in rows], default=str)
+    return text
 
 
 if __name__ == "__main__":
