@@ -12,10 +12,9 @@ metadata, then replay or launches; building the batch is the scheduler's and
 is not timed), the back-to-back step time (20 steps queued with no synchronize in
 between: the host prepares step i+1 while the device runs step i, as an engine
 that schedules ahead does), the FULL graph's replay alone where there is one,
-the ratio to the HBM floor (weight bytes + KV bytes read, over the device-to-device copy
-bandwidth: the median of 5 rounds at the run's start and 5 at its end, min-max
-beside it in the header), and the relative error of the first step's logits
-against eager (match: < 5e-2, bf16 over 8 layers).
+the ratio to the HBM floor (weight bytes + KV bytes read, over the median copy bandwidth
+of 5 rounds at the run's start and 5 at its end), and the relative error of the first
+step's logits against eager (match: < 5e-2, bf16 over 8 layers).
 
 Variants (all with the project's kernels):
   eager                    the model uncompiled

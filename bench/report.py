@@ -86,7 +86,7 @@ def run_line(gpu: str, command: str) -> str:
 
 
 def write_md_and_json(md_path: str, text: str, data: Any,
-                  default: Callable[[Any], Any] | None = None) -> str:
+                      default: Callable[[Any], Any] | None = None) -> str:
     """`text` to md_path and `data` as JSON beside it (same name, .json);
     returns md_path."""
     os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)
