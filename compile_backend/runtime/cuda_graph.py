@@ -66,9 +66,10 @@ def _grew_by_one(last: tuple[tuple[Any, ...], tuple[Any, ...]],
 @dataclass
 class CapturedGraph:
     graph: Any
-    # What the graph reads: a private buffer (strong) for an input copied in
-    # at every replay, else the capture-time argument (weakly on CUDA: the
-    # graph replays only when the caller hands in a tensor at that address).
+    # Per input: a private buffer (strong) for one copied in at every
+    # replay; else None on CUDA (the graph replays only when the caller hands
+    # in a tensor at the captured address: tensor_ptrs), or the capture-time
+    # argument for a stand-in that replays by running.
     inputs: list[Any]
     # (index, address) of the tensor inputs read and written in place: a
     # replay needs each at its capture-time address (the fast check)
@@ -337,6 +338,10 @@ class CUDAGraphWrapper:
                 ctx.capturing = False
         if alone:  # `seconds` is the device's time; in a plan, the host's
             self.graphs.synchronize()
+        # A CUDA graph holds its inputs' addresses: only the private buffers
+        # are kept (weak references to the rest cost 10-20 µs each, and a
+        # plan makes 1155 graphs). A stand-in replays by running: it keeps them.
+        reruns = hasattr(self.graphs, "after_capture")
         aliases = _output_aliases(outputs, capture_args)
         aliased = {leaf for leaf, *_ in aliases}
         for leaf, t in enumerate(pytree.tree_leaves(outputs)):
@@ -344,7 +349,7 @@ class CUDAGraphWrapper:
                 graph_pool.register_output(t)
         entry = CapturedGraph(
             graph=graph,
-            inputs=[a if i in copy_ins else graph_pool.weak_ref(a) for i, a in enumerate(capture_args)],
+            inputs=[a if i in copy_ins or reruns else None for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and i not in copy_ins),
             outputs=pytree.tree_map(graph_pool.weak_ref, outputs),
