@@ -236,18 +236,18 @@ class CUDAGraphWrapper:
         if not has_forward_context():
             return self.call_lazily(args, self.lazy_key(args))
         ctx = get_forward_context()
-        step = ctx.graph
-        if step is None or step.mode is not self.mode:
+        graph = ctx.graph
+        if graph is None or graph.mode is not self.mode:
             return self.fn(*args)
-        key = step.key
+        key = graph.key
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
         return self._replay(key, entry, args, ctx)
 
-    def is_captured(self, step: StepGraph) -> bool:
-        """Has `step`'s graph been captured (a step of another mode: never)?"""
-        return step.mode is self.mode and step.key in self.entries
+    def is_captured(self, graph: StepGraph) -> bool:
+        """Has `graph` been captured (a graph of another mode: never)?"""
+        return graph.mode is self.mode and graph.key in self.entries
 
     def lazy_key(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Without a runner, what picks a graph: (the shapes of the tensor
