@@ -86,7 +86,7 @@ def _grew_by_one(last: tuple[tuple[Any, ...], tuple[Any, ...]],
 
 @dataclass
 class CapturedGraph:
-    graph: Any
+    cuda_graph: Any  # torch.cuda.CUDAGraph, or the graph backend's stand-in
     # What the graph reads: a private buffer (strong) for an input copied in
     # at every replay, else the capture-time argument (weakly on CUDA: the
     # graph replays only when the caller hands in a tensor at that address).
@@ -336,9 +336,9 @@ class CUDAGraphWrapper:
             capture_args[i] = torch.empty_strided(args[i].shape, args[i].stride(),
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
-        graph = self.graphs.new_graph()
+        cuda_graph = self.graphs.new_graph()
         pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
-        graph_pool.register_graph(graph, shared=not own_pool)
+        graph_pool.register_graph(cuda_graph, shared=not own_pool)
         # Alone (lazily, late, or for a new address), a capture settles the
         # device and empties the allocator's cache first, as torch.cuda.graph
         # did; in a plan that is done once for all graphs (plan_capture).
@@ -351,7 +351,7 @@ class CUDAGraphWrapper:
         if ctx is not None:
             ctx.capturing = True
         try:
-            with self.graphs.capture(graph, pool, capture_args):
+            with self.graphs.capture(cuda_graph, pool, capture_args):
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
@@ -364,7 +364,7 @@ class CUDAGraphWrapper:
             if type(t) is torch.Tensor and leaf not in aliased:
                 graph_pool.register_output(t)
         entry = CapturedGraph(
-            graph=graph,
+            cuda_graph=cuda_graph,
             inputs=[a if i in copy_ins else graph_pool.weak_ref(a) for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and i not in copy_ins),
@@ -379,7 +379,7 @@ class CUDAGraphWrapper:
         )
         self._keep(key, entry)
         if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
-            self.graphs.after_capture(graph, self.fn, entry, ctx)
+            self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
         # The replay writes the outputs' memory (garbage until now). Hand out
@@ -395,11 +395,11 @@ class CUDAGraphWrapper:
         while len(kept) > self.graphs_per_shape:
             old = kept.pop(0)
             counters["graph_evictions"] += 1
-            reset = getattr(old.graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+            reset = getattr(old.cuda_graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
             if reset is not None:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
-            graph_pool.forget_graph(old.graph)
+            graph_pool.forget_graph(old.cuda_graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "
@@ -432,7 +432,7 @@ class CUDAGraphWrapper:
                         f"{self.name}: persistent metadata tensor {name} moved since "
                         f"capture (0x{ptr:x} -> 0x{now[name]:x}); metadata builders must "
                         "write into their persistent buffers, not allocate new tensors.")
-        entry.graph.replay()
+        entry.cuda_graph.replay()
         counters["cudagraph_replays"] += 1
         if entry.output_aliases:
             return self._alias_outputs(entry, args, entry.outputs)
