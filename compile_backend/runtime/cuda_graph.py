@@ -65,7 +65,7 @@ def _grew_by_one(last: tuple[tuple[Any, ...], tuple[Any, ...]],
 
 @dataclass
 class CapturedGraph:
-    graph: Any
+    cuda_graph: Any  # torch.cuda.CUDAGraph, or the graph backend's stand-in
     # Per input: a private buffer (strong) for one copied in at every
     # replay; else None on CUDA (the graph replays only when the caller hands
     # in a tensor at the captured address: tensor_ptrs), or the capture-time
@@ -216,18 +216,18 @@ class CUDAGraphWrapper:
         if not has_forward_context():
             return self.call_lazily(args, self.lazy_key(args))
         ctx = get_forward_context()
-        step = ctx.graph
-        if step is None or step.mode is not self.mode:
+        graph = ctx.graph
+        if graph is None or graph.mode is not self.mode:
             return self.fn(*args)
-        key = step.key
+        key = graph.key
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
         return self._replay(key, entry, args, ctx)
 
-    def is_captured(self, step: StepGraph) -> bool:
-        """Has `step`'s graph been captured (a step of another mode: never)?"""
-        return step.mode is self.mode and step.key in self.entries
+    def is_captured(self, graph: StepGraph) -> bool:
+        """Has `graph` been captured (a graph of another mode: never)?"""
+        return graph.mode is self.mode and graph.key in self.entries
 
     def lazy_key(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Without a runner, what picks a graph: (the shapes of the tensor
@@ -316,9 +316,9 @@ class CUDAGraphWrapper:
             capture_args[i] = torch.empty_strided(args[i].shape, args[i].stride(),
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
-        graph = self.graphs.new_graph()
+        cuda_graph = self.graphs.new_graph()
         pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
-        graph_pool.register_graph(graph, shared=not own_pool)
+        graph_pool.register_graph(cuda_graph, shared=not own_pool)
         # Alone (lazily, late, or for a new address), a capture settles the
         # device and empties the allocator's cache first, as torch.cuda.graph
         # did; in a plan that is done once for all graphs (plan_capture).
@@ -331,7 +331,7 @@ class CUDAGraphWrapper:
         if ctx is not None:
             ctx.capturing = True
         try:
-            with self.graphs.capture(graph, pool, capture_args):
+            with self.graphs.capture(cuda_graph, pool, capture_args):
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
@@ -348,7 +348,7 @@ class CUDAGraphWrapper:
             if type(t) is torch.Tensor and leaf not in aliased:
                 graph_pool.register_output(t)
         entry = CapturedGraph(
-            graph=graph,
+            cuda_graph=cuda_graph,
             inputs=[a if i in copy_ins or reruns else None for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and i not in copy_ins),
@@ -363,7 +363,7 @@ class CUDAGraphWrapper:
         )
         self._keep(key, entry)
         if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
-            self.graphs.after_capture(graph, self.fn, entry, ctx)
+            self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
         # The replay writes the outputs' memory (garbage until now). Hand out
@@ -379,11 +379,11 @@ class CUDAGraphWrapper:
         while len(kept) > self.graphs_per_shape:
             old = kept.pop(0)
             counters["graph_evictions"] += 1
-            reset = getattr(old.graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+            reset = getattr(old.cuda_graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
             if reset is not None:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
-            graph_pool.forget_graph(old.graph)
+            graph_pool.forget_graph(old.cuda_graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "
@@ -416,7 +416,7 @@ class CUDAGraphWrapper:
                         f"{self.name}: persistent metadata tensor {name} moved since "
                         f"capture (0x{ptr:x} -> 0x{now[name]:x}); metadata builders must "
                         "write into their persistent buffers, not allocate new tensors.")
-        entry.graph.replay()
+        entry.cuda_graph.replay()
         counters["cudagraph_replays"] += 1
         if entry.output_aliases:
             return self._alias_outputs(entry, args, entry.outputs)
