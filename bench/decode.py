@@ -239,8 +239,8 @@ def run_decode(model_name, variant, setup, batches):
         desc = step.key
         replay_ms = None
         if step.mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
-            graph = runner.full_graph.entries[desc].graph
-            replay_ms = median_ms(graph.replay, setup)
+            cuda_graph = runner.full_graph.entries[desc].cuda_graph
+            replay_ms = median_ms(cuda_graph.replay, setup)
         rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
                      "b2b_ms": b2b_ms, "replay_ms": replay_ms, "work": step_floor_work(model, b, setup.context),
                      "dispatched": step.mode.value, "first": first})

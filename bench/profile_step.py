@@ -106,9 +106,9 @@ def main(argv=None) -> int:
                     f"host {host_ms(step):.3f} ms, back-to-back {bench.back_to_back_ms(step, setup):.3f} ms")
             step_graph = runner.dispatch(batch)
             if step_graph.mode is cb.CUDAGraphMode.FULL:
-                graph = runner.full_graph.entries[step_graph.key].graph
-                line += f", replay {bench.median_ms(graph.replay, setup):.3f} ms"
-                target = graph.replay
+                cuda_graph = runner.full_graph.entries[step_graph.key].cuda_graph
+                line += f", replay {bench.median_ms(cuda_graph.replay, setup):.3f} ms"
+                target = cuda_graph.replay
             else:
                 target = step
             line += f", HBM floor {floor:.3f} ms"

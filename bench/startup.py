@@ -118,7 +118,7 @@ def child(spec: dict) -> dict:
     setup = Setup(device=spec["device"], dtype=torch.bfloat16 if cuda else torch.float32,
                   preset=spec["preset"], piece_compiler=spec["piece_compiler"],
                   context=spec["context"], graphs=None if cuda else StandInGraphs(),
-                  options={"capture_warmup": spec.get("capture_warmup", "every_size")})
+                  options={"capture_warmup": spec.get("capture_warmup", "on_demand")})
     t = time.perf_counter()
     if cuda:  # the context, on its own (otherwise inside the model's build)
         torch.empty(1, device="cuda")
@@ -158,7 +158,7 @@ def child(spec: dict) -> dict:
         "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
         "pool_bytes": s["pool_bytes"], "first_step_ran_as": step_mode, "first_step_finite": finite,
         "counters": {k: counters[k] for k in COUNTERS},
-        "capture_warmup": spec.get("capture_warmup", "every_size"),
+        "capture_warmup": spec.get("capture_warmup", "on_demand"),
         "device_name": torch.cuda.get_device_name() if cuda else "CPU (graph stand-in)",
         "torch": torch.__version__, "triton": __import__("triton").__version__,
         "mrv2_cache_dir": os.environ.get("MRV2_CACHE_DIR"),
@@ -196,6 +196,35 @@ def folder_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+# What a child imports before and during its first step, compiled to bytecode
+# before the cold child runs (prime_bytecode).
+PRIME_IMPORTS = ("torch, torch._dynamo, torch._inductor.compile_fx, torch._inductor.standalone_compile, "
+                 "torch._inductor.codegen.triton, torch._inductor.codegen.wrapper, "
+                 "torch._inductor.runtime.triton_heuristics, torch.fx._graph_pickler, triton, "
+                 "triton.compiler, compile_backend.runner.model_runner, compile_backend.kernels, "
+                 "compile_backend.compile.compiled_step")
+
+
+def bytecode_missing() -> bool:
+    """Is torch installed without bytecode, and unable to write it (this
+    process imported torch: a writable install has its .pyc by now)? Then
+    every process compiles torch's sources, seconds of each import; an
+    install by pip writes the bytecode at install time."""
+    import importlib.util
+
+    return not os.path.exists(importlib.util.cache_from_source(torch.__file__))
+
+
+def prime_bytecode(env: dict[str, str]) -> float:
+    """Compile what the children import into env["PYTHONPYCACHEPREFIX"] (one
+    untimed process): the cold and warm children then import from bytecode
+    as from an installed torch. Returns its seconds."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {PRIME_IMPORTS}"], env=env, check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return time.perf_counter() - t0
 
 
 def run_child(spec: dict, caches: dict[str, str], timeout: float) -> dict:
@@ -249,7 +278,8 @@ def tables(meta: dict, rows: list[dict]) -> str:
          "plan (graphs: CUDA graphs captured; plan: sizes x graph kinds); start to first step: "
          "from the parent's spawn of the process to the end of the first step (interpreter "
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
-         "caches, runner.", ""]
+         "caches, runner." + (f" Bytecode: {meta['bytecode']}." if meta.get("bytecode") else ""),
+         ""]
     L += table(["model", "preset", "mode", "phase", "compile s", "capture s", "graphs",
                 "start-to-first-step s", "mrv2's share s", "piece_compiles", "reuses",
                 "inductor_compiles", "dynamo_graphs", "import torch s", "import mrv2 s", "weights s",
@@ -331,7 +361,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=None, help="cached tokens per request "
                     "(default 500; 40 on the CPU)")
     ap.add_argument("--piece-compiler", default=None, help="inductor on a GPU, eager on the CPU")
-    ap.add_argument("--capture-warmup", default="every_size", choices=["every_size", "on_demand"],
+    ap.add_argument("--capture-warmup", default="on_demand", choices=["every_size", "on_demand"],
                     help="CompilationConfig.capture_warmup (on_demand: a warm-up only where a "
                     "capture would compile a kernel)")
     ap.add_argument("--profile", metavar="DIR", default=None,
@@ -368,10 +398,12 @@ def startup_meta(argv, base: dict) -> dict:
             "context": base["context"], "piece_compiler": base["piece_compiler"]}
 
 
-def measure_cell(spec: dict, phases: list[str], args, out: str, meta: dict, rows: list[dict]) -> bool:
+def measure_cell(spec: dict, phases: list[str], args, out: str, meta: dict, rows: list[dict],
+                 pycache: str | None = None) -> bool:
     """Each phase of one (model, preset, mode) in a fresh process, all with the
     same new cache folders, cold first (it fills what warm reads); the results
-    written after each. True where one failed (the phases after it do not run)."""
+    written after each. True where one failed (the phases after it do not run).
+    `pycache`: the primed bytecode folder (PYTHONPYCACHEPREFIX), shared by all."""
     name = f"{spec['model']} {spec['preset']} {spec['mode']}"
     root = tempfile.mkdtemp(prefix=f"mrv2-startup-{name.replace(' ', '-')}-")
     caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
@@ -379,6 +411,8 @@ def measure_cell(spec: dict, phases: list[str], args, out: str, meta: dict, rows
               "MRV2_CACHE_DIR": os.path.join(root, "mrv2")}
     for folder in caches.values():
         os.makedirs(folder)
+    if pycache:  # the bytecode a pip install would have written (not this cell's cache)
+        caches["PYTHONPYCACHEPREFIX"] = pycache
     failed = False
     for phase in phases:
         row = run_child({**spec, "phase": phase}, caches, args.timeout)
@@ -423,11 +457,21 @@ def main(argv=None) -> int:
     meta = startup_meta(argv, base)
     rows: list[dict] = []
     failed = False
+    # A read-only torch (the GPU machine's) has no bytecode: each child would
+    # compile torch's sources (5.8 s of a warm start, seen in a profile).
+    pycache = None
+    if cuda and bytecode_missing():
+        pycache = tempfile.mkdtemp(prefix="mrv2-startup-pycache-")
+        primed_s = prime_bytecode(dict(os.environ, PYTHONPYCACHEPREFIX=pycache))
+        meta["bytecode"] = ("torch's install has no bytecode; the children read it from "
+                            f"PYTHONPYCACHEPREFIX, primed in {primed_s:.0f} s before the first child")
     for model in models:
         for p in presets:
             for mode in comma_list(args.modes):
                 spec = {**base, "model": model, "preset": p, "mode": mode}
-                failed |= measure_cell(spec, phases, args, out, meta, rows)
+                failed |= measure_cell(spec, phases, args, out, meta, rows, pycache)
+    if pycache:
+        shutil.rmtree(pycache, ignore_errors=True)
     print(write(out, meta, rows))
     print(f"written: {out} and {os.path.splitext(out)[0]}.json")
     return 1 if failed else 0

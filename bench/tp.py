@@ -119,7 +119,7 @@ def run_cell(args, model_name: str, tp_size: int, mode: str, cuda: bool) -> list
         replay_ms = None
         entry = getattr(runner.full_graph, "entries", {}).get(step.key)
         if cuda and step.mode is cb.CUDAGraphMode.FULL and entry is not None:
-            replay_ms = step_ms(entry.graph.replay, tp, cuda, args.reps)
+            replay_ms = step_ms(entry.cuda_graph.replay, tp, cuda, args.reps)
         rows.append({"model": model_name, "tp": tp.size, "mode": mode, "batch": b, "ms": ms,
                      "b2b_ms": b2b, "replay_ms": replay_ms, "ran_as": step.mode.value,
                      "graphs": cb.counters["cudagraph_captures"],

@@ -133,9 +133,23 @@ def test_one_value_says_which_graph_a_step_runs_in():
     fields = {f.name: f.type for f in dataclasses.fields(ForwardContext)}
     assert set(fields) == {"attn_metadata", "graph", "capturing", "trace"}
     assert "StepGraph" in str(fields["graph"])
-    assert list(inspect.signature(prepare_inputs_to_capture).parameters) == ["step", "model_state"]
+    assert list(inspect.signature(prepare_inputs_to_capture).parameters) == ["graph", "model_state"]
     assert "StepGraph" in str({f.name: f.type for f in dataclasses.fields(CaptureRecord)}["graph"])
     assert dataclasses.is_dataclass(StepGraph) and StepGraph.__dataclass_params__.frozen
+    # One name for the value: every parameter that takes a StepGraph is `graph`.
+    misnamed = []
+    for path in sorted((ROOT / "compile_backend").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                note = arg.annotation
+                text = (note.value if isinstance(note, ast.Constant) and isinstance(note.value, str)
+                        else ast.unparse(note) if note is not None else "")
+                if text in ("StepGraph", "StepGraph | None") and arg.arg != "graph":
+                    misnamed.append(f"{path.relative_to(ROOT)}:{arg.lineno}: {arg.arg}")
+    assert misnamed == []
 
 
 def test_core_names_no_kernel_op():

@@ -65,14 +65,11 @@ class CompilationConfig:
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     capture_warmup: when a runner's plan runs the eager step before a capture:
-        "every_size" (default) before every capture, or "on_demand" only where
-        the capture would compile a Triton kernel or tune an Inductor one
-        (once per kernel configuration: the capture is dropped, the warm-up
-        runs and it captures again; runtime/jit_guard.py). "on_demand" is
-        opt-in: on the H200 it captured llama8b PIECEWISE and FULL plans, but
-        a full_and_piecewise plan with Inductor pieces hit a capture error it
-        does not catch (docs/design.md, "Capture warms up per kernel
-        configuration").
+        "on_demand" (default) only where the capture would compile a Triton
+        kernel or tune an Inductor one (once per kernel configuration: the
+        capture is dropped, the warm-up runs and it captures again;
+        runtime/jit_guard.py), or "every_size" before every capture
+        (docs/design.md, "Capture warms up per kernel configuration").
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
@@ -110,7 +107,7 @@ class CompilationConfig:
     fuse_linear_residual: bool = True
     fuse_norm_linear: bool = False
     direct_op_calls: bool = True
-    capture_warmup: str = "every_size"
+    capture_warmup: str = "on_demand"
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False

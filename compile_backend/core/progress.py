@@ -3,9 +3,9 @@
 (default 3), so quick runs and tests stay quiet.
 
     with progress("capturing CUDA graphs", total=len(plan)) as bar:
-        for step in plan:
+        for graph in plan:
             ...
-            bar.update(note=f"{step.num_tokens} tokens")
+            bar.update(note=f"{graph.num_tokens} tokens")
 
 A wait without steps (Dynamo tracing a model) shows its line too: once `delay`
 has passed a timer draws it, every half second on a terminal (so the elapsed

@@ -21,6 +21,12 @@ _declared: dict[str, tuple[int, torch.dtype]] = {}
 _buffers: dict[tuple[str, str, int], torch.Tensor] = {}
 
 
+def declared_count() -> int:
+    """How many buffers are declared (a capture stream warmed at this count
+    has them all)."""
+    return len(_declared)
+
+
 def declare(name: str, numel: int, dtype: torch.dtype) -> None:
     """A kernel module's buffer, made per stream on first use (or warm-up)."""
     _declared[name] = (numel, dtype)

@@ -9,7 +9,7 @@ positions, seq_lens and slot mappings advance on the device, in the
 persistent buffers the metadata views read, so nothing leaves the graph. In
 PIECEWISE mode the loop runs in Python over the model's piecewise graphs, and
 metadata is rebuilt each step (the attention breakpoint runs eagerly with
-exact bounds). Capture goes through the same `prepare_inputs_to_capture(step, ...)`
+exact bounds). Capture goes through the same `prepare_inputs_to_capture(graph, ...)`
 as the main model.
 """
 
@@ -84,21 +84,21 @@ class DraftRunner:
             raise ValueError(f"draft sizes {unknown} are not decode sizes of the runner "
                              f"({r.decode_sizes}); a batch is padded to one of those")
         for n in sorted(sizes, reverse=True):
-            step = StepGraph.full_decode(n)
+            graph = StepGraph.full_decode(n)
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            meta = prepare_inputs_to_capture(step, r.model_state)
+            meta = prepare_inputs_to_capture(graph, r.model_state)
             with set_forward_context(ForwardContext(meta, StepGraph.eager(n, n))):
                 self._loop(ids, pos)  # warm-up
             # Re-prepare: the warm-up advanced the (dummy) buffers.
-            meta = prepare_inputs_to_capture(step, r.model_state)
-            self._run_loop(step, meta, ids, pos)
-            self.captured.append(step)
+            meta = prepare_inputs_to_capture(graph, r.model_state)
+            self._run_loop(graph, meta, ids, pos)
+            self.captured.append(graph)
         return self.captured
 
-    def _run_loop(self, step: StepGraph, meta: dict, ids: torch.Tensor,
+    def _run_loop(self, graph: StepGraph, meta: dict, ids: torch.Tensor,
                   pos: torch.Tensor) -> torch.Tensor:
-        """The k-step loop's graph for `step` (captured on its first call)."""
-        with set_forward_context(ForwardContext(meta, step)):
+        """The k-step loop in `graph` (captured on its first call)."""
+        with set_forward_context(ForwardContext(meta, graph)):
             return self.loop_graph(ids, pos)
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
@@ -114,27 +114,27 @@ class DraftRunner:
         sizes = [s for s in r.decode_sizes if s >= batch.num_reqs]
         if self.mode is CUDAGraphMode.FULL and sizes:
             n = sizes[0]
-            step = StepGraph.full_decode(n)
-            if not self.loop_graph.is_captured(step):  # checked before anything is written
+            graph = StepGraph.full_decode(n)
+            if not self.loop_graph.is_captured(graph):  # checked before anything is written
                 raise RuntimeError(
                     f"no draft graph for {n} requests x {self.k} draft tokens (the padded size "
                     f"of this {batch.num_reqs}-request batch); captured: "
                     f"{[s.num_reqs for s in self.captured] or 'none'} requests. Call "
                     "DraftRunner.capture() before propose(): the draft loop is not captured "
                     "on demand")
-            meta = r._write_step(batch, step)  # checked above
+            meta = r._write_step(batch, graph)  # checked above
             ids, pos = r.input_buffers.input_ids[:n], r.input_buffers.positions[:n]
-            return self._run_loop(step, meta, ids, pos)[: batch.num_reqs].clone()
+            return self._run_loop(graph, meta, ids, pos)[: batch.num_reqs].clone()
         # PIECEWISE / NONE / too large: step by step through the main runner.
         out = []
-        step = batch
         for i in range(self.k):
-            logits = r.execute(step)
+            logits = r.execute(batch)
             tokens = logits.argmax(-1).tolist()
             out.append(tokens)
-            step = InputBatch(tokens, [1] * batch.num_reqs, [s + 1 for s in step.seq_lens],
-                              step.req_slots, block_ids=step.block_ids,
-                              compressed_block_ids=step.compressed_block_ids)
+            # The next step's batch: the same requests, one token each.
+            batch = InputBatch(tokens, [1] * batch.num_reqs, [s + 1 for s in batch.seq_lens],
+                               batch.req_slots, block_ids=batch.block_ids,
+                               compressed_block_ids=batch.compressed_block_ids)
         return torch.tensor(out, dtype=torch.int64).T
 
     def _check_room(self, batch: InputBatch) -> None:

@@ -175,15 +175,15 @@ class ModelRunner:
         self._stepped = True  # compiled or loaded
         return out
 
-    def _forward(self, step: StepGraph, metadata: dict[str, Any],
+    def _forward(self, graph: StepGraph, metadata: dict[str, Any],
                  trace: list | None = None) -> Any:
-        """Run the first step.num_tokens (padded) tokens of the persistent
-        buffers in `step`'s graph."""
-        T = step.num_tokens
+        """Run the first graph.num_tokens (padded) tokens of the persistent
+        buffers in `graph`."""
+        T = graph.num_tokens
         ids, pos = self.input_buffers.input_ids[:T], self.input_buffers.positions[:T]
-        with set_forward_context(ForwardContext(metadata, step, trace=trace)), \
+        with set_forward_context(ForwardContext(metadata, graph, trace=trace)), \
                 self._kernel_checks():
-            if step.mode is CUDAGraphMode.FULL:
+            if graph.mode is CUDAGraphMode.FULL:
                 return self.full_graph(ids, pos)
             return self._run_compiled(ids, pos)
 
@@ -231,20 +231,20 @@ class ModelRunner:
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \
                 jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext():
-            for step in plan:
-                self._capture_one(step, trace, on_demand)
-                bar.update(note=f"{step.mode.value} {step.num_tokens} tokens")
+            for graph in plan:
+                self._capture_one(graph, trace, on_demand)
+                bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         self.captured = True
         return self.captures
 
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
         """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
-        step = StepGraph.eager(num_tokens, num_reqs)
-        meta = prepare_inputs_to_capture(step, self.model_state)
-        self._forward(step, meta, trace)
+        graph = StepGraph.eager(num_tokens, num_reqs)
+        meta = prepare_inputs_to_capture(graph, self.model_state)
+        self._forward(graph, meta, trace)
 
-    def _capture_one(self, step: StepGraph, trace: list | None, on_demand: bool) -> None:
+    def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool) -> None:
         """Warm up and capture one graph of the plan. No synchronize around it
         (the plan has one at each end): its CaptureRecord's `seconds` is the
         host's time for the warm-up and the capture (the device may still be
@@ -254,36 +254,36 @@ class ModelRunner:
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
         builds_before = len(self.model_state.build_log)
-        meta = prepare_inputs_to_capture(step, self.model_state)
+        meta = prepare_inputs_to_capture(graph, self.model_state)
         phases = dict(graph_pool.capture_seconds)
         warmup_s = 0.0
         if not on_demand:
-            warmup_s = self._warmup_for_capture(step, meta, trace)
-            self._forward(step, meta, trace)  # capture
+            warmup_s = self._warmup_for_capture(graph, meta, trace)
+            self._forward(graph, meta, trace)  # capture
         else:
             try:  # capture first: a warm-up only where a kernel would compile or tune
-                self._forward(step, meta, trace)
+                self._forward(graph, meta, trace)
                 counters["capture_warmups_skipped"] += 1
             except jit_guard.CompileInCapture as e:
-                logger.debug("capture of %s: %s; warming up and capturing again", step.key, e)
-                warmup_s = self._warmup_for_capture(step, meta, trace)
-                self._forward(step, meta, trace)
+                logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
+                warmup_s = self._warmup_for_capture(graph, meta, trace)
+                self._forward(graph, meta, trace)
         builds = self.model_state.build_log[builds_before:]
         self.captures.append(CaptureRecord(
-            graph=step, seconds=time.perf_counter() - t0,
+            graph=graph, seconds=time.perf_counter() - t0,
             pool_bytes=graphs.memory_allocated() - before,
             for_capture={b["kind"]: b["for_capture"] for b in builds},
             warmup_s=warmup_s,
             record_s=graph_pool.capture_seconds["record"] - phases["record"],
             instantiate_s=graph_pool.capture_seconds["instantiate"] - phases["instantiate"]))
 
-    def _warmup_for_capture(self, step: StepGraph, meta: dict[str, Any],
+    def _warmup_for_capture(self, graph: StepGraph, meta: dict[str, Any],
                             trace: list | None) -> float:
         """The eager step before a capture (it compiles what the capture would
         need compiled); returns its host seconds."""
         t0 = time.perf_counter()
         counters["capture_warmups"] += 1
-        self._forward(StepGraph.eager(step.num_tokens, step.num_reqs), meta, trace)
+        self._forward(StepGraph.eager(graph.num_tokens, graph.num_reqs), meta, trace)
         return time.perf_counter() - t0
 
     # ---- serving ---------------------------------------------------------------
@@ -293,14 +293,14 @@ class ModelRunner:
         eager until capture() ran)."""
         if not self.captured:
             return StepGraph.eager(batch.num_tokens, batch.num_reqs)
-        step, no_graph = self.plan.dispatch(batch.num_tokens, batch.num_reqs,
-                                            batch.uniform_decode)
+        graph, no_graph = self.plan.dispatch(batch.num_tokens, batch.num_reqs,
+                                             batch.uniform_decode)
         if no_graph is not None:
             counters[no_graph] += 1
             if no_graph == NO_GRAPH_TOO_LARGE:
                 logger.info("batch of %d tokens is larger than every capture size (%d): eager",
                             batch.num_tokens, self.capture_sizes[-1])
-        return step
+        return graph
 
     def execute(self, batch: InputBatch, trace: list | None = None) -> torch.Tensor:
         """Run one step; returns the rows of the real tokens ([T, ...]), valid
@@ -309,19 +309,19 @@ class ModelRunner:
         cache layout or the model's vocabulary cannot take raises ValueError,
         before anything is written (ModelState.check, then BlockTables.write)."""
         self.model_state.check(batch)  # before dispatch counts a fallback
-        step = self.dispatch(batch)
+        graph = self.dispatch(batch)
         if self.parallel is not None:
-            self.parallel.check_step(step)
-        out = self._forward(step, self._write_step(batch, step), trace)
+            self.parallel.check_step(graph)
+        out = self._forward(graph, self._write_step(batch, graph), trace)
         return out[: batch.num_tokens]
 
-    def prepare_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:
+    def prepare_step(self, batch: InputBatch, graph: StepGraph) -> dict[str, Any]:
         """Check the batch against the cache layout and the vocabulary, pad it
-        to `step`, write it into the persistent buffers and build its metadata
+        to `graph`, write it into the persistent buffers and build its metadata
         (`for_capture` when it replays in a FULL graph)."""
         self.model_state.check(batch)
-        return self._write_step(batch, step)
+        return self._write_step(batch, graph)
 
-    def _write_step(self, batch: InputBatch, step: StepGraph) -> dict[str, Any]:
-        self.model_state.write(batch.pad_to(step))
+    def _write_step(self, batch: InputBatch, graph: StepGraph) -> dict[str, Any]:
+        self.model_state.write(batch.pad_to(graph))
         return self.model_state.prepare_attn(batch)

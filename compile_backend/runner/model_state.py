@@ -164,9 +164,10 @@ class ModelState:
         views of them."""
         graph = batch.graph
         assert graph is not None, "pad the batch to its graph first (InputBatch.pad_to)"
+        for_capture = graph.for_capture  # the contract's flag: derived here alone
         out: dict[str, Any] = {}
         for group in self.attn_groups:
-            meta = group.builder.build(batch, for_capture=graph.for_capture)
+            meta = group.builder.build(batch, for_capture=for_capture)
             for name in group.layer_names:
                 out[name] = meta
             counters["metadata_builds"] += 1
@@ -175,7 +176,7 @@ class ModelState:
                     continue
                 self.serving_builds_logged += 1
             self.build_log.append({
-                "kind": group.builder.kind, "for_capture": graph.for_capture,
+                "kind": group.builder.kind, "for_capture": for_capture,
                 "mode": graph.mode.value, "uniform_decode": graph.uniform_decode,
                 "dummy": batch.is_dummy, "num_tokens": graph.num_tokens,
                 "num_reqs": graph.num_reqs,

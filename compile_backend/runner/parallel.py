@@ -89,14 +89,14 @@ class RankAgreement:
         logger.info("tensor parallel: %d ranks agree on %d graphs to capture (mode %s)",
                     self.tp.size, len(mine["plan"]), mine["mode"])
 
-    def check_step(self, step: StepGraph) -> None:
+    def check_step(self, graph: StepGraph) -> None:
         """Raise if another rank chose another graph for this step."""
         import torch.distributed as dist
 
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return  # an outer capture (a draft loop) records no host check
-        mine = torch.tensor([_MODES.index(step.mode), step.num_tokens, step.num_reqs,
-                             int(step.uniform_decode)], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([_MODES.index(graph.mode), graph.num_tokens, graph.num_reqs,
+                             int(graph.uniform_decode)], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.tp.size)]
         dist.all_gather(gathered, mine, group=self.group)
         rows = torch.stack(gathered).tolist()  # [rank, (mode, tokens, reqs, uniform)]

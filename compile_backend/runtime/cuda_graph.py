@@ -65,10 +65,11 @@ def _grew_by_one(last: tuple[tuple[Any, ...], tuple[Any, ...]],
 
 @dataclass
 class CapturedGraph:
-    graph: Any
-    # What the graph reads: a private buffer (strong) for an input copied in
-    # at every replay, else the capture-time argument (weakly on CUDA: the
-    # graph replays only when the caller hands in a tensor at that address).
+    cuda_graph: Any  # torch.cuda.CUDAGraph, or the graph backend's stand-in
+    # Per input: a private buffer (strong) for one copied in at every
+    # replay; else None on CUDA (the graph replays only when the caller hands
+    # in a tensor at the captured address: tensor_ptrs), or the capture-time
+    # argument for a stand-in that replays by running.
     inputs: list[Any]
     # (index, address) of the tensor inputs read and written in place: a
     # replay needs each at its capture-time address (the fast check)
@@ -215,18 +216,18 @@ class CUDAGraphWrapper:
         if not has_forward_context():
             return self.call_lazily(args, self.lazy_key(args))
         ctx = get_forward_context()
-        step = ctx.graph
-        if step is None or step.mode is not self.mode:
+        graph = ctx.graph
+        if graph is None or graph.mode is not self.mode:
             return self.fn(*args)
-        key = step.key
+        key = graph.key
         entry = self.entries.get(key)
         if entry is None:
             return self._capture(key, args, ctx)
         return self._replay(key, entry, args, ctx)
 
-    def is_captured(self, step: StepGraph) -> bool:
-        """Has `step`'s graph been captured (a step of another mode: never)?"""
-        return step.mode is self.mode and step.key in self.entries
+    def is_captured(self, graph: StepGraph) -> bool:
+        """Has `graph` been captured (a graph of another mode: never)?"""
+        return graph.mode is self.mode and graph.key in self.entries
 
     def lazy_key(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Without a runner, what picks a graph: (the shapes of the tensor
@@ -315,9 +316,9 @@ class CUDAGraphWrapper:
             capture_args[i] = torch.empty_strided(args[i].shape, args[i].stride(),
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
-        graph = self.graphs.new_graph()
+        cuda_graph = self.graphs.new_graph()
         pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
-        graph_pool.register_graph(graph, shared=not own_pool)
+        graph_pool.register_graph(cuda_graph, shared=not own_pool)
         # Alone (lazily, late, or for a new address), a capture settles the
         # device and empties the allocator's cache first, as torch.cuda.graph
         # did; in a plan that is done once for all graphs (plan_capture).
@@ -330,21 +331,25 @@ class CUDAGraphWrapper:
         if ctx is not None:
             ctx.capturing = True
         try:
-            with self.graphs.capture(graph, pool, capture_args):
+            with self.graphs.capture(cuda_graph, pool, capture_args):
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
                 ctx.capturing = False
         if alone:  # `seconds` is the device's time; in a plan, the host's
             self.graphs.synchronize()
+        # A CUDA graph holds its inputs' addresses: only the private buffers
+        # are kept (weak references to the rest cost 10-20 µs each, and a
+        # plan makes 1155 graphs). A stand-in replays by running: it keeps them.
+        reruns = hasattr(self.graphs, "after_capture")
         aliases = _output_aliases(outputs, capture_args)
         aliased = {leaf for leaf, *_ in aliases}
         for leaf, t in enumerate(pytree.tree_leaves(outputs)):
             if type(t) is torch.Tensor and leaf not in aliased:
                 graph_pool.register_output(t)
         entry = CapturedGraph(
-            graph=graph,
-            inputs=[a if i in copy_ins else graph_pool.weak_ref(a) for i, a in enumerate(capture_args)],
+            cuda_graph=cuda_graph,
+            inputs=[a if i in copy_ins or reruns else None for i, a in enumerate(capture_args)],
             tensor_ptrs=tuple((i, a.data_ptr()) for i, a in enumerate(args)
                               if isinstance(a, torch.Tensor) and i not in copy_ins),
             outputs=pytree.tree_map(graph_pool.weak_ref, outputs),
@@ -358,7 +363,7 @@ class CUDAGraphWrapper:
         )
         self._keep(key, entry)
         if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
-            self.graphs.after_capture(graph, self.fn, entry, ctx)
+            self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
         # The replay writes the outputs' memory (garbage until now). Hand out
@@ -374,11 +379,11 @@ class CUDAGraphWrapper:
         while len(kept) > self.graphs_per_shape:
             old = kept.pop(0)
             counters["graph_evictions"] += 1
-            reset = getattr(old.graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
+            reset = getattr(old.cuda_graph, "reset", None)  # torch.cuda.CUDAGraph; stand-ins have none
             if reset is not None:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
-            graph_pool.forget_graph(old.graph)
+            graph_pool.forget_graph(old.cuda_graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "
@@ -411,7 +416,7 @@ class CUDAGraphWrapper:
                         f"{self.name}: persistent metadata tensor {name} moved since "
                         f"capture (0x{ptr:x} -> 0x{now[name]:x}); metadata builders must "
                         "write into their persistent buffers, not allocate new tensors.")
-        entry.graph.replay()
+        entry.cuda_graph.replay()
         counters["cudagraph_replays"] += 1
         if entry.output_aliases:
             return self._alias_outputs(entry, args, entry.outputs)

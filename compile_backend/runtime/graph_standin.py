@@ -156,14 +156,14 @@ class StandInGraphs:
     def empty_cache(self):  # no allocator cache on the CPU
         pass
 
-    def after_capture(self, graph, fn, entry, ctx):
-        graph.fn, graph.entry = fn, entry
+    def after_capture(self, cuda_graph, fn, entry, ctx):
+        cuda_graph.fn, cuda_graph.entry = fn, entry
         for t in pytree.tree_leaves(entry.outputs):
-            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in graph.preexisting:
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in cuda_graph.preexisting:
                 poison_(t)
-        graph.preexisting = set()
+        cuda_graph.preexisting = set()
         if ctx is not None:  # frozen copy: same metadata objects, capture-time ints
-            graph.ctx = ForwardContext(
+            cuda_graph.ctx = ForwardContext(
                 attn_metadata=dict(ctx.attn_metadata), graph=ctx.graph, trace=ctx.trace)
 
 

@@ -46,8 +46,8 @@ def test_capture_plan_is_piecewise_then_full_each_largest_first(mode, expected):
 ])
 def test_dispatch_pads_to_the_nearest_graph_and_says_why_there_is_none(
         mode, num_tokens, num_reqs, decode, expected, reason):
-    step, why = _plan(mode).dispatch(num_tokens, num_reqs, decode)
-    assert (step, why) == (expected, reason)
+    graph, why = _plan(mode).dispatch(num_tokens, num_reqs, decode)
+    assert (graph, why) == (expected, reason)
 
 
 def test_every_dispatched_graph_is_in_the_capture_plan():
@@ -58,9 +58,9 @@ def test_every_dispatched_graph_is_in_the_capture_plan():
         keys = {(s.mode, s.key) for s in plan.captures()}
         for T in range(1, 33):
             for B in range(1, min(T, 4) + 1):
-                step, _ = plan.dispatch(T, B, uniform_decode=(T == B))
-                if step.mode is not Mode.NONE:
-                    assert (step.mode, step.key) in keys, (mode, T, B, step)
+                graph, _ = plan.dispatch(T, B, uniform_decode=(T == B))
+                if graph.mode is not Mode.NONE:
+                    assert (graph.mode, graph.key) in keys, (mode, T, B, graph)
 
 
 def test_decode_sizes_hold_one_token_per_request_and_the_plan_is_sorted():

@@ -141,8 +141,8 @@ def test_the_guard_raises_only_inside_a_capture_and_restores_the_hook():
         triton.knobs.runtime.jit_cache_hook = previous
 
 
-def test_every_size_is_the_default():
-    assert cb.CompilationConfig().capture_warmup == "every_size"
+def test_on_demand_is_the_default():
+    assert cb.CompilationConfig().capture_warmup == "on_demand"
 
 
 def test_an_unknown_capture_warmup_is_refused():

@@ -134,16 +134,16 @@ def _check_for_capture(runner, steps):
     (the stand-in replays with the metadata its capture saw)."""
     late = _late_captures(steps)
     for key, entry in runner.full_graph.entries.items():
-        step = entry.graph.ctx.graph  # the graph the stand-in captured under
-        assert step.key == key, (step, key)
-        baked = entry.graph.ctx.attn_metadata
-        assert baked, step
+        graph = entry.cuda_graph.ctx.graph  # the graph the stand-in captured under
+        assert graph.key == key, (graph, key)
+        baked = entry.cuda_graph.ctx.attn_metadata
+        assert baked, graph
         for layer, meta in baked.items():
-            assert meta.for_capture, (step, layer)
-            bound = 1 if step.uniform_decode else step.num_tokens
-            assert meta.max_query_len == bound, (step, layer, meta.max_query_len)
+            assert meta.for_capture, (graph, layer)
+            bound = 1 if graph.uniform_decode else graph.num_tokens
+            assert meta.max_query_len == bound, (graph, layer, meta.max_query_len)
             if isinstance(meta, AttentionMetadata):
-                assert meta.max_seq_len == MAX_MODEL_LEN, (step, layer, meta.max_seq_len)
+                assert meta.max_seq_len == MAX_MODEL_LEN, (graph, layer, meta.max_seq_len)
     return late
 
 
@@ -175,7 +175,7 @@ def test_graphs_captured_after_release_graphs_serve_every_later_batch(model, mod
 def _capture_only(runner, sizes):
     """capture() with its plan narrowed to `sizes`: the runner's other sizes
     stay in dispatch, without a graph until a step meets them."""
-    plan = [step for step in runner.capture_plan() if step.num_tokens in sizes]
+    plan = [graph for graph in runner.capture_plan() if graph.num_tokens in sizes]
     with mock.patch.object(runner, "capture_plan", lambda: plan):
         runner.capture()
 

@@ -388,10 +388,10 @@ def test_a_step_graph_is_decided_once_and_refuses_a_piecewise_uniform_decode():
     size, so it cannot bake in the decode shortcut (max_query_len 1)."""
     from compile_backend.runner.capture import prepare_inputs_to_capture
 
-    step = StepGraph(Mode.FULL, 8, 8, uniform_decode=True)
+    graph = StepGraph(Mode.FULL, 8, 8, uniform_decode=True)
     with pytest.raises(AttributeError):
-        step.uniform_decode = False  # frozen
-    assert step.for_capture and step.key == (8, 8, True) and step == StepGraph.full_decode(8)
+        graph.uniform_decode = False  # frozen
+    assert graph.for_capture and graph.key == (8, 8, True) and graph == StepGraph.full_decode(8)
     # PIECEWISE graphs are held by token count alone: pieces see no request count
     assert StepGraph(Mode.PIECEWISE, 8, 4).key == StepGraph(Mode.PIECEWISE, 8, 8).key == 8
     assert not StepGraph(Mode.PIECEWISE, 8, 4).for_capture

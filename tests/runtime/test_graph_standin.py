@@ -101,15 +101,15 @@ def test_returning_what_capture_recorded_is_caught(monkeypatch):
     capturing call handed out, no replay), call 1 differs from eager."""
 
     def old_capture(self, key, args, ctx, own_pool=False):
-        graph = self.graphs.new_graph()
-        with self.graphs.capture(graph, object(), args):
+        cuda_graph = self.graphs.new_graph()
+        with self.graphs.capture(cuda_graph, object(), args):
             outputs = self.fn(*args)
         from compile_backend.runtime.cuda_graph import CapturedGraph
 
-        entry = CapturedGraph(graph, list(args), tuple(
+        entry = CapturedGraph(cuda_graph, list(args), tuple(
             (i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)), outputs)
         self._keep(key, entry)
-        self.graphs.after_capture(graph, self.fn, entry, ctx)
+        self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         return outputs
 
     monkeypatch.setattr(CUDAGraphWrapper, "_capture", old_capture)
