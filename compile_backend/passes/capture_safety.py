@@ -71,9 +71,7 @@ from compile_backend.core.op_registry import (
     EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
 )
 
-from .pass_base import (
-    Mrv2Pass,
-    PassReport,
+from .fx_nodes import (
     bare_name,
     example_value,
     is_python_builtin,
@@ -84,6 +82,7 @@ from .pass_base import (
     sets_global_state,
     source_line,
 )
+from .pass_base import Mrv2Pass, PassReport
 
 logger = logging.getLogger(__name__)
 

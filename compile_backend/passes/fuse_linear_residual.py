@@ -42,21 +42,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_backend.core.counters import counters
 
-from .pass_base import (
-    ADD_TARGETS,
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    op_label,
-    registered_op,
-    source_line,
-    values_fake_mode,
+from .effects import motion_barrier, output_roots
+from .fx_nodes import (
+    ADD_TARGETS, example_value, graph_input_value, keep_meta, linear_args, op_label,
+    registered_op, source_line, values_fake_mode,
 )
-from .segment_attention_like import _output_roots
+from .pass_base import OptionalPass, PassReport
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +111,7 @@ class FuseLinearResidualPass(OptionalPass):
         roots: dict[torch.fx.Node, set[Hashable]] = {}
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
-                roots[node] = _output_roots(node, roots)
+                roots[node] = output_roots(node, roots)
                 continue
             operands = _add_operands(node)
             if operands is not None:
@@ -134,7 +125,7 @@ class FuseLinearResidualPass(OptionalPass):
                 for linear in open_:
                     blocked[linear] = node
                 open_.clear()
-            roots[node] = _output_roots(node, roots)
+            roots[node] = output_roots(node, roots)
         return matches
 
     def _match(self, add: torch.fx.Node, operands: tuple[Any, Any], open_: set[torch.fx.Node],

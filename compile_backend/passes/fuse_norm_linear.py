@@ -51,22 +51,12 @@ import torch.nn.functional as F
 
 from compile_backend.core.counters import counters
 
-from .pass_base import (
-    ADD_TARGETS,
-    MUL_TARGETS,
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    op_label,
-    registered_op,
-    source_line,
-    values_fake_mode,
+from .effects import motion_barrier, output_roots
+from .fx_nodes import (
+    ADD_TARGETS, MUL_TARGETS, example_value, graph_input_value, keep_meta, linear_args,
+    op_label, registered_op, source_line, values_fake_mode,
 )
-from .segment_attention_like import _output_roots
+from .pass_base import OptionalPass, PassReport
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +330,7 @@ class FuseNormLinearPass(OptionalPass):
             if node.op not in ("placeholder", "get_attr", "output") and \
                     motion_barrier(node, self.roles, roots):
                 barriers.append((i, node))
-            roots[node] = _output_roots(node, roots)
+            roots[node] = output_roots(node, roots)
         sibling = registered_op("mrv2", "sibling_linear")
         matches = []
         for y in list(graph.nodes):

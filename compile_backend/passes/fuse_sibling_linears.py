@@ -60,19 +60,12 @@ from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.core.packed_weights import can_pack
 
-from .pass_base import (
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    registered_op,
-    source_line,
+from .effects import motion_barrier, output_roots
+from .fx_nodes import (
+    example_value, graph_input_value, keep_meta, linear_args, registered_op, source_line,
     values_fake_mode,
 )
-from .segment_attention_like import _output_roots
+from .pass_base import OptionalPass, PassReport
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +144,7 @@ class FuseSiblingLinearsPass(OptionalPass):
         roots: dict[torch.fx.Node, set[Hashable]] = {}
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
-                roots[node] = _output_roots(node, roots)
+                roots[node] = output_roots(node, roots)
                 continue
             key = self._key(node)
             if key is not None:
@@ -161,7 +154,7 @@ class FuseSiblingLinearsPass(OptionalPass):
                     members.append(node)
             elif motion_barrier(node, self.roles, roots):
                 close()
-            roots[node] = _output_roots(node, roots)
+            roots[node] = output_roots(node, roots)
         close()
         return groups
 

@@ -39,7 +39,8 @@ from compile_backend.core.all_reduce import (
 from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, node_op_name
 
-from .pass_base import Mrv2Pass, PassReport, example_value, registered_op, source_line
+from .fx_nodes import example_value, registered_op, source_line
+from .pass_base import Mrv2Pass, PassReport
 
 logger = logging.getLogger(__name__)
 
