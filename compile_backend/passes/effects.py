@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator
 
 import torch
 import torch.fx
@@ -187,3 +187,14 @@ def motion_barrier(node: torch.fx.Node, roles: OpRegistry,
     eff = node_effects(node, roots)
     return eff.barrier or bool(eff.writes)
 
+
+def call_nodes_and_barriers(graph: torch.fx.Graph,
+                            roles: OpRegistry) -> Iterator[tuple[torch.fx.Node, bool]]:
+    """Each call node of `graph` in order (no placeholder, get_attr or
+    output), and whether it is a `motion_barrier`. The storages are filled
+    as the walk goes, so the graph must not change while it runs."""
+    roots: dict[torch.fx.Node, set[Hashable]] = {}
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "get_attr", "output"):
+            yield node, motion_barrier(node, roles, roots)
+        roots[node] = output_roots(node, roots)

@@ -33,31 +33,18 @@ why.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from compile_backend.core.counters import counters
-
-from .effects import motion_barrier, output_roots
+from .effects import call_nodes_and_barriers
 from .fx_nodes import (
-    ADD_TARGETS, example_value, graph_input_value, keep_meta, linear_args, op_label,
-    registered_op, source_line, values_fake_mode,
+    ADD_TARGETS, erase_replaced, example_value, graph_input_value, insert_call, linear_args,
+    op_label, source_line,
 )
-from .pass_base import OptionalPass, PassReport
-
-logger = logging.getLogger(__name__)
-
-_NO_OP = ("mrv2::linear_add is not registered: import compile_backend.kernels "
-          "(the backend does, before the passes)")
-
-
-def _fused_op() -> Any:
-    """The op the fused node calls (compile_backend/kernels/skinny_linear.py), or None."""
-    return registered_op("mrv2", "linear_add")
+from .pass_base import FusionPass
 
 
 def _add_operands(node: torch.fx.Node) -> tuple[Any, Any] | None:
@@ -76,43 +63,28 @@ def _same_shape(a: torch.Size, b: torch.Size) -> bool:
     return len(a) == len(b) and all(statically_known_true(i == j) for i, j in zip(a, b))
 
 
-class FuseLinearResidualPass(OptionalPass):
+class FuseLinearResidualPass(FusionPass):
     """See the module docstring. `enabled=False` (config
-    `fuse_linear_residual`): the pass leaves the graph as it is."""
+    `fuse_linear_residual`): the pass leaves the graph as it is. A match is
+    (add, linear)."""
 
-    def apply(self, graph: torch.fx.Graph) -> PassReport:
-        details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}
-        if not self.enabled:
-            return PassReport(changed=False, details=details)
-        not_fused: list[dict[str, Any]] = []
-        matches = self._find(graph, not_fused)
-        op = _fused_op()
-        if matches and op is None:
-            not_fused += [{"linear": y.name, "add": add.name, "reason": _NO_OP,
-                           "source": source_line(add)} for add, y in matches]
-            matches = []
-        fused = [self._fuse(graph, add, y, op) for add, y in matches]
-        counters["pass_linear_residual_fused"] += len(fused)
-        if fused:
-            logger.info("mrv2: fused %d linear + residual add(s) into mrv2::linear_add", len(fused))
-        details["fused"] = fused[: self.MAX_LISTED]
-        details["not_fused"] = not_fused[: self.MAX_LISTED]
-        details["num_fused"] = len(fused)
-        return PassReport(changed=bool(fused), details=details)
+    OP = "linear_add"  # compile_backend/kernels/skinny_linear.py
+    COUNTER = "pass_linear_residual_fused"
+    LOG = "mrv2: fused %d linear + residual add(s) into mrv2::linear_add"
+
+    def unfused(self, match: tuple[torch.fx.Node, torch.fx.Node], reason: str) -> dict[str, Any]:
+        add, y = match
+        return {"linear": y.name, "add": add.name, "reason": reason, "source": source_line(add)}
 
     # ---- finding the pairs ---------------------------------------------------------
 
-    def _find(self, graph: torch.fx.Graph,
-              not_fused: list[dict[str, Any]]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    def find(self, graph: torch.fx.Graph,
+             not_fused: list[dict[str, Any]]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
         """(add, linear) pairs to fuse, in graph order."""
         matches: list[tuple[torch.fx.Node, torch.fx.Node]] = []
         open_: set[torch.fx.Node] = set()  # linears no barrier has followed yet
         blocked: dict[torch.fx.Node, torch.fx.Node] = {}  # linear -> the barrier after it
-        roots: dict[torch.fx.Node, set[Hashable]] = {}
-        for node in graph.nodes:
-            if node.op in ("placeholder", "get_attr", "output"):
-                roots[node] = output_roots(node, roots)
-                continue
+        for node, barrier in call_nodes_and_barriers(graph, self.roles):
             operands = _add_operands(node)
             if operands is not None:
                 found = self._match(node, operands, open_, blocked, not_fused)
@@ -121,11 +93,10 @@ class FuseLinearResidualPass(OptionalPass):
                     open_.discard(found)
             if linear_args(node) is not None and not self.eager(node):
                 open_.add(node)
-            elif motion_barrier(node, self.roles, roots):
+            elif barrier:
                 for linear in open_:
                     blocked[linear] = node
                 open_.clear()
-            roots[node] = output_roots(node, roots)
         return matches
 
     def _match(self, add: torch.fx.Node, operands: tuple[Any, Any], open_: set[torch.fx.Node],
@@ -199,20 +170,13 @@ class FuseLinearResidualPass(OptionalPass):
 
     # ---- rewriting -------------------------------------------------------------------------
 
-    @staticmethod
-    def _fuse(graph: torch.fx.Graph, add: torch.fx.Node, y: torch.fx.Node, op: Any) -> dict[str, Any]:
+    def fuse(self, graph: torch.fx.Graph, match: tuple[torch.fx.Node, torch.fx.Node],
+             op: Any) -> dict[str, Any]:
+        """z = op(x, w, b, r) at the add's place; the add and the linear go."""
+        add, y = match
         x, w, b = linear_args(y)
         r = add.args[0] if add.args[1] is y else add.args[1]
-        meta_key = "example_value" if "example_value" in add.meta else "val"
-        vals = [example_value(n) for n in (x, w, r)] + ([example_value(b)] if b is not None else [])
-        fake_mode = values_fake_mode(vals)
-        with graph.inserting_before(add):
-            fused = graph.call_function(op, (x, w, b, r))
-        keep_meta(fused, add)
-        if fake_mode is not None:
-            xv, wv, rv = vals[:3]
-            with fake_mode:
-                fused.meta[meta_key] = op(xv, wv, vals[3] if b is not None else None, rv)
+        fused = insert_call(graph, add, op, (x, w, b, r), like=add)
         entry = {
             "node": fused.name,
             "linear": y.name,
@@ -223,12 +187,10 @@ class FuseLinearResidualPass(OptionalPass):
             "source": source_line(add),
         }
         add.replace_all_uses_with(fused)
-        graph.erase_node(add)
-        graph.erase_node(y)
+        erase_replaced(graph, [add, y])
         return entry
 
 
 def fused_pairs(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The linear + add pairs this pass fused, from a PassManager log."""
-    return [f for entry in pass_log if entry.get("pass") == FuseLinearResidualPass.__name__
-            for f in entry.get("details", {}).get("fused", [])]
+    return FuseLinearResidualPass.fused_in(pass_log)

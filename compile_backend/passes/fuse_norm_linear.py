@@ -40,33 +40,20 @@ recognized and not taken, why.
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from compile_backend.core.counters import counters
-
-from .effects import motion_barrier, output_roots
+from .effects import call_nodes_and_barriers
 from .fx_nodes import (
-    ADD_TARGETS, MUL_TARGETS, example_value, graph_input_value, keep_meta, linear_args,
-    op_label, registered_op, source_line, values_fake_mode,
+    ADD_TARGETS, MUL_TARGETS, erase_replaced, example_value, graph_input_value, insert_call,
+    linear_args, op_label, registered_op, source_line,
 )
-from .pass_base import OptionalPass, PassReport
-
-logger = logging.getLogger(__name__)
-
-_NO_OP = ("mrv2::norm_linear is not registered: import compile_backend.kernels "
-          "(the backend does, before the passes)")
-
-
-def _fused_op() -> Any:
-    """The op the fused node calls (compile_backend/kernels/norm_linear.py), or None."""
-    return registered_op("mrv2", "norm_linear")
+from .pass_base import FusionPass
 
 
 def _is_call(node: Any, targets: tuple[Any, ...] = (), method: str | None = None) -> bool:
@@ -279,30 +266,16 @@ class _Match:
         return args[0] if args is not None else self.y.args[0]  # sibling_linear(x, ...)
 
 
-class FuseNormLinearPass(OptionalPass):
+class FuseNormLinearPass(FusionPass):
     """See the module docstring. `enabled=False` (config `fuse_norm_linear`):
-    the pass leaves the graph as it is."""
+    the pass leaves the graph as it is. A match is a `_Match`."""
 
-    def apply(self, graph: torch.fx.Graph) -> PassReport:
-        details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}
-        if not self.enabled:
-            return PassReport(changed=False, details=details)
-        not_fused: list[dict[str, Any]] = []
-        matches = self._find(graph, not_fused)
-        op = _fused_op()
-        if matches and op is None:
-            not_fused += [{"linear": m.y.name, "reason": _NO_OP, "source": source_line(m.y)}
-                          for m in matches]
-            matches = []
-        fused = [self._fuse(graph, m, op) for m in matches]
-        counters["pass_norm_linear_fused"] += len(fused)
-        if fused:
-            logger.info("mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear",
-                        len(fused))
-        details["fused"] = fused[: self.MAX_LISTED]
-        details["not_fused"] = not_fused[: self.MAX_LISTED]
-        details["num_fused"] = len(fused)
-        return PassReport(changed=bool(fused), details=details)
+    OP = "norm_linear"  # compile_backend/kernels/norm_linear.py
+    COUNTER = "pass_norm_linear_fused"
+    LOG = "mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear"
+
+    def unfused(self, m: _Match, reason: str) -> dict[str, Any]:
+        return {"linear": m.y.name, "reason": reason, "source": source_line(m.y)}
 
     # ---- finding ------------------------------------------------------------------
 
@@ -321,16 +294,13 @@ class FuseNormLinearPass(OptionalPass):
             return None
         return x, [w], [] if b is None else [b]
 
-    def _find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[_Match]:
-        order: dict[torch.fx.Node, int] = {}
+    def find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[_Match]:
+        order: dict[torch.fx.Node, int] = {}  # call nodes: their position
         barriers: list[tuple[int, torch.fx.Node]] = []
-        roots: dict[torch.fx.Node, set[Hashable]] = {}
-        for i, node in enumerate(graph.nodes):
+        for i, (node, barrier) in enumerate(call_nodes_and_barriers(graph, self.roles)):
             order[node] = i
-            if node.op not in ("placeholder", "get_attr", "output") and \
-                    motion_barrier(node, self.roles, roots):
+            if barrier:
                 barriers.append((i, node))
-            roots[node] = output_roots(node, roots)
         sibling = registered_op("mrv2", "sibling_linear")
         matches = []
         for y in list(graph.nodes):
@@ -375,25 +345,17 @@ class FuseNormLinearPass(OptionalPass):
 
     # ---- rewriting ---------------------------------------------------------------------
 
-    @staticmethod
-    def _fuse(graph: torch.fx.Graph, m: _Match, op: Any) -> dict[str, Any]:
+    def fuse(self, graph: torch.fx.Graph, m: _Match, op: Any) -> dict[str, Any]:
+        """The op at the linear's place, reading the norm's input (or the
+        linear's); it takes the uses of the gate's product (or the linear's),
+        and the gate's, the linear's and the norm's nodes go."""
         y, x, weights, biases, norm, gate = m.y, m.x, m.weights, m.biases, m.norm, m.gate
         src = norm.x if norm is not None else x
         nw = norm.weight if norm is not None else None
         eps = norm.eps if norm is not None else 0.0
         out = gate.product if gate is not None else y
-        meta_key = "example_value" if "example_value" in out.meta else "val"
-        vals = [example_value(n) for n in [src, *weights, *biases] + ([nw] if nw is not None else [])]
-        fake_mode = values_fake_mode(vals)
-        with graph.inserting_before(y):
-            fused = graph.call_function(op, (src, nw, eps, list(weights), list(biases),
-                                             gate is not None))
-        keep_meta(fused, y)
-        if fake_mode is not None:
-            sv, ws, bs = vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):][:len(biases)]
-            with fake_mode:
-                fused.meta[meta_key] = op(sv, example_value(nw) if nw is not None else None, eps,
-                                          ws, bs, gate is not None)
+        fused = insert_call(graph, y, op, (src, nw, eps, list(weights), list(biases),
+                                           gate is not None), like=y, value_key_from=out)
         entry = {
             "node": fused.name,
             "linear": y.name,
@@ -404,15 +366,11 @@ class FuseNormLinearPass(OptionalPass):
             "source": source_line(y),
         }
         out.replace_all_uses_with(fused)
-        dead = ([*reversed(gate.nodes)] if gate is not None else []) + [y] + \
-            ([*reversed(norm.nodes)] if norm is not None else [])
-        for node in dead:
-            assert not node.users, (node, list(node.users))
-            graph.erase_node(node)
+        erase_replaced(graph, ([*reversed(gate.nodes)] if gate is not None else []) + [y]
+                       + ([*reversed(norm.nodes)] if norm is not None else []))
         return entry
 
 
 def fused_norm_linears(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What this pass fused, from a PassManager log."""
-    return [f for entry in pass_log if entry.get("pass") == FuseNormLinearPass.__name__
-            for f in entry.get("details", {}).get("fused", [])]
+    return FuseNormLinearPass.fused_in(pass_log)

@@ -1,6 +1,7 @@
 """The FX node helpers the passes share: what a node calls and where it came
 from, its recorded fake value, which namespace its op belongs to, linears
-and adds, and the metadata a new node takes from the node it replaces.
+and adds, and the small rewrite steps of a fusion (a new call node with the
+old node's metadata and its fake value; erasing what it replaced).
 
 Nothing here edits a graph unless asked to, and nothing reads effects: which
 values a node writes or reads through is compile_backend/passes/effects.py.
@@ -18,6 +19,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from compile_backend.core.op_registry import (
     EAGER_REASON, OpRegistry, is_eager_node, node_op_name,
@@ -193,7 +195,7 @@ def sets_global_state(node: torch.fx.Node) -> bool:
     )
 
 
-# --- linears and moving computation (the fusion passes) ----------------------
+# --- linears, adds and the rewrite steps of the fusion passes ----------------
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
 # Node metadata a new node takes from the node it replaces (dumps and source lines).
@@ -230,6 +232,33 @@ def keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
 
 ADD_TARGETS = (operator.add, torch.add)
 MUL_TARGETS = (operator.mul, torch.mul)
+
+
+def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, op: Any, args: tuple[Any, ...],
+                like: torch.fx.Node, value_key_from: torch.fx.Node | None = None) -> torch.fx.Node:
+    """A new node `op(*args)` just before `before`, with the metadata that
+    names `like`'s user code. Its fake value is computed when every node among
+    `args` (lists included) has a fake value, all of one fake mode; it is
+    stored under the key `value_key_from` (default `like`) uses: Dynamo's
+    `example_value`, or a fake-prop's `val`."""
+    with graph.inserting_before(before):
+        new = graph.call_function(op, args)
+    keep_meta(new, like)
+    nodes = [a for a in tree_leaves(args) if isinstance(a, torch.fx.Node)]
+    fake_mode = values_fake_mode([example_value(n) for n in nodes])
+    if fake_mode is not None:
+        key = "example_value" if "example_value" in (value_key_from or like).meta else "val"
+        with fake_mode:
+            new.meta[key] = op(*tree_map_only(torch.fx.Node, example_value, args))
+    return new
+
+
+def erase_replaced(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase `nodes` in this order (users before the nodes they use): a
+    rewrite's replacement has taken every use they had."""
+    for node in nodes:
+        assert not node.users, (node, list(node.users))
+        graph.erase_node(node)
 
 
 def runs_eagerly(node: torch.fx.Node, roles: OpRegistry) -> bool:
