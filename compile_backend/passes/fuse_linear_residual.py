@@ -2,33 +2,15 @@
 
 `residual + linear(x, w, b)` (the o_proj and down_proj of a transformer
 layer: `h = x + o_proj(attn)`, `out = h + down_proj(mlp)`) is replaced by
-ONE `mrv2::linear_add(x, w, b, residual)` (compile_backend/kernels/skinny_linear.py). At
-decode on a GPU (a few rows, where `skinny_pays` says the kernel wins) the
-op is one Triton kernel that adds bias and residual in its epilogue;
-otherwise it runs torch (`addmm`).
-Inductor would turn the pattern into `addmm`, which on CUDA first copies the
-residual into the output and then often runs a split-K reduce kernel after
-cuBLAS' GEMM: launches that the one kernel does not need.
-
-Before:                                 After:
-    y = linear(x, w, b)                     z = mrv2::linear_add(x, w, b, r)
-    z = r + y        (or y + r)
-
-Fires only when all of these hold:
-  - `linear(x, w, b)` with `w` a 2-D graph input (a parameter or buffer) and
-    `b` None or a 1-D graph input; `x`'s last dimension is `w`'s second;
-  - the add is `operator.add` or `torch.add` of two operands, no `alpha` or
-    `out` (in-place adds, `+=`, are not matched);
-  - the linear's output has exactly one user, the add;
-  - the other operand `r` is a tensor node with exactly the linear output's
-    shape (no broadcasting) and the dtype and device of `x`, `w` and the
-    output (the shapes and dtypes are the nodes' example values);
-  - neither node is marked eager, and no node between them writes anything,
-    runs eagerly, sets global state or is a breakpoint, attention-like op or
-    collective: the fused node computes the linear at the add's place
-    (`motion_barrier`, compile_backend/passes/pass_base.py, the rule of the sibling pass).
-The report lists what was fused and, for each add of a linear that was not,
-why.
+ONE `mrv2::linear_add(x, w, b, residual)` (compile_backend/kernels/skinny_linear.py):
+at decode on a GPU one Triton kernel that adds bias and residual in its
+epilogue, where Inductor's `addmm` copies the residual and often runs a
+split-K reduce after the GEMM. Fires only for weights (and biases) that are
+graph inputs, a linear whose one user is the add, a residual of exactly the
+output's shape, dtype and device, nothing marked eager, and no
+`motion_barrier` (effects.py) between the linear and the add. The report
+says, for each add of a linear not fused, why. Before/after, every
+condition and the measurements: docs/design.md, "Linear + residual".
 """
 
 from __future__ import annotations

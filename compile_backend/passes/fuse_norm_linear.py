@@ -1,41 +1,17 @@
 """An RMSNorm, the linear(s) that read it and the SwiGLU gate after them
 become one op.
 
-At decode each of these is a small kernel of its own: the RMSNorm before
-q/k/v, the one before gate/up, and the SiLU·mul between gate/up and down.
-`mrv2::norm_linear` (compile_backend/kernels/norm_linear.py) does their work inside the
-GEMM that reads them (Note [norm and gate in the GEMM]): one kernel where
-there were three (or two).
-
-Before:                                       After:
-    a = x.to(float32)  (or x.float())             y = mrv2::norm_linear(x, nw, eps, [w...], [b...], gated)
-    v = a.pow(2).mean(-1, keepdim=True)
-    h = (a * rsqrt(v + eps)).to(x.dtype) * nw     (or nw * (...))
-    y = linear(h, w, b)  |  mrv2::sibling_linear(h, [w...], [b...])
-  and, when the linear's output is only the gate and the up halves:
-    g, u = halves of y  (narrow at 0 and N/2 | chunk(2, -1)[0], [1])
-    y = silu(g) * u     (or u * silu(g))
-
-Either part alone is taken too: a norm before a linear with no gate after
-it (q/k/v), and a gate after a linear with no norm before it.
-
-Fires only when all of these hold:
-  - the linear is `linear(x, w, b)` with `w` a 2-D and `b` a 1-D graph
-    input, or `mrv2::sibling_linear` (compile_backend/passes/fuse_sibling_linears.py, which
-    runs first); not marked eager;
-  - norm: the nodes are exactly the pattern above, with the dtype cast back
-    to x's dtype, `nw` a 1-D graph input of x's dtype, and every
-    intermediate used only inside the pattern (the normalized `h` only by
-    the linear); no node between the norm's first node and the linear
-    writes anything, runs eagerly, sets global state or is a breakpoint,
-    attention-like op or collective (`motion_barrier`): the fused node reads
-    x at the linear's place;
-  - gate: the linear has an even number of output features and its output
-    is used only by its two halves; the gate half only by `silu`, the up
-    half and the silu only by the product;
-  - dtypes and devices of x, nw, weights and biases agree (the op's checks).
-The report lists what was fused and, for each norm or gate that was
-recognized and not taken, why.
+At decode each is a small kernel of its own (the RMSNorm before q/k/v, the
+one before gate/up, the SiLU·mul before down). `mrv2::norm_linear(x, nw,
+eps, [w...], [b...], gated)` (compile_backend/kernels/norm_linear.py) does
+their work inside the GEMM that reads them. It takes the Llama family's
+RMSNorm as Dynamo records it, before a `linear` or `mrv2::sibling_linear`,
+and `silu(g) * u` over that linear's two halves; either part alone too.
+Fires only when every intermediate is used inside the pattern, dtypes and
+devices agree, nothing is marked eager and no `motion_barrier` (effects.py)
+lies between the norm and the linear; the report says why for each norm or
+gate not taken. The pattern, every condition and the measurements (the
+option is off by default): docs/design.md, "RMSNorm, projection and gate".
 """
 
 from __future__ import annotations

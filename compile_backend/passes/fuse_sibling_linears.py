@@ -1,49 +1,16 @@
 """Sibling linear projections become one matmul.
 
 Several `linear`s that read the same input node with weights that are graph
-inputs (q_proj, k_proj and v_proj of an attention layer; gate_proj and
-up_proj of a Hugging Face MLP) are replaced by ONE `mrv2::sibling_linear`
-over all their weights, followed by a `torch.narrow` of its output per
-sibling. At decode (one token) the step then launches one GEMV that reads
-the weights once instead of one latency-bound GEMV per projection.
-
-Before:                                 After:
-    q = linear(x, wq)                       qkv = mrv2::sibling_linear(x, [wq, wk, wv], [])
-    k = linear(x, wk)                       q = narrow(qkv, -1, 0, Nq)
-    v = linear(x, wv)                       k = narrow(qkv, -1, Nq, Nk)
-                                            v = narrow(qkv, -1, Nq + Nk, Nv)
-
-The weights stay graph inputs, so the graph keeps its placeholders, identical
-layers still share one compiled piece (compile/layer_sharing.py) and a saved
-step holds no weights. One matmul needs the weights back to back in memory:
-the backend packs each fused group once, at compile (and a loaded step at its
-first call), with `pack_siblings` (compile_backend/core/packed_weights.py): one new
-[sum N, K] tensor, each parameter's `.data` rebound to its row slice (same
-object, shape, strides and values; the old storage is freed, so the weights'
-memory does not grow). The op checks on every run that its weights are
-laid out that way and otherwise runs the separate linears and concatenates
-them, so a replaced parameter, or a step whose weights were never packed, is
-slower, never wrong.
-
-Fires only when, for every member of a group:
-  - it is `linear(x, w, b)` with the group's input node `x`, not marked eager;
-  - `w` is a 2-D graph input (a parameter or buffer, not a computed tensor),
-    `b` is None for all members or a 1-D graph input for all;
-  - weights share dtype and device (biases too), distinct weight inputs;
-  - where the real tensors are known (Dynamo's placeholder `grapharg`), they
-    can be packed (`can_pack`: plain tensors, each the sole owner of its
-    storage) or are packed already;
-  - no node between the first and the last member may write anything, run
-    eagerly, set global state or is a breakpoint, attention-like op or
-    collective: fusing computes every member at the first one's place.
-Forward hooks and pre-hooks that Dynamo inlines are ops of the graph: a
-pre-hook that changes the input gives another input node (no fusion), one
-that changes the output works on the member's slice as it did on its output.
-
-The outputs are column slices of a [..., sum N] tensor: not contiguous, last
-dimension contiguous (stride 1). The project's ops accept that
-(compile_backend/kernels/_checks.py: `last_dim_contiguous`), and Inductor and torch ops take
-strided inputs.
+inputs (q_proj, k_proj and v_proj; gate_proj and up_proj of a Hugging Face
+MLP) become ONE `mrv2::sibling_linear(x, [w...], [b...])` followed by a
+`torch.narrow` of its output per sibling: one GEMV at decode that reads the
+weights once. The weights stay graph inputs; the backend packs each group
+once (compile_backend/core/packed_weights.py) and the op checks the packing
+at every run, so unpacked weights are slower, never wrong. Fires only when
+the members share input, dtype and device, their weights (and biases, all
+or none) are graph inputs that can be packed, and nothing between the first
+and the last member is a `motion_barrier` (effects.py). Before/after, the
+conditions and the outputs' strides: docs/design.md, "Sibling linears".
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """Keep attention-like ops inside captured segments, and order the graph so
 that it splits into as few pieces as the data and the mutations allow.
 
-The splitter (compile_backend/compile/split.py) cuts wherever the node kind changes
-in graph order: eager (breakpoints, capture fallbacks, and tuple accessors of
-their outputs) or captured (everything else). Attention-like ops are never
-eager: the registry's precedence keeps them out of the breakpoints even when
-a `namespace::*` entry of splitting_ops covers them (this pass logs each such
-case). So what is left to this pass is the order: it moves independent nodes
-across breakpoints so that breakpoints cluster and captured nodes, above all
-attention-like ops, join a neighbouring captured segment.
-
-Before (q, k, v, x, state are inputs; `sconv` is attention-like; its input does
-not depend on the first attention):
-    a = attn(q, k, v)            eager     segments: [a] [x2 s] [b]  -> 3
-    x2 = x * 2                   captured
-    s = sconv(x2, state)         captured
-    b = attn(a, a, a)            eager
-After:
-    x2 = x * 2                   captured  segments: [x2 s] [a b]  -> 2
-    s = sconv(x2, state)         captured
-    a = attn(q, k, v)            eager
-    b = attn(a, a, a)            eager
-
-Which orders are allowed. Besides data dependencies, two nodes keep their
-relative order when one of them writes a tensor that the other reads or
-writes (storages compared through the fake values Dynamo records, so views
-alias their base), and nothing moves across a node whose effects are unknown
-(a barrier: anything not classified as pure, in-place or schema-declared
-mutation; also global-state setters such as `torch._C._set_grad_enabled`).
-Random ops share one RNG state: their order is kept too.
-
-How the order is chosen. Colour each node by its kind; we want a topological
-order with the fewest colour changes. The greedy runs phases of alternating
-kind; each phase schedules every node of that kind that is ready, including
-those that become ready during the phase, in original order. Started from
-either kind, it is optimal: after k phases it has scheduled a superset of what
-any valid order has scheduled after k phases of the same kinds (induction on
-the phases), so it finishes in no more phases; we keep the better start. It
-runs in O((nodes + edges) log nodes); barriers are chained, not connected to
-every node, so edges stay linear in the graph size. The pass only reorders
-when that saves a segment.
+The splitter (compile_backend/compile/split.py) cuts wherever the node kind
+changes in graph order: eager (breakpoints, capture fallbacks, and tuple
+accessors of their outputs) or captured (everything else). Attention-like
+ops are never eager (this pass logs each one that a `namespace::*` entry of
+splitting_ops covers). The pass moves independent nodes across breakpoints
+so that breakpoints cluster and captured nodes join a neighbouring captured
+segment: a topological order with the fewest kind changes (a greedy that is
+optimal), kept only when it saves a segment. Which moves are allowed is
+effects.py's (data, storages written and read, barriers, the RNG). An
+example, the rules and the proof: docs/design.md, "The FX passes".
 """
 
 from __future__ import annotations
