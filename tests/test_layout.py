@@ -189,8 +189,6 @@ def test_module_docstrings_are_short():
     long = []
     for path in sorted((ROOT / "compile_backend").rglob("*.py")):
         rel = path.relative_to(ROOT / "compile_backend")
-        if rel.parts[0] == "passes":  # passes/: its own move (issue #38, item 3)
-            continue
         doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         lines = 0 if doc is None else doc.count("\n") + 1
         if lines > 15:

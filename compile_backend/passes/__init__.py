@@ -2,8 +2,10 @@
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
 capture safety, the all-reduce rewrite, sibling-linear fusion,
-linear + residual fusion, then segment ordering. Each pass is a class with
-`__call__(graph)` and `uuid()` (pass_base.py).
+linear + residual fusion, norm + linear fusion, then segment ordering. Each
+pass is a class with `__call__(graph)` and `uuid()` (pass_base.py, with the
+fusion passes' skeleton `FusionPass`); the node helpers they share are in
+fx_nodes.py, the effect analysis in effects.py.
 """
 
 # The capture-safe facts live in the op registry (compile_backend/core/op_registry.py);
@@ -18,7 +20,7 @@ from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
-from .pass_base import Mrv2Pass, PassReport
+from .pass_base import FusionPass, Mrv2Pass, PassReport
 from .pass_manager import PassManager
 from .segment_attention_like import SegmentAttentionLikePass
 from .symmetric_all_reduce import SymmetricAllReducePass
@@ -29,6 +31,7 @@ __all__ = [
     "FuseLinearResidualPass",
     "FuseNormLinearPass",
     "FuseSiblingLinearsPass",
+    "FusionPass",
     "Mrv2Pass",
     "PassManager",
     "PassReport",

@@ -3,56 +3,14 @@ one out of the graphs, with a reason that names the op and its source line.
 
 Every node that would land in a captured segment (anything but a breakpoint,
 its tuple accessors, an attention-like op, or a node already marked eager) is
-checked, first finding wins:
-
-  cudagraph_unsafe   the op carries `torch.Tag.cudagraph_unsafe`
-  host sync          `.item()`, `aten._local_scalar_dense`, `.tolist()`,
-                     `.cpu()`, `.numpy()`, `bool(t)`-like dunders, ops tagged
-                     `data_dependent_output` (`torch.equal`, ...)
-  dynamic shape      ops tagged `dynamic_output_shape` (`nonzero`,
-                     `masked_select`, ...), `unique`, `torch.where(cond)`,
-                     indexing with a boolean mask
-  opaque op          see "Which ops are trusted" below
-  CPU tensor         a CPU tensor in a graph whose other tensors are on CUDA
-                     (never fires on a CPU-only graph)
-  host collective    a collective (`_c10d_functional::*`, and its wait) on a
-                     process group whose backend cannot be captured (gloo:
-                     it works on the host), in a graph whose tensors are on
-                     CUDA; NCCL collectives are captured. Also counted in
-                     `counters["collective_fallbacks"]`
-  data-dependent     a value (shape or scalar) that came from the device (an
-                     unbacked symbol such as `u0`); a replay would reuse the
-                     value seen at capture
-
-A finding sets `node.meta[EAGER_REASON]`; the splitter then gives that node an
-eager piece of its own (or lets it join a neighbouring eager piece), so only
-that piece falls back, never the whole graph. Each distinct reason is logged
-once per compile and every finding is counted in
-`counters["pass_capture_unsafe_ops"]`. With `strict_capture` the pass raises
-`CaptureSafetyError` listing every finding with its fix instead.
-
-Which ops are trusted (the rule for ops the pass cannot look into; the facts
-live in the op registry, compile_backend/core/op_registry.py, and the pass
-asks its `OpRegistry`):
-  - ops of the trusted namespaces (`roles.trusted_namespaces`: aten, prims,
-    `_c10d_functional`) and the python-level torch calls that run them (tensor
-    methods, `torch.*`, `torch.nn.functional.*`, `operator.*`), subject to the
-    checks above;
-  - ops declared capture-safe (`roles.is_capture_safe`): with
-    `register_op("ns::op", capture_safe=True)` (this project's kernels declare
-    theirs so) or `register_capture_safe("ns::op")`, or a whole `"ns::*"`;
-  - ops whose role is attention-like (they must be captured: README.md, "Op
-    roles") and breakpoints (they run eagerly anyway).
-Every other custom op, higher-order op, non-torch python function or
-user-defined module is unsafe: its effects cannot be seen, so it runs
-eagerly until someone vouches for it.
-
-Before (x on CUDA; `.item()` inside the step):
-    mm = x @ w ; s = mm.sum() ; v = s.item() ; y = mm * v
-After: the graph is unchanged but `item` carries
-    meta[EAGER_REASON] = "`Tensor.item` at step.py:7 in step: v = s.item(): host sync ..."
-and `y` (it multiplies by the unbacked `v`) carries a data-dependent reason,
-so the pieces are [mm, s] captured, [item, y] eager.
+checked; the first finding (a `cudagraph_unsafe` tag, a host sync, a
+data-dependent shape, an op the pass cannot look into, a CPU tensor in a
+CUDA graph, a collective on a host backend, a value read from the device)
+sets `node.meta[EAGER_REASON]`, and the splitter gives that node an eager
+piece, so only that piece falls back. Each reason is logged once per
+compile; with `strict_capture` the pass raises `CaptureSafetyError` listing
+every finding with its fix. The checks, which ops are trusted and an
+example: docs/design.md, "Capture safety".
 """
 
 from __future__ import annotations
@@ -71,9 +29,7 @@ from compile_backend.core.op_registry import (
     EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
 )
 
-from .pass_base import (
-    Mrv2Pass,
-    PassReport,
+from .fx_nodes import (
     bare_name,
     example_value,
     is_python_builtin,
@@ -84,6 +40,7 @@ from .pass_base import (
     sets_global_state,
     source_line,
 )
+from .pass_base import Mrv2Pass, PassReport
 
 logger = logging.getLogger(__name__)
 

@@ -2,71 +2,31 @@
 
 `residual + linear(x, w, b)` (the o_proj and down_proj of a transformer
 layer: `h = x + o_proj(attn)`, `out = h + down_proj(mlp)`) is replaced by
-ONE `mrv2::linear_add(x, w, b, residual)` (compile_backend/kernels/skinny_linear.py). At
-decode on a GPU (a few rows, where `skinny_pays` says the kernel wins) the
-op is one Triton kernel that adds bias and residual in its epilogue;
-otherwise it runs torch (`addmm`).
-Inductor would turn the pattern into `addmm`, which on CUDA first copies the
-residual into the output and then often runs a split-K reduce kernel after
-cuBLAS' GEMM: launches that the one kernel does not need.
-
-Before:                                 After:
-    y = linear(x, w, b)                     z = mrv2::linear_add(x, w, b, r)
-    z = r + y        (or y + r)
-
-Fires only when all of these hold:
-  - `linear(x, w, b)` with `w` a 2-D graph input (a parameter or buffer) and
-    `b` None or a 1-D graph input; `x`'s last dimension is `w`'s second;
-  - the add is `operator.add` or `torch.add` of two operands, no `alpha` or
-    `out` (in-place adds, `+=`, are not matched);
-  - the linear's output has exactly one user, the add;
-  - the other operand `r` is a tensor node with exactly the linear output's
-    shape (no broadcasting) and the dtype and device of `x`, `w` and the
-    output (the shapes and dtypes are the nodes' example values);
-  - neither node is marked eager, and no node between them writes anything,
-    runs eagerly, sets global state or is a breakpoint, attention-like op or
-    collective: the fused node computes the linear at the add's place
-    (`motion_barrier`, compile_backend/passes/pass_base.py, the rule of the sibling pass).
-The report lists what was fused and, for each add of a linear that was not,
-why.
+ONE `mrv2::linear_add(x, w, b, residual)` (compile_backend/kernels/skinny_linear.py):
+at decode on a GPU one Triton kernel that adds bias and residual in its
+epilogue, where Inductor's `addmm` copies the residual and often runs a
+split-K reduce after the GEMM. Fires only for weights (and biases) that are
+graph inputs, a linear whose one user is the add, a residual of exactly the
+output's shape, dtype and device, nothing marked eager, and no
+`motion_barrier` (effects.py) between the linear and the add. The report
+says, for each add of a linear not fused, why. Before/after, every
+condition and the measurements: docs/design.md, "Linear + residual".
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from compile_backend.core.counters import counters
-
-from .pass_base import (
-    ADD_TARGETS,
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    op_label,
-    registered_op,
-    source_line,
-    values_fake_mode,
+from .effects import call_nodes_and_barriers
+from .fx_nodes import (
+    ADD_TARGETS, erase_replaced, example_value, graph_input_value, insert_call, linear_args,
+    op_label, source_line,
 )
-from .segment_attention_like import _output_roots
-
-logger = logging.getLogger(__name__)
-
-_NO_OP = ("mrv2::linear_add is not registered: import compile_backend.kernels "
-          "(the backend does, before the passes)")
-
-
-def _fused_op() -> Any:
-    """The op the fused node calls (compile_backend/kernels/skinny_linear.py), or None."""
-    return registered_op("mrv2", "linear_add")
+from .pass_base import FusionPass
 
 
 def _add_operands(node: torch.fx.Node) -> tuple[Any, Any] | None:
@@ -85,43 +45,28 @@ def _same_shape(a: torch.Size, b: torch.Size) -> bool:
     return len(a) == len(b) and all(statically_known_true(i == j) for i, j in zip(a, b))
 
 
-class FuseLinearResidualPass(OptionalPass):
+class FuseLinearResidualPass(FusionPass):
     """See the module docstring. `enabled=False` (config
-    `fuse_linear_residual`): the pass leaves the graph as it is."""
+    `fuse_linear_residual`): the pass leaves the graph as it is. A match is
+    (add, linear)."""
 
-    def apply(self, graph: torch.fx.Graph) -> PassReport:
-        details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}
-        if not self.enabled:
-            return PassReport(changed=False, details=details)
-        not_fused: list[dict[str, Any]] = []
-        matches = self._find(graph, not_fused)
-        op = _fused_op()
-        if matches and op is None:
-            not_fused += [{"linear": y.name, "add": add.name, "reason": _NO_OP,
-                           "source": source_line(add)} for add, y in matches]
-            matches = []
-        fused = [self._fuse(graph, add, y, op) for add, y in matches]
-        counters["pass_linear_residual_fused"] += len(fused)
-        if fused:
-            logger.info("mrv2: fused %d linear + residual add(s) into mrv2::linear_add", len(fused))
-        details["fused"] = fused[: self.MAX_LISTED]
-        details["not_fused"] = not_fused[: self.MAX_LISTED]
-        details["num_fused"] = len(fused)
-        return PassReport(changed=bool(fused), details=details)
+    OP = "linear_add"  # compile_backend/kernels/skinny_linear.py
+    COUNTER = "pass_linear_residual_fused"
+    LOG = "mrv2: fused %d linear + residual add(s) into mrv2::linear_add"
+
+    def unfused(self, match: tuple[torch.fx.Node, torch.fx.Node], reason: str) -> dict[str, Any]:
+        add, y = match
+        return {"linear": y.name, "add": add.name, "reason": reason, "source": source_line(add)}
 
     # ---- finding the pairs ---------------------------------------------------------
 
-    def _find(self, graph: torch.fx.Graph,
-              not_fused: list[dict[str, Any]]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    def find(self, graph: torch.fx.Graph,
+             not_fused: list[dict[str, Any]]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
         """(add, linear) pairs to fuse, in graph order."""
         matches: list[tuple[torch.fx.Node, torch.fx.Node]] = []
         open_: set[torch.fx.Node] = set()  # linears no barrier has followed yet
         blocked: dict[torch.fx.Node, torch.fx.Node] = {}  # linear -> the barrier after it
-        roots: dict[torch.fx.Node, set[Hashable]] = {}
-        for node in graph.nodes:
-            if node.op in ("placeholder", "get_attr", "output"):
-                roots[node] = _output_roots(node, roots)
-                continue
+        for node, barrier in call_nodes_and_barriers(graph, self.roles):
             operands = _add_operands(node)
             if operands is not None:
                 found = self._match(node, operands, open_, blocked, not_fused)
@@ -130,11 +75,10 @@ class FuseLinearResidualPass(OptionalPass):
                     open_.discard(found)
             if linear_args(node) is not None and not self.eager(node):
                 open_.add(node)
-            elif motion_barrier(node, self.roles, roots):
+            elif barrier:
                 for linear in open_:
                     blocked[linear] = node
                 open_.clear()
-            roots[node] = _output_roots(node, roots)
         return matches
 
     def _match(self, add: torch.fx.Node, operands: tuple[Any, Any], open_: set[torch.fx.Node],
@@ -208,20 +152,13 @@ class FuseLinearResidualPass(OptionalPass):
 
     # ---- rewriting -------------------------------------------------------------------------
 
-    @staticmethod
-    def _fuse(graph: torch.fx.Graph, add: torch.fx.Node, y: torch.fx.Node, op: Any) -> dict[str, Any]:
+    def fuse(self, graph: torch.fx.Graph, match: tuple[torch.fx.Node, torch.fx.Node],
+             op: Any) -> dict[str, Any]:
+        """z = op(x, w, b, r) at the add's place; the add and the linear go."""
+        add, y = match
         x, w, b = linear_args(y)
         r = add.args[0] if add.args[1] is y else add.args[1]
-        meta_key = "example_value" if "example_value" in add.meta else "val"
-        vals = [example_value(n) for n in (x, w, r)] + ([example_value(b)] if b is not None else [])
-        fake_mode = values_fake_mode(vals)
-        with graph.inserting_before(add):
-            fused = graph.call_function(op, (x, w, b, r))
-        keep_meta(fused, add)
-        if fake_mode is not None:
-            xv, wv, rv = vals[:3]
-            with fake_mode:
-                fused.meta[meta_key] = op(xv, wv, vals[3] if b is not None else None, rv)
+        fused = insert_call(graph, add, op, (x, w, b, r), like=add)
         entry = {
             "node": fused.name,
             "linear": y.name,
@@ -232,12 +169,10 @@ class FuseLinearResidualPass(OptionalPass):
             "source": source_line(add),
         }
         add.replace_all_uses_with(fused)
-        graph.erase_node(add)
-        graph.erase_node(y)
+        erase_replaced(graph, [add, y])
         return entry
 
 
 def fused_pairs(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The linear + add pairs this pass fused, from a PassManager log."""
-    return [f for entry in pass_log if entry.get("pass") == FuseLinearResidualPass.__name__
-            for f in entry.get("details", {}).get("fused", [])]
+    return FuseLinearResidualPass.fused_in(pass_log)

@@ -1,82 +1,35 @@
 """An RMSNorm, the linear(s) that read it and the SwiGLU gate after them
 become one op.
 
-At decode each of these is a small kernel of its own: the RMSNorm before
-q/k/v, the one before gate/up, and the SiLU·mul between gate/up and down.
-`mrv2::norm_linear` (compile_backend/kernels/norm_linear.py) does their work inside the
-GEMM that reads them (Note [norm and gate in the GEMM]): one kernel where
-there were three (or two).
-
-Before:                                       After:
-    a = x.to(float32)  (or x.float())             y = mrv2::norm_linear(x, nw, eps, [w...], [b...], gated)
-    v = a.pow(2).mean(-1, keepdim=True)
-    h = (a * rsqrt(v + eps)).to(x.dtype) * nw     (or nw * (...))
-    y = linear(h, w, b)  |  mrv2::sibling_linear(h, [w...], [b...])
-  and, when the linear's output is only the gate and the up halves:
-    g, u = halves of y  (narrow at 0 and N/2 | chunk(2, -1)[0], [1])
-    y = silu(g) * u     (or u * silu(g))
-
-Either part alone is taken too: a norm before a linear with no gate after
-it (q/k/v), and a gate after a linear with no norm before it.
-
-Fires only when all of these hold:
-  - the linear is `linear(x, w, b)` with `w` a 2-D and `b` a 1-D graph
-    input, or `mrv2::sibling_linear` (compile_backend/passes/fuse_sibling_linears.py, which
-    runs first); not marked eager;
-  - norm: the nodes are exactly the pattern above, with the dtype cast back
-    to x's dtype, `nw` a 1-D graph input of x's dtype, and every
-    intermediate used only inside the pattern (the normalized `h` only by
-    the linear); no node between the norm's first node and the linear
-    writes anything, runs eagerly, sets global state or is a breakpoint,
-    attention-like op or collective (`motion_barrier`): the fused node reads
-    x at the linear's place;
-  - gate: the linear has an even number of output features and its output
-    is used only by its two halves; the gate half only by `silu`, the up
-    half and the silu only by the product;
-  - dtypes and devices of x, nw, weights and biases agree (the op's checks).
-The report lists what was fused and, for each norm or gate that was
-recognized and not taken, why.
+At decode each is a small kernel of its own (the RMSNorm before q/k/v, the
+one before gate/up, the SiLU·mul before down). `mrv2::norm_linear(x, nw,
+eps, [w...], [b...], gated)` (compile_backend/kernels/norm_linear.py) does
+their work inside the GEMM that reads them. It takes the Llama family's
+RMSNorm as Dynamo records it, before a `linear` or `mrv2::sibling_linear`,
+and `silu(g) * u` over that linear's two halves; either part alone too.
+Fires only when every intermediate is used inside the pattern, dtypes and
+devices agree, nothing is marked eager and no `motion_barrier` (effects.py)
+lies between the norm and the linear; the report says why for each norm or
+gate not taken. The pattern, every condition and the measurements (the
+option is off by default): docs/design.md, "RMSNorm, projection and gate".
 """
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from compile_backend.core.counters import counters
-
-from .pass_base import (
-    ADD_TARGETS,
-    MUL_TARGETS,
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    op_label,
-    registered_op,
-    source_line,
-    values_fake_mode,
+from .effects import call_nodes_and_barriers
+from .fx_nodes import (
+    ADD_TARGETS, MUL_TARGETS, erase_replaced, example_value, graph_input_value, insert_call,
+    linear_args, op_label, registered_op, source_line,
 )
-from .segment_attention_like import _output_roots
-
-logger = logging.getLogger(__name__)
-
-_NO_OP = ("mrv2::norm_linear is not registered: import compile_backend.kernels "
-          "(the backend does, before the passes)")
-
-
-def _fused_op() -> Any:
-    """The op the fused node calls (compile_backend/kernels/norm_linear.py), or None."""
-    return registered_op("mrv2", "norm_linear")
+from .pass_base import FusionPass
 
 
 def _is_call(node: Any, targets: tuple[Any, ...] = (), method: str | None = None) -> bool:
@@ -289,30 +242,16 @@ class _Match:
         return args[0] if args is not None else self.y.args[0]  # sibling_linear(x, ...)
 
 
-class FuseNormLinearPass(OptionalPass):
+class FuseNormLinearPass(FusionPass):
     """See the module docstring. `enabled=False` (config `fuse_norm_linear`):
-    the pass leaves the graph as it is."""
+    the pass leaves the graph as it is. A match is a `_Match`."""
 
-    def apply(self, graph: torch.fx.Graph) -> PassReport:
-        details: dict[str, Any] = {"enabled": self.enabled, "fused": [], "not_fused": []}
-        if not self.enabled:
-            return PassReport(changed=False, details=details)
-        not_fused: list[dict[str, Any]] = []
-        matches = self._find(graph, not_fused)
-        op = _fused_op()
-        if matches and op is None:
-            not_fused += [{"linear": m.y.name, "reason": _NO_OP, "source": source_line(m.y)}
-                          for m in matches]
-            matches = []
-        fused = [self._fuse(graph, m, op) for m in matches]
-        counters["pass_norm_linear_fused"] += len(fused)
-        if fused:
-            logger.info("mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear",
-                        len(fused))
-        details["fused"] = fused[: self.MAX_LISTED]
-        details["not_fused"] = not_fused[: self.MAX_LISTED]
-        details["num_fused"] = len(fused)
-        return PassReport(changed=bool(fused), details=details)
+    OP = "norm_linear"  # compile_backend/kernels/norm_linear.py
+    COUNTER = "pass_norm_linear_fused"
+    LOG = "mrv2: fused %d norm/linear/gate group(s) into mrv2::norm_linear"
+
+    def unfused(self, m: _Match, reason: str) -> dict[str, Any]:
+        return {"linear": m.y.name, "reason": reason, "source": source_line(m.y)}
 
     # ---- finding ------------------------------------------------------------------
 
@@ -331,16 +270,13 @@ class FuseNormLinearPass(OptionalPass):
             return None
         return x, [w], [] if b is None else [b]
 
-    def _find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[_Match]:
-        order: dict[torch.fx.Node, int] = {}
+    def find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[_Match]:
+        order: dict[torch.fx.Node, int] = {}  # call nodes: their position
         barriers: list[tuple[int, torch.fx.Node]] = []
-        roots: dict[torch.fx.Node, set[Hashable]] = {}
-        for i, node in enumerate(graph.nodes):
+        for i, (node, barrier) in enumerate(call_nodes_and_barriers(graph, self.roles)):
             order[node] = i
-            if node.op not in ("placeholder", "get_attr", "output") and \
-                    motion_barrier(node, self.roles, roots):
+            if barrier:
                 barriers.append((i, node))
-            roots[node] = _output_roots(node, roots)
         sibling = registered_op("mrv2", "sibling_linear")
         matches = []
         for y in list(graph.nodes):
@@ -385,25 +321,17 @@ class FuseNormLinearPass(OptionalPass):
 
     # ---- rewriting ---------------------------------------------------------------------
 
-    @staticmethod
-    def _fuse(graph: torch.fx.Graph, m: _Match, op: Any) -> dict[str, Any]:
+    def fuse(self, graph: torch.fx.Graph, m: _Match, op: Any) -> dict[str, Any]:
+        """The op at the linear's place, reading the norm's input (or the
+        linear's); it takes the uses of the gate's product (or the linear's),
+        and the gate's, the linear's and the norm's nodes go."""
         y, x, weights, biases, norm, gate = m.y, m.x, m.weights, m.biases, m.norm, m.gate
         src = norm.x if norm is not None else x
         nw = norm.weight if norm is not None else None
         eps = norm.eps if norm is not None else 0.0
         out = gate.product if gate is not None else y
-        meta_key = "example_value" if "example_value" in out.meta else "val"
-        vals = [example_value(n) for n in [src, *weights, *biases] + ([nw] if nw is not None else [])]
-        fake_mode = values_fake_mode(vals)
-        with graph.inserting_before(y):
-            fused = graph.call_function(op, (src, nw, eps, list(weights), list(biases),
-                                             gate is not None))
-        keep_meta(fused, y)
-        if fake_mode is not None:
-            sv, ws, bs = vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):][:len(biases)]
-            with fake_mode:
-                fused.meta[meta_key] = op(sv, example_value(nw) if nw is not None else None, eps,
-                                          ws, bs, gate is not None)
+        fused = insert_call(graph, y, op, (src, nw, eps, list(weights), list(biases),
+                                           gate is not None), like=y, value_key_from=out)
         entry = {
             "node": fused.name,
             "linear": y.name,
@@ -414,15 +342,11 @@ class FuseNormLinearPass(OptionalPass):
             "source": source_line(y),
         }
         out.replace_all_uses_with(fused)
-        dead = ([*reversed(gate.nodes)] if gate is not None else []) + [y] + \
-            ([*reversed(norm.nodes)] if norm is not None else [])
-        for node in dead:
-            assert not node.users, (node, list(node.users))
-            graph.erase_node(node)
+        erase_replaced(graph, ([*reversed(gate.nodes)] if gate is not None else []) + [y]
+                       + ([*reversed(norm.nodes)] if norm is not None else []))
         return entry
 
 
 def fused_norm_linears(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What this pass fused, from a PassManager log."""
-    return [f for entry in pass_log if entry.get("pass") == FuseNormLinearPass.__name__
-            for f in entry.get("details", {}).get("fused", [])]
+    return FuseNormLinearPass.fused_in(pass_log)

@@ -1,80 +1,35 @@
 """Sibling linear projections become one matmul.
 
 Several `linear`s that read the same input node with weights that are graph
-inputs (q_proj, k_proj and v_proj of an attention layer; gate_proj and
-up_proj of a Hugging Face MLP) are replaced by ONE `mrv2::sibling_linear`
-over all their weights, followed by a `torch.narrow` of its output per
-sibling. At decode (one token) the step then launches one GEMV that reads
-the weights once instead of one latency-bound GEMV per projection.
-
-Before:                                 After:
-    q = linear(x, wq)                       qkv = mrv2::sibling_linear(x, [wq, wk, wv], [])
-    k = linear(x, wk)                       q = narrow(qkv, -1, 0, Nq)
-    v = linear(x, wv)                       k = narrow(qkv, -1, Nq, Nk)
-                                            v = narrow(qkv, -1, Nq + Nk, Nv)
-
-The weights stay graph inputs, so the graph keeps its placeholders, identical
-layers still share one compiled piece (compile/layer_sharing.py) and a saved
-step holds no weights. One matmul needs the weights back to back in memory:
-the backend packs each fused group once, at compile (and a loaded step at its
-first call), with `pack_siblings` (compile_backend/core/packed_weights.py): one new
-[sum N, K] tensor, each parameter's `.data` rebound to its row slice (same
-object, shape, strides and values; the old storage is freed, so the weights'
-memory does not grow). The op checks on every run that its weights are
-laid out that way and otherwise runs the separate linears and concatenates
-them, so a replaced parameter, or a step whose weights were never packed, is
-slower, never wrong.
-
-Fires only when, for every member of a group:
-  - it is `linear(x, w, b)` with the group's input node `x`, not marked eager;
-  - `w` is a 2-D graph input (a parameter or buffer, not a computed tensor),
-    `b` is None for all members or a 1-D graph input for all;
-  - weights share dtype and device (biases too), distinct weight inputs;
-  - where the real tensors are known (Dynamo's placeholder `grapharg`), they
-    can be packed (`can_pack`: plain tensors, each the sole owner of its
-    storage) or are packed already;
-  - no node between the first and the last member may write anything, run
-    eagerly, set global state or is a breakpoint, attention-like op or
-    collective: fusing computes every member at the first one's place.
-Forward hooks and pre-hooks that Dynamo inlines are ops of the graph: a
-pre-hook that changes the input gives another input node (no fusion), one
-that changes the output works on the member's slice as it did on its output.
-
-The outputs are column slices of a [..., sum N] tensor: not contiguous, last
-dimension contiguous (stride 1). The project's ops accept that
-(compile_backend/kernels/_checks.py: `last_dim_contiguous`), and Inductor and torch ops take
-strided inputs.
+inputs (q_proj, k_proj and v_proj; gate_proj and up_proj of a Hugging Face
+MLP) become ONE `mrv2::sibling_linear(x, [w...], [b...])` followed by a
+`torch.narrow` of its output per sibling: one GEMV at decode that reads the
+weights once. The weights stay graph inputs; the backend packs each group
+once (compile_backend/core/packed_weights.py) and the op checks the packing
+at every run, so unpacked weights are slower, never wrong. Fires only when
+the members share input, dtype and device, their weights (and biases, all
+or none) are graph inputs that can be packed, and nothing between the first
+and the last member is a `motion_barrier` (effects.py). Before/after, the
+conditions and the outputs' strides: docs/design.md, "Sibling linears".
 """
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.core.packed_weights import can_pack
 
-from .pass_base import (
-    OptionalPass,
-    PassReport,
-    example_value,
-    graph_input_value,
-    keep_meta,
-    linear_args,
-    motion_barrier,
-    registered_op,
-    source_line,
-    values_fake_mode,
+from .effects import call_nodes_and_barriers
+from .fx_nodes import (
+    erase_replaced, example_value, graph_input_value, insert_call, linear_args, source_line,
 )
-from .segment_attention_like import _output_roots
-
-logger = logging.getLogger(__name__)
+from .pass_base import FusionPass
 
 
 def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
@@ -89,28 +44,28 @@ def _real_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     return None
 
 
-class FuseSiblingLinearsPass(OptionalPass):
+class FuseSiblingLinearsPass(FusionPass):
     """See the module docstring. `enabled=False` (config
-    `fuse_sibling_linears`): the pass leaves the graph as it is."""
+    `fuse_sibling_linears`): the pass leaves the graph as it is. A match is
+    a group: its members, the linears in graph order."""
 
-    def apply(self, graph: torch.fx.Graph) -> PassReport:
-        details: dict[str, Any] = {"enabled": self.enabled, "groups": [], "not_fused": []}
-        if not self.enabled:
-            return PassReport(changed=False, details=details)
-        groups = self._find_groups(graph, details["not_fused"])
-        op = _fused_op()
-        if groups and op is None:
-            details["not_fused"] += [{"linears": [m.name for m in g], "reason": _NO_OP} for g in groups]
-            groups = []
-        for members in groups:
-            details["groups"].append(self._fuse(graph, members, op))
-        counters["pass_linears_fused"] += sum(len(g) for g in groups)
-        if groups:
-            logger.info("mrv2: fused %d groups of sibling linears (%d linears)",
-                        len(groups), sum(len(g) for g in groups))
+    OP = "sibling_linear"  # compile_backend/kernels/sibling_linear.py
+    COUNTER = "pass_linears_fused"  # linears, not groups
+    LOG = "mrv2: fused %d groups of sibling linears (%d linears)"
+    FUSED_KEY = "groups"
+
+    def count(self, fused: list[dict[str, Any]]) -> int:
+        return sum(len(g["weights"]) for g in fused)
+
+    def log_args(self, fused: list[dict[str, Any]]) -> tuple[Any, ...]:
+        return len(fused), self.count(fused)
+
+    def listed(self, fused: list[dict[str, Any]]) -> dict[str, Any]:
         # Every group is listed: the backend packs the weights the groups name.
-        details["not_fused"] = details["not_fused"][: self.MAX_LISTED]
-        return PassReport(changed=bool(groups), details=details)
+        return {"groups": fused}
+
+    def unfused(self, members: list[torch.fx.Node], reason: str) -> dict[str, Any]:
+        return {"linears": [m.name for m in members], "reason": reason}
 
     # ---- finding groups -------------------------------------------------------
 
@@ -134,7 +89,10 @@ class FuseSiblingLinearsPass(OptionalPass):
         return (x, wv.dtype, wv.device, b is not None,
                 None if bv is None else (bv.dtype, bv.device))
 
-    def _find_groups(self, graph: torch.fx.Graph, not_fused: list) -> list[list[torch.fx.Node]]:
+    def find(self, graph: torch.fx.Graph, not_fused: list) -> list[list[torch.fx.Node]]:
+        """Groups of two or more, each closed by the first motion barrier
+        after its first member: fusing computes every member at the first
+        one's place."""
         groups: list[list[torch.fx.Node]] = []
         open_: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
 
@@ -145,23 +103,18 @@ class FuseSiblingLinearsPass(OptionalPass):
                     if why is None:
                         groups.append(members)
                     else:
-                        not_fused.append({"linears": [m.name for m in members], "reason": why})
+                        not_fused.append(self.unfused(members, why))
             open_.clear()
 
-        roots: dict[torch.fx.Node, set[Hashable]] = {}
-        for node in graph.nodes:
-            if node.op in ("placeholder", "get_attr", "output"):
-                roots[node] = _output_roots(node, roots)
-                continue
+        for node, barrier in call_nodes_and_barriers(graph, self.roles):
             key = self._key(node)
             if key is not None:
                 members = open_[key]
                 weight = linear_args(node)[1]
                 if all(linear_args(m)[1] is not weight for m in members):
                     members.append(node)
-            elif motion_barrier(node, self.roles, roots):
+            elif barrier:
                 close()
-            roots[node] = _output_roots(node, roots)
         close()
         return groups
 
@@ -182,36 +135,23 @@ class FuseSiblingLinearsPass(OptionalPass):
 
     # ---- rewriting ---------------------------------------------------------------
 
-    @staticmethod
-    def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], op: Any) -> dict[str, Any]:
+    def fuse(self, graph: torch.fx.Graph, members: list[torch.fx.Node], op: Any) -> dict[str, Any]:
+        """fused = op(x, [w...], [b...]) at the first member's place, then one
+        `narrow` of its last dimension per member, in the members' order."""
         first = members[0]
         x = linear_args(first)[0]
         weights = [linear_args(m)[1] for m in members]
         biases = [linear_args(m)[2] for m in members]
         biases = [] if biases[0] is None else biases
         sizes = [example_value(w).shape[0] for w in weights]
-        meta_key = "example_value" if "example_value" in first.meta else "val"
-        vals = [example_value(n) for n in [x, *weights, *biases]]
-        fake_mode = values_fake_mode(vals)
-        with graph.inserting_before(first):
-            fused = graph.call_function(op, (x, list(weights), list(biases)))
-            keep_meta(fused, first)
-            fused_val = None
-            if fake_mode is not None:
-                with fake_mode:
-                    fused_val = op(vals[0], vals[1:1 + len(weights)], vals[1 + len(weights):])
-                fused.meta[meta_key] = fused_val
-            start = 0
-            for m, n in zip(members, sizes):
-                part = graph.call_function(torch.narrow, (fused, -1, start, n))
-                keep_meta(part, m)
-                if fused_val is not None:
-                    with fake_mode:
-                        part.meta[meta_key] = torch.narrow(fused_val, -1, start, n)
-                m.replace_all_uses_with(part)
-                start += n
-        for m in members:
-            graph.erase_node(m)
+        fused = insert_call(graph, first, op, (x, list(weights), list(biases)), like=first)
+        start = 0
+        for m, n in zip(members, sizes):
+            part = insert_call(graph, first, torch.narrow, (fused, -1, start, n), like=m,
+                               value_key_from=first)
+            m.replace_all_uses_with(part)
+            start += n
+        erase_replaced(graph, members)
         return {
             "node": fused.name,
             "input": x.name,
@@ -222,16 +162,6 @@ class FuseSiblingLinearsPass(OptionalPass):
         }
 
 
-_NO_OP = ("mrv2::sibling_linear is not registered: import compile_backend.kernels "
-          "(the backend does, before the passes)")
-
-
-def _fused_op() -> Any:
-    """The op the fused node calls (compile_backend/kernels/sibling_linear.py), or None."""
-    return registered_op("mrv2", "sibling_linear")
-
-
 def fused_groups(pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The groups this pass fused, from a PassManager log."""
-    return [g for entry in pass_log if entry.get("pass") == FuseSiblingLinearsPass.__name__
-            for g in entry.get("details", {}).get("groups", [])]
+    return FuseSiblingLinearsPass.fused_in(pass_log)

@@ -1,9 +1,13 @@
-"""The base of every mrv2 FX pass, and the node helpers the passes share.
+"""The base classes of the mrv2 FX passes.
 
 A pass is a class: `__call__(graph)` edits the graph in place and returns a
 `PassReport` (did it change anything, and a JSON-friendly account of what);
 `uuid()` hashes the pass's source and settings, so that a compile cache keyed
-on it notices when a pass or its configuration changed.
+on it notices when a pass or its configuration changed. `FusionPass` is the
+skeleton of the passes that replace a pattern by one `mrv2::` op: a subclass
+says how to find a match and how to rewrite it. The node helpers are in
+fx_nodes.py, the effect analysis in effects.py; docs/design.md, "The FX
+passes", lists the files and the rules they share.
 """
 
 from __future__ import annotations
@@ -11,20 +15,17 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import operator
-import re
+import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 import torch.fx
-import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
-from compile_backend.core.op_registry import (
-    EAGER_REASON, OpRegistry, OpRole, is_eager_node, node_op_name,
-)
+from compile_backend.core.counters import counters
+
+from .fx_nodes import registered_op, runs_eagerly
 
 
 @dataclass
@@ -54,21 +55,27 @@ class Mrv2Pass:
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        # The module holds the helpers the class calls, not only the class.
-        for cls in type(self).__mro__:
-            if cls is object:
-                continue
-            h.update(_module_source(cls.__module__).encode())
+        for module_name in _modules_behind(type(self)):
+            h.update(_module_source(module_name).encode())
         h.update(json.dumps(self.settings(), sort_keys=True, default=str).encode())
         return h.hexdigest()
 
 
-class OptionalPass(Mrv2Pass):
-    """A rewrite a config option switches on or off (`enabled`; off: the graph
-    stays as it is), with the op registry it consults. Its report lists at
-    most MAX_LISTED entries per kind."""
+class FusionPass(Mrv2Pass):
+    """A rewrite of matched nodes into one call of `torch.ops.mrv2.<OP>`
+    (registered by compile_backend/kernels/, which the backend imports before
+    the passes run), switched by a config option (`enabled`; off: the graph
+    stays as it is). `apply` finds every match first (`find`, in graph order,
+    on the unchanged graph), rewrites each (`fuse`), counts, logs and
+    reports; without the op it rewrites nothing and reports every match as
+    not fused (`unfused`). The report lists at most MAX_LISTED entries per
+    kind unless `listed` says otherwise."""
 
     MAX_LISTED = 200
+    OP: str  # the fused op's name in the mrv2 namespace
+    COUNTER: str  # counters[COUNTER] += count(fused)
+    LOG: str  # an INFO line with log_args(fused), when something was fused
+    FUSED_KEY = "fused"  # the report's list of what was fused
 
     def __init__(self, roles: Any, enabled: bool = True) -> None:
         self.roles = roles  # an OpRegistry
@@ -81,8 +88,90 @@ class OptionalPass(Mrv2Pass):
         """Does `node` run eagerly (marked by the safety pass, or by role)?"""
         return runs_eagerly(node, self.roles)
 
+    # ---- what a subclass fills in ------------------------------------------------
 
+    def find(self, graph: torch.fx.Graph, not_fused: list[dict[str, Any]]) -> list[Any]:
+        """The matches to rewrite, in graph order; each pattern seen and not
+        taken goes to `not_fused` with its reason. Must not edit the graph."""
+        raise NotImplementedError
+
+    def fuse(self, graph: torch.fx.Graph, match: Any, op: Any) -> dict[str, Any]:
+        """Rewrite one match into a call of `op`, erase what it replaced, and
+        return the report's JSON-friendly entry for it."""
+        raise NotImplementedError
+
+    def unfused(self, match: Any, reason: str) -> dict[str, Any]:
+        """The report's `not_fused` entry of a match left as it is."""
+        raise NotImplementedError
+
+    def count(self, fused: list[dict[str, Any]]) -> int:
+        return len(fused)
+
+    def log_args(self, fused: list[dict[str, Any]]) -> tuple[Any, ...]:
+        return (len(fused),)
+
+    def listed(self, fused: list[dict[str, Any]]) -> dict[str, Any]:
+        """The report's entries for what was fused."""
+        return {self.FUSED_KEY: fused[: self.MAX_LISTED], "num_fused": len(fused)}
+
+    # ---- the skeleton ------------------------------------------------------------------
+
+    def fused_op(self) -> Any:
+        """`torch.ops.mrv2.<OP>.default`, or None when it is not registered."""
+        return registered_op("mrv2", self.OP)
+
+    def apply(self, graph: torch.fx.Graph) -> PassReport:
+        details: dict[str, Any] = {"enabled": self.enabled, self.FUSED_KEY: [], "not_fused": []}
+        if not self.enabled:
+            return PassReport(changed=False, details=details)
+        not_fused: list[dict[str, Any]] = []
+        matches = self.find(graph, not_fused)
+        op = self.fused_op()
+        if matches and op is None:
+            why = (f"mrv2::{self.OP} is not registered: import compile_backend.kernels "
+                   "(the backend does, before the passes)")
+            not_fused += [self.unfused(m, why) for m in matches]
+            matches = []
+        fused = [self.fuse(graph, m, op) for m in matches]
+        counters[self.COUNTER] += self.count(fused)
+        if fused:
+            logging.getLogger(type(self).__module__).info(self.LOG, *self.log_args(fused))
+        details.update(self.listed(fused))
+        details["not_fused"] = not_fused[: self.MAX_LISTED]
+        return PassReport(changed=bool(fused), details=details)
+
+    @classmethod
+    def fused_in(cls, pass_log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What this pass fused (its report's FUSED_KEY list), from a PassManager log."""
+        return [f for entry in pass_log if entry.get("pass") == cls.__name__
+                for f in entry.get("details", {}).get(cls.FUSED_KEY, [])]
+
+
+_PACKAGE = __name__.rpartition(".")[0]  # compile_backend.passes
 _SOURCES: dict[str, str] = {}
+
+
+def _modules_behind(cls: type) -> list[str]:
+    """The modules whose source decides what a pass of class `cls` does: those
+    of its classes and, transitively, the modules of passes/ they take
+    functions or classes from (fx_nodes.py, effects.py; a module's constants
+    come with its functions). Sorted, each once."""
+    todo = [c.__module__ for c in cls.__mro__ if c is not object]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            try:
+                owner = getattr(value, "__module__", None)
+            except Exception:  # noqa: BLE001 (objects whose attributes are computed)
+                continue
+            if isinstance(owner, str) and owner.startswith(_PACKAGE + ".") and owner not in seen:
+                todo.append(owner)
+    return sorted(seen)
 
 
 def _module_source(module_name: str) -> str:
@@ -92,235 +181,3 @@ def _module_source(module_name: str) -> str:
         except (OSError, TypeError, KeyError):
             _SOURCES[module_name] = module_name
     return _SOURCES[module_name]
-
-
-# --- node helpers shared by the passes ---------------------------------------
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """`file.py:12 in fn: <code>` of the user line that made `node`."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = trace.splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        m = _FRAME.search(lines[i])
-        if m:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            where = f"{m['file'].rsplit('/', 1)[-1]}:{m['line']} in {m['fn']}"
-            return f"{where}: {code}" if code else where
-    stack = node.meta.get("source_fn_stack")
-    if stack:
-        return f"from `{stack[-1][0]}` (no source line recorded)"
-    return "(no source line recorded)"
-
-
-def op_label(node: torch.fx.Node) -> str:
-    """Human name of a node's op: `toy::attn`, `torch.nonzero`, `Tensor.item`."""
-    name = node_op_name(node) or node.op
-    if name.startswith("method::"):
-        return "Tensor." + name[len("method::"):]
-    t = node.target
-    if node.op == "call_function" and not isinstance(
-            t, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)):
-        if is_tensor_method(t):
-            return f"Tensor.{t.__name__}"
-        module = getattr(t, "__module__", None) or "torch"
-        module = {"_operator": "operator", "torch._C._VariableFunctions": "torch"}.get(module, module)
-        return f"{module}.{getattr(t, '__name__', name)}"
-    return name
-
-
-def bare_name(node: torch.fx.Node) -> str:
-    """The op's short name (`nonzero`, `add_`, `item`), for name-based rules."""
-    t = node.target
-    if isinstance(t, str):
-        return t
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return (node_op_name(node) or "").split("::")[-1]
-    return getattr(t, "__name__", "") or ""
-
-
-def registered_op(namespace: str, name: str) -> torch._ops.OpOverload | None:
-    """`torch.ops.<namespace>.<name>.default`, or None when it is not
-    registered (an op a pass writes into the graph lives in compile_backend/kernels/, which
-    passes do not import: the backend imports it before the passes run)."""
-    try:
-        return getattr(getattr(torch.ops, namespace), name).default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def schema_overloads(target: Any) -> list[torch._ops.OpOverload]:
-    """The overload(s) a schema-carrying target may dispatch to."""
-    if isinstance(target, torch._ops.OpOverload):
-        return [target]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return [getattr(target, o) for o in target.overloads()]
-    return []
-
-
-_ATEN_CACHE: dict[str, list[torch._ops.OpOverload]] = {}
-
-
-def aten_overloads_named(name: str) -> list[torch._ops.OpOverload]:
-    """aten overloads of that bare name: how a python-level torch call
-    (`torch.nonzero`, `x.item()`) is checked against aten's tags."""
-    if name not in _ATEN_CACHE:
-        try:
-            packet = getattr(torch.ops.aten, name)
-            _ATEN_CACHE[name] = schema_overloads(packet)
-        except (AttributeError, RuntimeError):
-            _ATEN_CACHE[name] = []
-    return _ATEN_CACHE[name]
-
-
-def op_tags(node: torch.fx.Node) -> set[str]:
-    """Tag names (`cudagraph_unsafe`, `nondeterministic_seeded`, ...) of the
-    op a node runs; python-level torch calls borrow the aten op's tags."""
-    overloads = schema_overloads(node.target)
-    if not overloads and node.op in ("call_function", "call_method") and is_torch_level(node):
-        overloads = aten_overloads_named(bare_name(node))
-    tags: set[str] = set()
-    for ov in overloads:
-        tags.update(str(t).rsplit(".", 1)[-1] for t in ov.tags)
-    return tags
-
-
-# Modules whose callables Dynamo leaves in graphs and that run aten ops.
-_TORCH_MODULES = (
-    "torch", "torch.functional", "torch.nn.functional", "torch._C._nn",
-    "torch._C._linalg", "torch._C._fft", "torch._C._special", "torch.fft",
-    "torch.linalg", "torch.special", "torch._C._VariableFunctions",
-)
-_PYTHON_MODULES = ("_operator", "operator", "math")
-# Builtins Dynamo may leave on sizes and scalars; `print` and friends are not pure.
-_PURE_BUILTINS = frozenset({"getattr", "hasattr", "isinstance", "len", "min", "max", "abs", "round"})
-
-
-def is_torch_level(node: torch.fx.Node) -> bool:
-    """A tensor method, or a function of torch's public op namespaces."""
-    if node.op == "call_method":
-        return True
-    t = node.target
-    if is_tensor_method(t):
-        return True
-    module = getattr(t, "__module__", None)
-    if module is None and getattr(t, "__self__", None) is not None:
-        module = getattr(t.__self__, "__module__", None)  # torch._VariableFunctionsClass
-    return module in _TORCH_MODULES
-
-
-def is_python_builtin(node: torch.fx.Node) -> bool:
-    """`operator.*`, `math.*` and a few pure builtins."""
-    if node.op != "call_function":
-        return False
-    module = getattr(node.target, "__module__", None)
-    if module == "builtins":
-        return getattr(node.target, "__name__", None) in _PURE_BUILTINS
-    return module in _PYTHON_MODULES
-
-
-def is_tensor_method(target: Any) -> bool:
-    name = getattr(target, "__name__", None)
-    return isinstance(name, str) and getattr(torch.Tensor, name, None) is target
-
-
-def is_tuple_getitem(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
-def example_value(node: Any) -> Any:
-    """The fake value Dynamo (`example_value`) or a fake-prop (`val`) recorded."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if "example_value" in node.meta:
-        return node.meta["example_value"]
-    return node.meta.get("val")
-
-
-def values_fake_mode(values: list[Any]) -> Any:
-    """The one fake mode of `values` (Dynamo's tracing mode, not the
-    backend's), to compute a new node's value in; None unless every value is
-    a FakeTensor of that one mode."""
-    modes = {id(v.fake_mode): v.fake_mode for v in values if isinstance(v, FakeTensor)}
-    if len(modes) != 1 or not all(isinstance(v, FakeTensor) for v in values):
-        return None
-    return next(iter(modes.values()))
-
-
-# Functions that set torch's global state (Dynamo leaves them around `no_grad`
-# and autocast regions): harmless to capture, but nothing may move across them.
-_GLOBAL_STATE_NAMES = frozenset({
-    "_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast",
-    "set_autocast_enabled", "_set_autocast_enabled", "set_autocast_dtype",
-})
-
-
-def sets_global_state(node: torch.fx.Node) -> bool:
-    t = node.target
-    return (
-        node.op == "call_function"
-        and getattr(t, "__name__", None) in _GLOBAL_STATE_NAMES
-        and (getattr(t, "__module__", None) or "").startswith("torch")
-    )
-
-
-# --- linears and moving computation (the fusion passes) ----------------------
-
-LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
-# Node metadata a new node takes from the node it replaces (dumps and source lines).
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
-
-
-def linear_args(node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
-    """(input, weight, bias) of a `linear` call (None: not one)."""
-    if node.op != "call_function" or node.target not in LINEAR_TARGETS:
-        return None
-    args, kw = node.args, node.kwargs
-    x = args[0] if len(args) > 0 else kw.get("input")
-    w = args[1] if len(args) > 1 else kw.get("weight")
-    b = args[2] if len(args) > 2 else kw.get("bias")
-    return x, w, b
-
-
-def graph_input_value(node: Any, ndim: int) -> torch.Tensor | None:
-    """The fake value of a graph input of rank `ndim` (None: not one)."""
-    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
-        return None
-    val = example_value(node)
-    if not isinstance(val, torch.Tensor) or val.dim() != ndim:
-        return None
-    return val
-
-
-def keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
-    """`new` replaces `old`: it takes the metadata that names the user's code."""
-    for k in _KEPT_META:
-        if k in old.meta:
-            new.meta[k] = old.meta[k]
-
-
-ADD_TARGETS = (operator.add, torch.add)
-MUL_TARGETS = (operator.mul, torch.mul)
-
-
-def runs_eagerly(node: torch.fx.Node, roles: OpRegistry) -> bool:
-    """Marked eager by the capture-safety pass, or eager by its op's role."""
-    return EAGER_REASON in node.meta or is_eager_node(node, roles)
-
-
-def motion_barrier(node: torch.fx.Node, roles: OpRegistry,
-                   roots: dict[torch.fx.Node, set[Hashable]]) -> bool:
-    """No computation may move across this node: it writes something, runs
-    eagerly, or is a breakpoint, attention-like op or collective. `roots`:
-    the storages of the nodes before it (segment_attention_like's
-    `_output_roots`, filled in graph order)."""
-    from .segment_attention_like import node_effects  # local: that module imports this one
-
-    if runs_eagerly(node, roles):
-        return True
-    if roles.role(node) is not OpRole.ORDINARY:
-        return True
-    eff = node_effects(node, roots)
-    return eff.barrier or bool(eff.writes)

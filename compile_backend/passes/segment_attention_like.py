@@ -1,218 +1,38 @@
 """Keep attention-like ops inside captured segments, and order the graph so
 that it splits into as few pieces as the data and the mutations allow.
 
-The splitter (compile_backend/compile/split.py) cuts wherever the node kind changes
-in graph order: eager (breakpoints, capture fallbacks, and tuple accessors of
-their outputs) or captured (everything else). Attention-like ops are never
-eager: the registry's precedence keeps them out of the breakpoints even when
-a `namespace::*` entry of splitting_ops covers them (this pass logs each such
-case). So what is left to this pass is the order: it moves independent nodes
-across breakpoints so that breakpoints cluster and captured nodes, above all
-attention-like ops, join a neighbouring captured segment.
-
-Before (q, k, v, x, state are inputs; `sconv` is attention-like; its input does
-not depend on the first attention):
-    a = attn(q, k, v)            eager     segments: [a] [x2 s] [b]  -> 3
-    x2 = x * 2                   captured
-    s = sconv(x2, state)         captured
-    b = attn(a, a, a)            eager
-After:
-    x2 = x * 2                   captured  segments: [x2 s] [a b]  -> 2
-    s = sconv(x2, state)         captured
-    a = attn(q, k, v)            eager
-    b = attn(a, a, a)            eager
-
-Which orders are allowed. Besides data dependencies, two nodes keep their
-relative order when one of them writes a tensor that the other reads or
-writes (storages compared through the fake values Dynamo records, so views
-alias their base), and nothing moves across a node whose effects are unknown
-(a barrier: anything not classified as pure, in-place or schema-declared
-mutation; also global-state setters such as `torch._C._set_grad_enabled`).
-Random ops share one RNG state: their order is kept too.
-
-How the order is chosen. Colour each node by its kind; we want a topological
-order with the fewest colour changes. The greedy runs phases of alternating
-kind; each phase schedules every node of that kind that is ready, including
-those that become ready during the phase, in original order. Started from
-either kind, it is optimal: after k phases it has scheduled a superset of what
-any valid order has scheduled after k phases of the same kinds (induction on
-the phases), so it finishes in no more phases; we keep the better start. It
-runs in O((nodes + edges) log nodes); barriers are chained, not connected to
-every node, so edges stay linear in the graph size. The pass only reorders
-when that saves a segment.
+The splitter (compile_backend/compile/split.py) cuts wherever the node kind
+changes in graph order: eager (breakpoints, capture fallbacks, and tuple
+accessors of their outputs) or captured (everything else). Attention-like
+ops are never eager (this pass logs each one that a `namespace::*` entry of
+splitting_ops covers). The pass moves independent nodes across breakpoints
+so that breakpoints cluster and captured nodes join a neighbouring captured
+segment: a topological order with the fewest kind changes (a greedy that is
+optimal), kept only when it saves a segment. Which moves are allowed is
+effects.py's (data, storages written and read, barriers, the RNG). An
+example, the rules and the proof: docs/design.md, "The FX passes".
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import inspect
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 
 from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import OpRegistry, OpRole, is_eager_node, node_op_name
 
-from .pass_base import (
-    Mrv2Pass,
-    PassReport,
-    bare_name,
-    example_value,
-    is_python_builtin,
-    is_tensor_method,
-    is_torch_level,
-    is_tuple_getitem,
-    op_tags,
-    schema_overloads,
-    sets_global_state,
-)
+from .effects import node_effects, output_roots
+from .fx_nodes import is_tuple_getitem
+from .pass_base import Mrv2Pass, PassReport
 
 logger = logging.getLogger(__name__)
 
 EAGER, CAPTURED = "eager", "captured"
-_RNG: Hashable = "rng-state"  # the pseudo-tensor random ops write
-
-_INPLACE_OPERATORS = frozenset({
-    "setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-    "iand", "ior", "ixor", "ilshift", "irshift", "imatmul",
-})
-_EFFECTFUL_METHODS = frozenset({"record_stream", "register_hook", "retain_grad", "backward"})
-_RANDOM_NAMES = frozenset({
-    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-    "bernoulli", "multinomial", "normal", "poisson", "dropout",
-})
-_PURE_HIGHER_ORDER = frozenset({"higher_order::flex_attention"})
-
-
-@dataclass
-class Effects:
-    """What a node touches: storages read and written, or 'anything' (barrier)."""
-
-    reads: set[Hashable] = field(default_factory=set)
-    writes: set[Hashable] = field(default_factory=set)
-    barrier: bool = False
-
-
-def _is_inplace_name(name: str) -> bool:
-    return name.endswith("_") and not name.endswith("__")
-
-
-def _output_roots(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> set[Hashable]:
-    """Storages a node's value may share. From the recorded fake value when
-    there is one; otherwise assume it may alias every input (conservative)."""
-    val = example_value(node)
-    tensors = [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
-    if tensors:
-        try:
-            return {StorageWeakRef(t.untyped_storage()) for t in tensors}
-        except Exception:  # noqa: BLE001 (tensors without storage: sparse, nested)
-            pass
-    if val is not None and not tensors:
-        return set()  # a SymInt, a float, None: no storage
-    overloads = schema_overloads(node.target)
-    if overloads and not any(r.alias_info for ov in overloads for r in ov._schema.returns):
-        return {node}  # the schema promises fresh outputs
-    out: set[Hashable] = {node}
-    for arg in node.all_input_nodes:
-        out |= roots.get(arg, set())
-    return out
-
-
-def _arg_nodes(value: Any) -> list[torch.fx.Node]:
-    return [v for v in tree_leaves(value) if isinstance(v, torch.fx.Node)]
-
-
-def node_effects(node: torch.fx.Node, roots: dict[torch.fx.Node, set[Hashable]]) -> Effects:
-    """Classify one call node; unknown means barrier."""
-
-    def roots_of(values: Any) -> set[Hashable]:
-        out: set[Hashable] = set()
-        for n in _arg_nodes(values):
-            out |= roots.get(n, set())
-        return out
-
-    eff = Effects(reads=roots_of([node.args, node.kwargs]))
-    target = node.target
-    name = bare_name(node)
-    if node.op == "call_module":
-        owner = node.graph.owning_module
-        mod = owner.get_submodule(node.target) if owner is not None else None
-        eff.barrier = mod is None or not type(mod).__module__.startswith("torch.nn.")
-        return eff
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        for ov in schema_overloads(target):  # union over overloads: conservative
-            for i, arg in enumerate(ov._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                if i < len(node.args):
-                    eff.writes |= roots_of(node.args[i])
-                if arg.name in node.kwargs:
-                    eff.writes |= roots_of(node.kwargs[arg.name])
-        if _has_registered_effect(target):
-            eff.barrier = True
-    elif isinstance(target, torch._ops.HigherOrderOperator):
-        eff.barrier = node_op_name(node) not in _PURE_HIGHER_ORDER
-        return eff
-    elif sets_global_state(node):
-        eff.barrier = True
-        return eff
-    elif node.op == "call_method" or is_tensor_method(target):
-        if name in _EFFECTFUL_METHODS:
-            eff.barrier = True
-        elif _is_inplace_name(name) or name == "__setitem__" or (
-            name.startswith("__i") and f"i{name[3:-2]}" in _INPLACE_OPERATORS  # __iadd__
-        ):
-            eff.writes |= roots_of(node.args[:1])
-    elif is_python_builtin(node):
-        if name in _INPLACE_OPERATORS:
-            eff.writes |= roots_of(node.args[:1])
-    elif is_torch_level(node):
-        if _is_inplace_name(name) or _inplace_flag(node):
-            eff.writes |= roots_of(node.args[:1])
-    else:
-        eff.barrier = True
-        return eff
-    if "out" in node.kwargs:
-        eff.writes |= roots_of(node.kwargs["out"])
-    if name in _RANDOM_NAMES or "nondeterministic_seeded" in op_tags(node):
-        eff.writes.add(_RNG)
-        eff.reads.add(_RNG)
-    return eff
-
-
-def _inplace_flag(node: torch.fx.Node) -> bool:
-    """`F.relu(x, inplace=True)`, also when `inplace` is passed by position."""
-    if node.kwargs.get("inplace") is True:
-        return True
-    try:
-        params = list(inspect.signature(node.target).parameters)
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    if "inplace" not in params:
-        return False
-    i = params.index("inplace")
-    return i < len(node.args) and node.args[i] is True
-
-
-def _has_registered_effect(op: Any) -> bool:
-    """Ops registered as effectful (`aten._print`, profiler records, ...)."""
-    try:
-        from torch._higher_order_ops.effects import _get_effect
-    except ImportError:  # older torch: no registry to ask
-        return False
-    for ov in schema_overloads(op):
-        try:
-            if _get_effect(ov) is not None:
-                return True
-        except Exception:  # noqa: BLE001 (the registry's API moves between versions)
-            return False
-    return False
 
 
 def node_kinds(nodes: list[torch.fx.Node], roles: OpRegistry) -> dict[torch.fx.Node, str]:
@@ -245,11 +65,11 @@ def dependency_graph(nodes: list[torch.fx.Node]) -> tuple[list[list[int]], list[
     roots: dict[torch.fx.Node, set[Hashable]] = {}
     for n in nodes[0].graph.nodes:
         if n.op in ("placeholder", "get_attr"):
-            roots[n] = _output_roots(n, roots)
+            roots[n] = output_roots(n, roots)
     effects = []
     for n in nodes:
         effects.append(node_effects(n, roots))
-        roots[n] = _output_roots(n, roots)
+        roots[n] = output_roots(n, roots)
     written = set().union(*(e.writes for e in effects)) if effects else set()
 
     preds: list[list[int]] = [[] for _ in nodes]

@@ -6,22 +6,12 @@ Before:                                          After:
     ar = _c10d_functional.all_reduce(h, "sum", "0")    y = mrv2::all_reduce(h, 524288, "0")
     y = _c10d_functional.wait_tensor(ar)
 
-The new op is a collective too (compile_backend/kernels/all_reduce.py registers its role):
-it stays inside a piece to capture, never a split point; the fusion pass
-moves nothing across it, and the capture-safety pass reads its group (its
-last string argument) as it reads the functional collective's. It runs after
-the capture-safety pass and leaves alone what that pass marked eager (a host
-backend's collective in a CUDA graph): it replaces a collective by one on
-the same group, so the verdicts stay true.
-
-Fires only when `tp_all_reduce` is not "nccl", for an `all_reduce` with
-reduce op "sum" whose every user is a `wait_tensor` (none marked eager), on
-a group whose symmetric buffers are set up (`setup_all_reduce`, which a
-ModelRunner of a TP model calls when built). On any other group the
-functional collective stays: each such all-reduce is counted in
-`counters["all_reduce_fallbacks"]` and the reason is logged once per process.
-Which algorithm a message gets is decided when the op runs (at capture, for
-a captured piece), from its size: the graph does not depend on it.
+Fires only when `tp_all_reduce` is not "nccl", for a "sum" `all_reduce`
+whose every user is a `wait_tensor` (none marked eager), on a group whose
+symmetric buffers are set up; elsewhere the functional collective stays,
+counted in `counters["all_reduce_fallbacks"]` and logged once. The new op is
+a collective on the same group, so the other passes' verdicts stay true:
+docs/design.md, "The FX passes".
 """
 
 from __future__ import annotations
@@ -39,7 +29,8 @@ from compile_backend.core.all_reduce import (
 from compile_backend.core.counters import counters
 from compile_backend.core.op_registry import EAGER_REASON, OpRegistry, node_op_name
 
-from .pass_base import Mrv2Pass, PassReport, example_value, registered_op, source_line
+from .fx_nodes import example_value, registered_op, source_line
+from .pass_base import Mrv2Pass, PassReport
 
 logger = logging.getLogger(__name__)
 

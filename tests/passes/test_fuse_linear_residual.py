@@ -270,7 +270,7 @@ def test_nodes_marked_eager_are_not_fused(marked):
 
 def test_without_the_op_the_graph_is_unchanged_and_the_report_says_why(monkeypatch):
     gm, _ = dynamo_graph(Residual().eval(), torch.randn(4, D))
-    monkeypatch.setattr(fuse_linear_residual, "_fused_op", lambda: None)
+    monkeypatch.setattr(FuseLinearResidualPass, "fused_op", lambda self: None)
     before = str(gm.graph)
     report = _apply(gm)
     assert not report.changed and str(gm.graph) == before

@@ -256,7 +256,7 @@ def test_symbolic_token_dim_survives_reordering(tokens):
 
 
 def _effects_of(build):
-    from compile_backend.passes.segment_attention_like import node_effects
+    from compile_backend.passes.effects import node_effects
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
