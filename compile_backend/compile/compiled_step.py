@@ -146,9 +146,14 @@ class CompiledStep(_Saveable):
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "CompiledStep":
-        from compile_backend.compile.step_artifacts import deserialize_step
+        """A saved step, assembled as a compiled one is (compile/step_artifacts.py)."""
+        from compile_backend.compile.step_artifacts import load_step
 
-        return deserialize_step(data)
+        fields, fns = load_step(data)
+        step = cls(**fields)
+        assemble_step(step, fns)
+        counters["steps_loaded"] += 1
+        return step
 
     @property
     def __code__(self):

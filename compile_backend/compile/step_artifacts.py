@@ -24,7 +24,6 @@ import torch
 import torch.fx
 from torch.fx._graph_pickler import GraphPickler, Options
 
-from compile_backend.core.counters import counters
 
 # Bumped when what is saved changes: an older entry is then a miss.
 FORMAT = 2
@@ -76,7 +75,7 @@ def _as_graph_returns(gm: torch.fx.GraphModule, fn: Any) -> Any:
 
 
 def serialize_step(step: Any) -> bytes:
-    """Bytes from which `deserialize_step` builds an equal step. Raises
+    """Bytes from which `load_step` gives back an equal step's parts. Raises
     (RuntimeError) when a piece's compiled callable cannot be saved."""
     artifacts: dict[str, bytes | None] = {}
     for name, fn in step.artifacts.items():
@@ -116,8 +115,10 @@ def serialize_step(step: Any) -> bytes:
     return GraphPickler.dumps(payload, Options(ops_filter=None))
 
 
-def deserialize_step(data: bytes) -> Any:
-    from compile_backend.compile.compiled_step import CompiledStep, assemble_step
+def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the CompiledStep's fields, each piece's callable) from `serialize_step`'s
+    bytes; CompiledStep.deserialize_compile_artifacts builds and assembles
+    the step from them (so this module needs no CompiledStep)."""
     from compile_backend.compile.layer_sharing import AsLayer
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -145,7 +146,7 @@ def deserialize_step(data: bytes) -> Any:
         if p.captured and p.compiled_as is not None:
             base = fns[p.compiled_as]
             fns[p.name] = base if p.layer_alias is None else AsLayer(base, p.layer_alias)
-    step = CompiledStep(
+    fields = dict(
         config=payload["config"],
         roles=payload["roles"],
         graph_mode=payload["graph_mode"],
@@ -165,6 +166,4 @@ def deserialize_step(data: bytes) -> Any:
         # first call, which hands in the parameters.
         pack_on_call=bool(payload["packed_inputs"]),
     )
-    assemble_step(step, fns)
-    counters["steps_loaded"] += 1
-    return step
+    return fields, fns

@@ -17,7 +17,8 @@ import compile_backend as cb
 import compile_backend.kernels  # noqa: F401  (registers mrv2::linear_add)
 import pass_ops  # noqa: F401  (registers passtest::host_read)
 from fx_helpers import calls, dynamo_graph
-from compile_backend.compile.step_artifacts import deserialize_step, serialize_step
+from compile_backend.compile.compiled_step import CompiledStep
+from compile_backend.compile.step_artifacts import serialize_step
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.models import build_model, preset
@@ -235,7 +236,7 @@ def test_a_saved_step_with_linear_add_loads_and_runs():
         compiled(x)
         step = cb.compiled_steps()[-1]
         assert fused_pairs(step.pass_log)
-        loaded = deserialize_step(serialize_step(step))
+        loaded = CompiledStep.deserialize_compile_artifacts(serialize_step(step))
         names = [n.target for n in step.split_gm.graph.nodes if n.op == "placeholder"]
         by_name = {"L_self_modules_{}_parameters_{}_".format(*n.rsplit(".", 1)): p
                    for n, p in model.named_parameters()}

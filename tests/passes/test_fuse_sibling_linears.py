@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import compile_backend as cb
-from compile_backend.compile.step_artifacts import deserialize_step, serialize_step
+from compile_backend.compile.compiled_step import CompiledStep
+from compile_backend.compile.step_artifacts import serialize_step
 from compile_backend.core.packed_weights import pack_siblings, packed_view
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
@@ -302,7 +303,7 @@ def test_a_loaded_step_packs_at_its_first_call():
         compiled(x)
         step = cb.compiled_steps()[-1]
         assert step.packed_inputs
-        loaded = deserialize_step(serialize_step(step))
+        loaded = CompiledStep.deserialize_compile_artifacts(serialize_step(step))
         assert loaded.pack_on_call and loaded.packed_inputs == step.packed_inputs
         names = [n.target for n in step.split_gm.graph.nodes if n.op == "placeholder"]
         by_name = {"L_self_modules_{}_parameters_{}_".format(*n.rsplit(".", 1)): p
