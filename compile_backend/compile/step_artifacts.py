@@ -7,7 +7,7 @@ GraphPickler), what their node metadata told (each piece's inputs, which are
 parameters, which it writes), the pieces' facts, the config, the op roles,
 the pass log, the packed weight groups and each Inductor piece's binary
 artifact. Loading rebuilds the pieces' callables and assembles the step as
-the backend does after compiling (compile/backend.assemble_step): nothing is
+the backend does after compiling (compile/compiled_step.assemble_step): nothing is
 traced or compiled. The ops the graphs call must be registered again first,
 which importing the model's modules does. docs/design.md, section "Start in
 seconds" (a saved step).
