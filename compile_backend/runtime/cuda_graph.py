@@ -362,7 +362,7 @@ class CUDAGraphWrapper:
             pool_bytes=self.graphs.memory_allocated() - before,
         )
         self._keep(key, entry)
-        if hasattr(self.graphs, "after_capture"):  # stand-ins replay by re-running
+        if reruns:
             self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
         logger.debug("captured %s for %s in %.3fs", self.name, key, entry.seconds)
