@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks (bench/kernels.py,
+"""Timing helpers shared by the benchmarks (bench/kernel_speed.py,
 bench/skinny_gemm.py, bench/decode.py), so that none imports another.
 
     median_ms(fn)              do_bench's median, warm-up excluded

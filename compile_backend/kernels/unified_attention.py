@@ -56,7 +56,7 @@ MIN_SPLIT_LEN = 256
 TWO_LAUNCH_MIN_SPLIT_LEN = 64
 # Which decode form runs: config["TWO_LAUNCH"] if given, else this environment
 # variable (1: two launches, 0: one launch; for comparisons,
-# bench/kernels.py --decode-compare), else `one_launch_pays`.
+# bench/kernel_speed.py --decode-compare), else `one_launch_pays`.
 TWO_LAUNCH_ENV = "MRV2_DECODE_TWO_LAUNCH"
 # One launch pays once the (request, kv head) programs alone fill every SM
 # this many times over. Measured on the H200 at llama-8B shapes

@@ -6,7 +6,7 @@ achieved GB/s and its share of the copy bandwidth measured in the same run.
 Decode attention is compared with torch SDPA on a padded dense cache and with
 flex attention (where it compiles). Writes kernels.md and kernels.json.
 
-    python bench/kernels.py [--out-dir bench/results] [--quick] [--only sconv,kv_compress]
+    python bench/kernel_speed.py [--out-dir bench/results] [--quick] [--only sconv,kv_compress]
 
 `--decode-compare` times only decode attention at llama-8B shapes (B = 1, 8,
 64, 256; contexts 500 and 4000), the one-launch kernel (with MIN_SPLIT_LEN
@@ -15,7 +15,7 @@ max_seq_len and with a capture bound of 8192 (what a FULL graph holds:
 splits fixed by the bound, used by the runtime length), and writes
 decode_compare.md / .json:
 
-    python bench/kernels.py --decode-compare [--out-dir bench/results]
+    python bench/kernel_speed.py --decode-compare [--out-dir bench/results]
 
 `--decode-split-sweep` times decode attention at B = 1, 4, 8, 16, 32 (where
 the two-launch form runs) with the plan's default choice and the two-launch
