@@ -3,6 +3,7 @@
     python bench/host_overhead.py [--batch 1] [--context 500] [--calls 2000]
         [--batches 1,64,256] [--prefill 4] [--out bench/results/host_overhead.md]
     python bench/host_overhead.py --prepare [--batches 1,64,256]   (any device)
+    python bench/host_overhead.py --dispatch                       (any device)
 
 Each line: microseconds of host time per call (perf_counter over `--calls`
 calls, device work left queued; the device work of each call is a few
@@ -11,6 +12,11 @@ bench preset's attention (32 heads, 4 KV heads, head dim 64, bf16). The first
 table times single calls at decode batch `--batch`; the second, one layer's
 eager region (the attention call alone: the KV write runs inside the graph
 piece before it) at decode batches `--batches` and one prefill step.
+
+--dispatch times the dispatch alone (any device): an op whose body does
+nothing, defined with `torch.library.custom_op` and with mrv2's `define_op`
+(compile_backend/core/op_definition.py), pure and mutating, under no_grad
+(HF generate) and inference_mode.
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
 the persistent buffers and block tables, build metadata): the host work in
@@ -71,6 +77,38 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
     return rows
 
 
+def dispatch_rows(calls: int) -> list[tuple[str, str, str, str]]:
+    """Host us per call of empty ops defined both ways (pure: x, w -> new
+    tensor; mutating: writes nothing into a declared-written state)."""
+    from compile_backend.core.op_definition import define_op
+
+    def pure(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def mutating(x: torch.Tensor, state: torch.Tensor) -> None:
+        return None
+
+    ops = {}
+    for how, define in (("torch.library.custom_op", torch.library.custom_op), ("define_op", define_op)):
+        ns = "mrv2_dispatch_" + how.split(".")[-1]
+        ops[how] = (define(f"{ns}::pure", mutates_args=())(pure),
+                    define(f"{ns}::mutating", mutates_args=("state",))(mutating))
+    x, w, state = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8)
+    rows = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            for how, (p, m) in ops.items():
+                p, m = _default(p), _default(m)
+                rows.append((mode.__name__, how, f"{per_call_us(lambda: p(x, w), calls):.1f}",
+                             f"{per_call_us(lambda: m(x, state), calls):.1f}"))
+    return rows
+
+
+def _default(op):
+    """The op's default overload, what compiled code calls."""
+    return op._opoverload if hasattr(op, "_opoverload") else op.default
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,10 +116,21 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--prepare", action="store_true", help="time prepare_step (any device)")
+    ap.add_argument("--dispatch", action="store_true", help="time an empty op's dispatch (any device)")
     ap.add_argument("--batches", default="1,64,256", help="decode batches (eager region, --prepare)")
     ap.add_argument("--prefill", type=int, default=4, help="requests of 128 tokens in the prefill row")
     ap.add_argument("--out", help="also write the tables (markdown) here")
     args = ap.parse_args(argv)
+    if args.dispatch:
+        text = (f"torch {torch.__version__}, {args.calls} calls x 5 rounds, median\n\n"
+                + _markdown("Dispatch of an empty op (host us per call)",
+                            ["grad mode", "defined with", "pure us", "mutating us"],
+                            dispatch_rows(args.calls)))
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return 0
     if args.prepare:
         rows = prepare_rows([int(b) for b in args.batches.split(",")], args.context,
                             max(1, args.calls // 10))

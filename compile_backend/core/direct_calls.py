@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import check_op_name, qualified_name
 
 _DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
@@ -34,11 +35,11 @@ def register_direct_impl(name: str, impl: Callable[..., Any]) -> None:
 
 
 def direct_custom_op(name: str, *, mutates_args, schema: str):
-    """`torch.library.custom_op(name, ...)(impl)` that also registers `impl` as
-    the op's direct implementation (one name for both)."""
+    """`define_op(name, ...)(impl)` (core/op_definition.py) that also registers
+    `impl` as the op's direct implementation (one name for both)."""
 
     def wrap(impl: Callable[..., Any]):
-        op = torch.library.custom_op(name, mutates_args=mutates_args, schema=schema)(impl)
+        op = define_op(name, mutates_args=mutates_args, schema=schema)(impl)
         register_direct_impl(name, impl)
         return op
 

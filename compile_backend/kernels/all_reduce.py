@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from compile_backend.core.all_reduce import run_all_reduce
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
 
-@torch.library.custom_op("mrv2::all_reduce", mutates_args=())
+@define_op("mrv2::all_reduce")
 def all_reduce(x: torch.Tensor, threshold: int, group_name: str) -> torch.Tensor:
     """The sum of `x` over the ranks of `group_name` (a new tensor)."""
     return run_all_reduce(x, threshold, group_name)
@@ -31,6 +32,6 @@ def all_reduce(x: torch.Tensor, threshold: int, group_name: str) -> torch.Tensor
 register_op("mrv2::all_reduce", role="collective", capture_safe=True)
 
 
-@all_reduce.register_fake
+@torch.library.register_fake("mrv2::all_reduce")
 def _(x, threshold, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)

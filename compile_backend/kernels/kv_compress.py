@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import (
@@ -243,7 +244,7 @@ def kv_compress_ref(key, score, compressed_cache, state_max, state_sum, state_ac
     return out
 
 
-@torch.library.custom_op(
+@define_op(
     "mrv2::kv_compress",
     mutates_args=("compressed_cache", "state_max", "state_sum", "state_acc"),
     schema="(Tensor key, Tensor score, Tensor(a!) compressed_cache, Tensor(b!) state_max, "
@@ -264,6 +265,6 @@ def kv_compress_op(key, score, compressed_cache, state_max, state_sum, state_acc
 register_op("mrv2::kv_compress", role=OpRole.ATTENTION_LIKE, layer_keyed=True, capture_safe=True)
 
 
-@kv_compress_op.register_fake
+@torch.library.register_fake("mrv2::kv_compress")
 def _(key, score, compressed_cache, state_max, state_sum, state_acc, layer_name, ratio):
     return torch.empty_like(key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
 from .sibling_linear import packed_weight_and_bias, sibling_linear_ref
@@ -72,7 +73,7 @@ def _check(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                          "(the gate's columns, then the up projection's)")
 
 
-@torch.library.custom_op("mrv2::norm_linear", mutates_args=())
+@define_op("mrv2::norm_linear")
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                 weights: list[torch.Tensor], biases: list[torch.Tensor],
                 gated: bool) -> torch.Tensor:
@@ -87,7 +88,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
 register_op("mrv2::norm_linear", capture_safe=True)
 
 
-@norm_linear.register_fake
+@torch.library.register_fake("mrv2::norm_linear")
 def _(x, norm_weight, eps, weights, biases, gated):
     _check(x, norm_weight, eps, weights, biases, gated)
     return x.new_empty((*x.shape[:-1], out_features(weights, gated)))

@@ -119,6 +119,6 @@ register_op("mrv2::reshape_and_cache", role=OpRole.ATTENTION_LIKE, layer_keyed=T
             capture_safe=True)
 
 
-@reshape_and_cache_op.register_fake
+@torch.library.register_fake("mrv2::reshape_and_cache")
 def _(key, value, key_cache, value_cache, layer_name):
     return None

@@ -243,6 +243,6 @@ register_op("mrv2::rope_and_cache", role=OpRole.ATTENTION_LIKE, layer_keyed=True
             capture_safe=True)
 
 
-@rope_and_cache_op.register_fake
+@torch.library.register_fake("mrv2::rope_and_cache")
 def _(q, k, v, positions, inv_freq, key_cache, value_cache, layer_name):
     return q.new_empty(q.shape)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import FLOAT_DTYPES, check_device, check_ids, check_int, check_tensor
@@ -224,7 +225,7 @@ def sconv_ref(x, weight, bias, conv_state, query_start_loc, state_indices,
     return out
 
 
-@torch.library.custom_op(
+@define_op(
     "mrv2::sconv",
     mutates_args=("conv_state",),
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, str layer_name) "
@@ -250,6 +251,6 @@ def sconv_op(
 register_op("mrv2::sconv", role=OpRole.ATTENTION_LIKE, layer_keyed=True, capture_safe=True)
 
 
-@sconv_op.register_fake
+@torch.library.register_fake("mrv2::sconv")
 def _(x, weight, bias, conv_state, layer_name):
     return torch.empty_like(x)

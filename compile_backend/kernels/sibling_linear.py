@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: F401
 
@@ -52,7 +53,7 @@ def sibling_linear_ref(x: torch.Tensor, weights: list[torch.Tensor],
     return torch.cat(outs, dim=-1)
 
 
-@torch.library.custom_op("mrv2::sibling_linear", mutates_args=())
+@define_op("mrv2::sibling_linear")
 def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor],
                    biases: list[torch.Tensor]) -> torch.Tensor:
     """`torch.cat([F.linear(x, w, b) ...], -1)`, as one matmul when the
@@ -64,7 +65,7 @@ def sibling_linear(x: torch.Tensor, weights: list[torch.Tensor],
 register_op("mrv2::sibling_linear", capture_safe=True)
 
 
-@sibling_linear.register_fake
+@torch.library.register_fake("mrv2::sibling_linear")
 def _(x, weights, biases):
     _check(x, weights, biases)
     n = sum(w.shape[0] for w in weights)

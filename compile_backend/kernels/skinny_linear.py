@@ -25,6 +25,7 @@ import triton.language as tl
 
 from compile_backend.core import stream_buffers
 from compile_backend.core.counters import counters
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
 from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
@@ -341,7 +342,7 @@ def _check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"{x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
 
 
-@torch.library.custom_op("mrv2::linear_add", mutates_args=())
+@define_op("mrv2::linear_add")
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
     """`residual + F.linear(x, weight, bias)`: the skinny kernel at decode
@@ -355,7 +356,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 register_op("mrv2::linear_add", capture_safe=True)
 
 
-@linear_add.register_fake
+@torch.library.register_fake("mrv2::linear_add")
 def _(x, weight, bias, residual):
     _check_linear_add(x, weight, bias, residual)
     return torch.empty_like(residual, memory_format=torch.contiguous_format)

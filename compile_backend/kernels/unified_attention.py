@@ -26,6 +26,7 @@ import triton.language as tl
 
 from compile_backend.core.direct_calls import register_direct_impl
 from compile_backend.core.forward_context import get_forward_context, resolve_layer
+from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import (
@@ -788,7 +789,7 @@ def unified_attention_direct(
     plan.run(query, key_cache, value_cache, output, float(scale) * LOG2E, plan.stream)
 
 
-unified_attention_op = torch.library.custom_op(
+unified_attention_op = define_op(
     "mrv2::unified_attention",
     mutates_args=("output",),
     schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor(a!) output, str layer_name, "
@@ -801,6 +802,6 @@ register_direct_impl("mrv2::unified_attention", unified_attention_direct)
 register_op("mrv2::unified_attention", role=OpRole.BREAKPOINT, layer_keyed=True, capture_safe=True)
 
 
-@unified_attention_op.register_fake
+@torch.library.register_fake("mrv2::unified_attention")
 def _(query, key_cache, value_cache, output, layer_name, scale):
     return None
