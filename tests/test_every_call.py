@@ -267,10 +267,33 @@ def _growing_session(seed, steps=6, width=16):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_growing_cache_runs_with_the_attention_and_every_piece_replays(mode):
+    """The growing-caches pass (the default): the cat and what reads the
+    cache run with the attention, so no piece reads a growing shape: every
+    piece captures and replays, none is found growing, and every call of
+    three sessions equals eager (outputs and the cache object's new tensor)."""
+    cb.reset_counters()
+    before = set(map(id, graph_pool_wrappers()))
+    with _graphs("cpu"):
+        report = check_against_eager(AttendsOverAGrowingCache(), _growing_session(3), [mode],
+                                     options={"piece_compiler": "eager"}, sessions=3,
+                                     atol=1e-6, rtol=1e-6)
+    assert cb.counters["pass_growing_cache_nodes"] > 0 and report[mode].replays > 0
+    new = [w for w in graph_pool_wrappers() if id(w) not in before]
+    # In a FULL mode the whole graph reads the cache: it alone is found growing
+    # and given up for its pieces.
+    assert new and not any(w.growing for w in new if w.mode is cb.CUDAGraphMode.PIECEWISE)
+    assert cb.counters["growing_inputs"] == (0 if mode == "piecewise" else 1)
+    # the graph Dynamo made for the growing length: its two pieces (q/k, the MLP) hold graphs
+    assert sum(bool(w.entries) for w in new if w.mode is cb.CUDAGraphMode.PIECEWISE) >= 2
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_growing_cache_runs_its_growing_pieces_without_graphs_and_equals_eager(mode, caplog):
-    """Every call equal to eager (outputs and the cache object's new tensor),
-    three sessions; the pieces that read the growing cache stop capturing
-    (said once, counted), the fixed-shape MLP piece still replays."""
+    """With the growing-caches pass off, the runtime policy: every call equal
+    to eager (outputs and the cache object's new tensor), three sessions; the
+    pieces that read the growing cache stop capturing (said once, counted),
+    the fixed-shape MLP piece still replays."""
     from compile_backend.runtime import cuda_graph
 
     cuda_graph._growth_said.clear()
@@ -278,8 +301,9 @@ def test_a_growing_cache_runs_its_growing_pieces_without_graphs_and_equals_eager
     before = set(map(id, graph_pool_wrappers()))
     with _graphs("cpu"), caplog.at_level(logging.WARNING, logger="compile_backend.runtime.cuda_graph"):
         report = check_against_eager(AttendsOverAGrowingCache(), _growing_session(3), [mode],
-                                     options={"piece_compiler": "eager"}, sessions=3,
-                                     atol=1e-6, rtol=1e-6)
+                                     options={"piece_compiler": "eager",
+                                              "growing_caches_eager": False},
+                                     sessions=3, atol=1e-6, rtol=1e-6)
     assert report[mode].replays > 0  # the MLP after attention: one shape every call
     assert cb.counters["growing_inputs"] >= 1 and cb.counters["captures_skipped"] > 0
     said = [r for r in caplog.records if "grows by one along a dimension" in r.getMessage()]
@@ -356,6 +380,7 @@ def _check_generate(arch, cache, layers, device, modes, piece_compiler="eager", 
                                      atol=1e-5, rtol=1e-5)
     for mode in modes:
         assert report[mode].replays > 0, mode
+    return report
 
 
 @pytest.mark.parametrize("cache", ["static", "dynamic"])

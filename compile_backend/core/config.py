@@ -48,6 +48,10 @@ class CompilationConfig:
     enable_passes: run the FX passes (compile_backend/passes/) before splitting.
     reorder_for_fewer_pieces: let the segment pass move independent nodes
         across breakpoints so that fewer pieces result.
+    growing_caches_eager: what reads a cache that the graph grows by
+        concatenation at every call (transformers' DynamicCache) runs eagerly
+        with the attention, so the pieces between keep fixed shapes and their
+        graphs (compile_backend/passes/growing_caches.py).
     fuse_sibling_linears: linears that read the same input (q/k/v, gate/up)
         become one matmul over their weights, packed once in place
         (compile_backend/passes/fuse_sibling_linears.py).
@@ -103,6 +107,7 @@ class CompilationConfig:
     strict_capture: bool = False
     enable_passes: bool = True
     reorder_for_fewer_pieces: bool = True
+    growing_caches_eager: bool = True
     fuse_sibling_linears: bool = True
     fuse_linear_residual: bool = True
     fuse_norm_linear: bool = False
@@ -177,7 +182,8 @@ class CompilationConfig:
                 f"tp_all_reduce_threshold must be an int of at least 16 (bytes), got "
                 f"{threshold!r}; for example 524288 (512 KiB)")
         for name in ("debug_checks", "strict_capture", "enable_passes",
-                     "reorder_for_fewer_pieces", "fuse_sibling_linears", "fuse_linear_residual",
+                     "reorder_for_fewer_pieces", "growing_caches_eager", "fuse_sibling_linears",
+                     "fuse_linear_residual",
                      "fuse_norm_linear",
                      "direct_op_calls", "serializable"):
             if not isinstance(getattr(self, name), bool):

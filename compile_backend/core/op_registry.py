@@ -358,7 +358,11 @@ class OpRegistry:
 
 # node.meta key a pass sets (to a reason string) to keep a node out of graphs.
 EAGER_REASON = "mrv2_eager_reason"
+# node.meta key a pass sets (to a reason string) to run a node with the
+# breakpoints by choice, not because it cannot be captured: not a fallback.
+WITH_BREAKPOINT = "mrv2_with_breakpoint"
 
 
 def is_eager_node(node: torch.fx.Node, roles: OpRegistry) -> bool:
-    return roles.role(node) is OpRole.BREAKPOINT or EAGER_REASON in node.meta
+    return (roles.role(node) is OpRole.BREAKPOINT or EAGER_REASON in node.meta
+            or WITH_BREAKPOINT in node.meta)

@@ -2,7 +2,8 @@
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
 capture safety, the all-reduce rewrite, sibling-linear fusion,
-linear + residual fusion, norm + linear fusion, then segment ordering. Each
+linear + residual fusion, norm + linear fusion, growing caches beside the
+attention, then segment ordering. Each
 pass is a class with `__call__(graph)` and `uuid()` (pass_base.py, with the
 fusion passes' skeleton `FusionPass`); the node helpers they share are in
 fx_nodes.py, the effect analysis in effects.py.
@@ -20,6 +21,7 @@ from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
+from .growing_caches import GrowingCachesPass
 from .pass_base import FusionPass, Mrv2Pass, PassReport
 from .pass_manager import PassManager
 from .segment_attention_like import SegmentAttentionLikePass
@@ -28,6 +30,7 @@ from .symmetric_all_reduce import SymmetricAllReducePass
 __all__ = [
     "CaptureSafetyError",
     "CaptureSafetyPass",
+    "GrowingCachesPass",
     "FuseLinearResidualPass",
     "FuseNormLinearPass",
     "FuseSiblingLinearsPass",

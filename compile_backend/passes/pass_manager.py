@@ -6,11 +6,13 @@
     manager.uuid()      # hash of the members' uuids (part of compile-cache keys)
 
 The order: CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass,
-FuseLinearResidualPass, FuseNormLinearPass, SegmentAttentionLikePass. Safety
-first (whether a node can be captured does not depend on its position), the
-rewrites after it (they leave alone what it marked eager, move nothing
-across an eager node and write ops declared capture-safe), the segment
-order last (it sees the final graph and the final eager set). Why each
+FuseLinearResidualPass, FuseNormLinearPass, GrowingCachesPass,
+SegmentAttentionLikePass. Safety first (whether a node can be captured does
+not depend on its position), the rewrites after it (they leave alone what it
+marked eager, move nothing across an eager node and write ops declared
+capture-safe), then what runs with the attention by choice (growing caches:
+marking earlier would stop the fusions at those nodes), the segment order
+last (it sees the final graph and the final eager set). Why each
 stands where it does: docs/design.md, "The FX passes".
 """
 
@@ -28,6 +30,7 @@ from .capture_safety import CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
+from .growing_caches import GrowingCachesPass
 from .pass_base import Mrv2Pass
 from .segment_attention_like import SegmentAttentionLikePass
 from .symmetric_all_reduce import SymmetricAllReducePass
@@ -49,6 +52,7 @@ class PassManager:
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             FuseLinearResidualPass(roles, enabled=config.fuse_linear_residual),
             FuseNormLinearPass(roles, enabled=config.fuse_norm_linear),
+            GrowingCachesPass(roles, enabled=config.growing_caches_eager),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])
 

@@ -10,7 +10,7 @@ import compile_backend as cb
 import toy_ops  # noqa: F401
 from compile_backend.passes import (
     CaptureSafetyPass, FuseLinearResidualPass, FuseNormLinearPass, FuseSiblingLinearsPass,
-    PassManager, SegmentAttentionLikePass, SymmetricAllReducePass,
+    GrowingCachesPass, PassManager, SegmentAttentionLikePass, SymmetricAllReducePass,
 )
 
 OPTIONS = {"splitting_ops": ["toy::attn"], "attention_like_ops": ["toy::state_mix"],
@@ -32,15 +32,16 @@ def test_order_is_capture_safety_then_all_reduce_then_fusions_then_segments():
     m = manager()
     assert [type(p) for p in m.passes] == [
         CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass, FuseLinearResidualPass,
-        FuseNormLinearPass, SegmentAttentionLikePass]
-    assert m.passes[0].strict is False and m.passes[5].reorder is True
+        FuseNormLinearPass, GrowingCachesPass, SegmentAttentionLikePass]
+    assert m.passes[0].strict is False and m.passes[6].reorder is True
+    assert m.passes[5].enabled is True  # growing_caches_eager
     assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True and m.passes[3].enabled is True
     assert m.passes[4].enabled is False  # fuse_norm_linear: off by default
     m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False,
                 fuse_linear_residual=False, fuse_norm_linear=False, tp_all_reduce="auto",
-                tp_all_reduce_threshold=4096)
-    assert m.passes[0].strict is True and m.passes[5].reorder is False
-    assert all(m.passes[i].enabled is False for i in (2, 3, 4))
+                tp_all_reduce_threshold=4096, growing_caches_eager=False)
+    assert m.passes[0].strict is True and m.passes[6].reorder is False
+    assert all(m.passes[i].enabled is False for i in (2, 3, 4, 5))
     assert (m.passes[1].mode, m.passes[1].threshold) == ("auto", 4096)
 
 
@@ -52,6 +53,7 @@ def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() != manager(fuse_linear_residual=False).uuid()
     assert manager().uuid() != manager(fuse_norm_linear=True).uuid()
     assert manager().uuid() != manager(tp_all_reduce="auto").uuid()
+    assert manager().uuid() != manager(growing_caches_eager=False).uuid()
     assert manager().uuid() != manager(attention_like_ops=[]).uuid()
     assert len(manager().uuid()) == 64
 
@@ -63,11 +65,12 @@ def test_backend_runs_passes_and_records_log_and_uuid():
     assert step.passes_uuid == manager().uuid()
     assert [e["pass"] for e in step.pass_log] == [
         "CaptureSafetyPass", "SymmetricAllReducePass", "FuseSiblingLinearsPass",
-        "FuseLinearResidualPass", "FuseNormLinearPass", "SegmentAttentionLikePass"]
+        "FuseLinearResidualPass", "FuseNormLinearPass", "GrowingCachesPass",
+        "SegmentAttentionLikePass"]
     for entry in step.pass_log:
         assert set(entry) == {"pass", "uuid", "changed", "details"}
     json.dumps(step.pass_log)  # JSON-friendly
-    seg = step.pass_log[5]
+    seg = step.pass_log[6]
     assert seg["changed"] and seg["details"]["moved"]
     assert step.passed_code != step.original_code
 
@@ -85,7 +88,7 @@ def test_manager_leaves_a_linted_graph_on_a_traced_module():
     m = manager()
     m(gm.graph)
     gm.graph.lint()
-    assert len(m.log) == 6
+    assert len(m.log) == 7
 
 
 @pytest.mark.parametrize("options, message", [

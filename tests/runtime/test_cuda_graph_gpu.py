@@ -172,3 +172,26 @@ def test_a_process_first_capture_keeps_only_its_output_in_graph_memory():
     in_pools, output, err = out.stdout.split()[-3:]
     assert int(in_pools) == int(output), out.stdout  # allocated in graph pools: the output alone
     assert float(err) < 0.1  # bf16 sums of 1024 products of unit-scale values
+
+
+def test_a_stream_buffer_declared_after_the_first_capture_exists_in_the_next():
+    """A kernel module imported after the capture stream was warmed declares
+    a per-stream buffer: the next warm_capture_stream makes it for the capture
+    stream (the fast path compares declared counts), so a capture finds it
+    zeroed instead of None."""
+    from compile_backend.core import stream_buffers
+    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+
+    dev = torch.device("cuda")
+    warm_capture_stream(dev)  # warmed at today's count
+    name = "test_late_declared_counter"
+    stream_buffers.declare(name, 64, torch.int32)
+    warm_capture_stream(dev)  # the count moved: the new buffer is made now
+    stream = capture_stream(dev)
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            seen.append(stream_buffers.buffer(name, dev))  # inside the capture: made before, or None
+    assert seen[0] is not None and seen[0].shape == (64,) and seen[0].dtype == torch.int32
+    assert int(seen[0].abs().sum()) == 0
