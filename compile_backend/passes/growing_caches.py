@@ -1,17 +1,15 @@
 """Growing caches run with the attention: what reads a cache that the graph
 grows by concatenation at every call runs eagerly, so the pieces keep graphs.
 
-transformers' DynamicCache appends each step's keys and values with
-`torch.cat([cache, new], dim)` and keeps the result: in Dynamo's graph the
-old cache is an input of symbolic length s, the cat (length s + 1) a graph
-output and the attention's operand. Every piece that took such a tensor, or
-the length s itself (positions: `arange(s, s + 1)`), would have a new shape
-or value at every call, and a graph per size replays at most once. This pass
-finds the growing lengths (a placeholder's symbolic size that a returned cat
-extends along that dimension) and marks every node that reads a value of
-such a length, or computes one, to run with the breakpoints
-(`WITH_BREAKPOINT`, a choice, not a capture fallback). The segment pass then
-puts them beside the attention; the pieces between read fixed shapes only.
+transformers' DynamicCache appends each step's keys with `torch.cat([cache,
+new], dim)`: in Dynamo's graph the old cache is an input of symbolic length
+s, the cat (s + 1) a graph output and the attention's operand. A piece that
+took such a tensor, or s itself (`arange(s, s + 1)` positions), would have a
+new shape or value at every call, and a graph per size replays at most once.
+This pass finds the growing lengths (a placeholder's symbolic size that a
+returned cat extends) and marks every node that reads or makes a value of
+such a length to run with the breakpoints (`WITH_BREAKPOINT`: a choice, not
+a capture fallback); the segment pass puts them beside the attention.
 docs/design.md, "Growing caches run with the attention".
 """
 

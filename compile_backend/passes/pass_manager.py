@@ -7,12 +7,10 @@
 
 The order: CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass,
 FuseLinearResidualPass, FuseNormLinearPass, GrowingCachesPass,
-SegmentAttentionLikePass. Safety first (whether a node can be captured does
-not depend on its position), the rewrites after it (they leave alone what it
-marked eager, move nothing across an eager node and write ops declared
-capture-safe), then what runs with the attention by choice (growing caches:
-marking earlier would stop the fusions at those nodes), the segment order
-last (it sees the final graph and the final eager set). Why each
+SegmentAttentionLikePass. Safety first, the rewrites after it (they leave
+alone what it marked eager), then what runs with the attention by choice
+(earlier, it would stop the fusions there), the segment order last (it sees
+the final graph and the final eager set). Why each
 stands where it does: docs/design.md, "The FX passes".
 """
 
