@@ -41,6 +41,8 @@ def _stream_key(device: torch.device) -> int:
 def buffer(name: str, device: torch.device) -> torch.Tensor | None:
     """The current stream's zeroed buffer `name` on `device`, made now if
     missing; None inside a capture where it is missing (module docstring)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one key
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (name, str(device), _stream_key(device))
     buf = _buffers.get(key)
     if buf is None:
