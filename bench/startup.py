@@ -61,7 +61,7 @@ GPU_SIZES = [1, 2, 4] + list(range(8, 257, 8))  # the default capture sizes: 35
 CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
-            "triton_compiles")
+            "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
@@ -153,6 +153,7 @@ def child(spec: dict) -> dict:
         # torch, CUDA's context or the weights.
         "mrv2_share_s": (_T_IMPORTED - _T_TORCH) + (build_total_s - s["model_s"]) + first_step_s,
         "capture_profile": capture_profile(runner.captures),
+        "capture_stats": dict(getattr(runner, "capture_stats", {})),
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
@@ -310,14 +311,21 @@ def tables(meta: dict, rows: list[dict]) -> str:
     L += ["", "Capture profile: host seconds of runner.capture() by phase, summed over the "
           "plan's graphs (warm-up: the eager step before a capture; record: the step run under "
           "capture; instantiate: capture_end; other: the capture call's Python outside those, "
-          "eager attention between pieces, the replay after each capture).", ""]
+          "eager attention between pieces, the replay after each capture). Kernels compiled "
+          "ahead (runtime/kernel_precompile.py), per row: waited: graphs whose capture needed a "
+          "new Triton kernel and waited for the workers after a dry warm-up; ahead: Triton kernels "
+          "the first step and the plan asked for (compiled in line, on workers, or loaded from "
+          "the saved list); preloaded: of those, loaded from the warm-start entry's list before "
+          "the first capture; wait s: host seconds the plan blocked on the workers.", ""]
     L += table(["model", "preset", "mode", "phase", "capture_warmup", "graph kind", "steps", "warm-ups",
-                "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms"],
-               "l" * 6 + "r" * 8,
+                "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms",
+                "waited", "ahead", "preloaded", "wait s"],
+               "l" * 6 + "r" * 12,
                [[r["model"], r["preset"], r["mode"], r["phase"], r.get("capture_warmup", "every_size"),
                  kind, p["graphs"], p.get("warmups", "-"), f"{p['total_s']:.2f}", f"{p['warmup_s']:.2f}",
                  f"{p['record_s']:.2f}", f"{p['instantiate_s']:.2f}", f"{p['other_s']:.2f}",
-                 f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f}"]
+                 f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f}",
+                 *precompile_cells(r)]
                 for r in ok for kind, p in r.get("capture_profile", {}).items()])
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)
@@ -331,6 +339,15 @@ def tables(meta: dict, rows: list[dict]) -> str:
         L += ["", f"{r['model']} {r['preset']} {r['mode']} {r['phase']} failed ({r['error']}):",
               "", "```", r.get("stderr_tail", "").rstrip(), "```"]
     return "\n".join(L) + "\n"
+
+
+def precompile_cells(r: dict) -> list:
+    """waited, ahead, preloaded, wait s of one row ('-' where the run had no precompiler)."""
+    st, c = r.get("capture_stats") or {}, r.get("counters", {})
+    if not st:
+        return ["-"] * 4
+    return [st.get("graphs_waited", 0), st.get("kernels_precompiled", 0),
+            c.get("kernels_preloaded", 0), f"{st.get('compile_wait_s', 0.0):.2f}"]
 
 
 def anchor_table(ok: list[dict]) -> list[str]:

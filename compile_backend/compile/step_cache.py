@@ -1,6 +1,8 @@
 """The warm-start cache: saved compiled steps, one file per entry.
 
-    <cache_dir>/steps/<key>.mrv2   pickle {"header": {...}, "aot": bytes}
+    <cache_dir>/steps/<key>.mrv2           pickle {"header": {...}, "aot": bytes}
+    <cache_dir>/steps/<key>.kernels.json   the Triton kernels a runner's plan
+                                           compiled (runtime/kernel_precompile.py)
 
 The key hashes everything the saved step depends on (`entry_header`): the
 model's code and its parameters' names, shapes and dtypes; the inputs' dtypes
@@ -28,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 SUFFIX = ".mrv2"
+KERNELS_SUFFIX = ".kernels.json"
 
 
 def steps_dir(cache_dir: str) -> str:
@@ -92,7 +95,7 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
     except ImportError:  # pragma: no cover
         triton_version = None
     options = config.summary()
-    for name in ("cache_dir", "debug_dump_path"):  # where things go, not what runs
+    for name in ("cache_dir", "debug_dump_path", "precompile_threads"):  # not what runs
         options.pop(name, None)
     header = {
         "format": 1,
@@ -156,6 +159,40 @@ def write_entry(path: str, header: dict, aot: bytes) -> None:
         raise
 
 
+def kernels_path(entry: str) -> str:
+    """Where the kernel list of the entry at `entry` lives."""
+    return entry[: -len(SUFFIX)] + KERNELS_SUFFIX if entry.endswith(SUFFIX) else entry + KERNELS_SUFFIX
+
+
+def read_kernels(entry: str) -> list[tuple[str, str]]:
+    """The (kernel, specialization) pairs saved beside an entry; [] when
+    there is none or it cannot be read (the kernels then compile at launch)."""
+    try:
+        with open(kernels_path(entry)) as f:
+            data = json.load(f)
+        return [(str(name), str(spec)) for name, spec in data["kernels"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def write_kernels(entry: str, kernels: list[tuple[str, str]]) -> None:
+    """Atomic, as write_entry; a list already there is merged (a runner of
+    other sizes adds its kernels)."""
+    merged = sorted(set(read_kernels(entry)) | set(kernels))
+    path = kernels_path(entry)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=KERNELS_SUFFIX)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": 1, "kernels": merged}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def list_entries(cache_dir: str) -> list[dict[str, Any]]:
     """One row per entry: key, bytes, saved time, model classes, mode, device."""
     folder = steps_dir(cache_dir)
@@ -190,4 +227,6 @@ def clear_entries(cache_dir: str) -> int:
         if name.endswith(SUFFIX):
             os.unlink(os.path.join(folder, name))
             n += not name.startswith(".tmp-")
+        elif name.endswith(KERNELS_SUFFIX):  # an entry's kernel list goes with it
+            os.unlink(os.path.join(folder, name))
     return n

@@ -74,6 +74,12 @@ class CompilationConfig:
         capture is dropped, the warm-up runs and it captures again;
         runtime/jit_guard.py), or "every_size" before every capture
         (docs/design.md, "Capture warms up per kernel configuration").
+        With "on_demand" such a graph's kernels compile ahead on worker
+        threads while the plan captures its other graphs, and their list is
+        saved beside the warm-start entry, which a later start loads before
+        its first capture (runtime/kernel_precompile.py).
+    precompile_threads: worker threads that compile a plan's Triton kernels
+        ahead (0: one per CPU core, at most 16).
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
@@ -113,6 +119,7 @@ class CompilationConfig:
     fuse_norm_linear: bool = False
     direct_op_calls: bool = True
     capture_warmup: str = "on_demand"
+    precompile_threads: int = 0
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
@@ -162,6 +169,11 @@ class CompilationConfig:
             raise ValueError(
                 f"capture_warmup must be one of {', '.join(map(repr, CAPTURE_WARMUPS))}, got "
                 f"{self.capture_warmup!r}")
+        if (not isinstance(self.precompile_threads, int) or isinstance(self.precompile_threads, bool)
+                or self.precompile_threads < 0):
+            raise ValueError(
+                f"precompile_threads must be an int >= 0, got {self.precompile_threads!r}; "
+                "0 uses one thread per CPU core (at most 16)")
         if (not isinstance(self.graphs_per_shape, int) or isinstance(self.graphs_per_shape, bool)
                 or self.graphs_per_shape < 1):
             raise ValueError(

@@ -109,7 +109,10 @@ class Launch:
                tuple(map(_spec, args)))
         fast = _BOUND.get(key, _MISSING)
         if fast is _MISSING:
-            fast = _BOUND[key] = self._bind_launch(stream, args)  # launches
+            fast = self._bind_launch(stream, args)  # launches
+            if fast is _MISSING:  # its compile was deferred: nothing ran, bind at a later call
+                return
+            _BOUND[key] = fast
         elif fast is not None:
             fast(stream, args)
         else:
@@ -117,12 +120,15 @@ class Launch:
         # Later calls of this plan pass arguments of the same specialization.
         self._fast = fast if fast is not None else (lambda _stream, a: self.normal(a))
 
-    def _bind_launch(self, stream: int, args: tuple) -> Callable[[int, tuple], None] | None:
+    def _bind_launch(self, stream: int, args: tuple) -> Any:
         """Launch normally, watching the compiled kernel's launcher; return a
-        direct launcher if the call matches Note [bound launch], else None."""
+        direct launcher if the call matches Note [bound launch], else None
+        (_MISSING, launching nothing, where a hook deferred the compile)."""
         kernel, grid, meta = self.kernel, self.grid, self.meta
         try:
             compiled = kernel.run(*args, grid=grid, warmup=True, **meta)  # compiles, no launch
+            if compiled is None:  # a compile hook deferred it (runtime/kernel_precompile.py)
+                return _MISSING
             launcher = compiled.run  # loads the module
             cls = type(launcher)
             original, own = cls.__call__, "__call__" in cls.__dict__

@@ -33,7 +33,7 @@ from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
-from compile_backend.runtime import graph_pool, jit_guard
+from compile_backend.runtime import graph_pool, jit_guard, kernel_precompile
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -147,6 +147,15 @@ class ModelRunner:
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend())
         self.captures: list[CaptureRecord] = []
+        # What capture() compiled ahead: kernels, graphs that waited for them,
+        # host seconds spent waiting (empty without the precompiler).
+        self.capture_stats: dict[str, Any] = {}
+        # Records the Triton kernels the first step and the plan compile (the
+        # list saved beside the warm-start entry) and compiles ahead for
+        # capture() (runtime/kernel_precompile.py); None where Triton cannot.
+        self._precompiler = (kernel_precompile.KernelPrecompiler(self.config.precompile_threads)
+                             if self.config.capture_warmup == "on_demand"
+                             and kernel_precompile.available() else None)
         self.captured = False
         self._stepped = False  # has a step run (the model compiled or loaded)?
         # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
@@ -170,7 +179,9 @@ class ModelRunner:
                 return self.compiled(input_ids, positions)
         mark_token_dim(input_ids)
         mark_token_dim(positions)
-        with symbolic_tokens(), torch.no_grad():  # a runner serves inference only
+        recording = (self._precompiler.active() if self._precompiler is not None
+                     else contextlib.nullcontext())
+        with symbolic_tokens(), torch.no_grad(), recording:  # a runner serves inference only
             out = self.compiled(input_ids, positions)
         self._stepped = True  # compiled or loaded
         return out
@@ -227,15 +238,57 @@ class ModelRunner:
             # inside the plan left Inductor's first-launch autotune unguarded).
             counters["capture_warmups"] += 1
             self.warmup(plan[0].num_tokens, trace)
+        # on_demand with a Triton that can compile a recorded request: a graph
+        # whose capture would compile waits, after a dry warm-up that hands
+        # its kernels to worker threads, until the plan's other graphs are
+        # captured (runtime/kernel_precompile.py); a warm start loads the
+        # kernels its cold start saved, all at once, before the first capture.
+        pre = self._precompiler if on_demand else None
+        waiting: list[tuple[StepGraph, float]] = []
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \
-                jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext():
+                jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext(), \
+                pre.active() if pre else contextlib.nullcontext():  # its hook first, then the guard's
+            if pre is not None and pre.preload(self._saved_kernels()):
+                pre.wait()
             for graph in plan:
-                self._capture_one(graph, trace, on_demand)
+                dry_s = self._capture_one(graph, trace, on_demand, pre)
+                if dry_s is None:
+                    bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
+                else:
+                    waiting.append((graph, dry_s))
+            if waiting:
+                pre.wait()
+            for graph, dry_s in waiting:  # their kernels compiled: plain on_demand captures
+                self._capture_one(graph, trace, on_demand, earlier_s=dry_s)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
+        if pre is not None:
+            self.capture_stats = {"kernels_precompiled": len(pre.specs), "graphs_waited": len(waiting),
+                                  "compile_wait_s": pre.wait_s}
+            self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
+
+    def _saved_kernels(self) -> list[tuple[str, str]]:
+        """The kernel list saved beside this runner's warm-start entry ([] without one)."""
+        path = getattr(self.compiled, "cache_path", None)
+        if path is None:
+            return []
+        from compile_backend.compile import step_cache
+
+        return step_cache.read_kernels(path)
+
+    def _save_kernels(self, kernels: list[tuple[str, str]]) -> None:
+        path = getattr(self.compiled, "cache_path", None)
+        if path is None or not kernels:
+            return
+        from compile_backend.compile import step_cache
+
+        try:
+            step_cache.write_kernels(path, kernels)
+        except OSError as e:  # the next start compiles its kernels at launch, as before
+            logger.warning("mrv2: could not save the kernel list beside %s (%s)", path, e)
 
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
         """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
@@ -244,12 +297,17 @@ class ModelRunner:
         meta = prepare_inputs_to_capture(graph, self.model_state)
         self._forward(graph, meta, trace)
 
-    def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool) -> None:
+    def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool,
+                     pre: kernel_precompile.KernelPrecompiler | None = None,
+                     earlier_s: float | None = None) -> float | None:
         """Warm up and capture one graph of the plan. No synchronize around it
         (the plan has one at each end): its CaptureRecord's `seconds` is the
         host's time for the warm-up and the capture (the device may still be
         running the warm-up); `pool_bytes` is exact (the allocator counts on
-        the host)."""
+        the host). With `pre`, a graph whose capture would compile a kernel
+        is not captured now: a dry warm-up hands its kernels to `pre`, and
+        its seconds are returned (None: captured). `earlier_s`: such a dry
+        warm-up's seconds, added to this capture's record."""
         graphs = current_graph_backend()
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
@@ -263,19 +321,30 @@ class ModelRunner:
         else:
             try:  # capture first: a warm-up only where a kernel would compile or tune
                 self._forward(graph, meta, trace)
-                counters["capture_warmups_skipped"] += 1
+                if earlier_s is None:
+                    counters["capture_warmups_skipped"] += 1
             except jit_guard.CompileInCapture as e:
+                if pre is not None:
+                    logger.debug("capture of %s: %s; its kernels compile ahead, it waits",
+                                 graph.key, e)
+                    counters["capture_waits"] += 1
+                    if pre.last_request_sent():  # an earlier dry warm-up asked for it
+                        return 0.0
+                    with pre.deferring():
+                        return self._warmup_for_capture(graph, meta, trace)
                 logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
                 warmup_s = self._warmup_for_capture(graph, meta, trace)
                 self._forward(graph, meta, trace)
         builds = self.model_state.build_log[builds_before:]
+        earlier_s = earlier_s or 0.0
         self.captures.append(CaptureRecord(
-            graph=graph, seconds=time.perf_counter() - t0,
+            graph=graph, seconds=time.perf_counter() - t0 + earlier_s,
             pool_bytes=graphs.memory_allocated() - before,
             for_capture={b["kind"]: b["for_capture"] for b in builds},
-            warmup_s=warmup_s,
+            warmup_s=warmup_s + earlier_s,
             record_s=graph_pool.capture_seconds["record"] - phases["record"],
             instantiate_s=graph_pool.capture_seconds["instantiate"] - phases["instantiate"]))
+        return None
 
     def _warmup_for_capture(self, graph: StepGraph, meta: dict[str, Any],
                             trace: list | None) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +31,24 @@ class CompileInCapture(RuntimeError):
     def __init__(self, kernel: str) -> None:
         super().__init__(f"Triton would compile {kernel} during a graph capture")
         self.kernel = kernel
+
+
+_worker = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_ahead() -> Iterator[None]:
+    """Marks this thread as a compile worker (runtime/kernel_precompile.py):
+    its compiles are never refused, whatever the main thread captures."""
+    _worker.active = True
+    try:
+        yield
+    finally:
+        _worker.active = False
+
+
+def compiling_ahead_here() -> bool:
+    return getattr(_worker, "active", False)
 
 
 def _capturing() -> bool:
@@ -74,6 +93,8 @@ def no_compile_in_capture() -> Iterator[None]:
     previous = knobs.runtime.jit_cache_hook
 
     def hook(*args: Any, **kwargs: Any) -> Any:
+        if compiling_ahead_here():  # a worker thread, never the capturing one
+            return previous(*args, **kwargs) if previous is not None else None
         if _capturing():
             name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a kernel")
             raise CompileInCapture(str(name).split("[", 1)[0])

@@ -228,12 +228,17 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
     step (Inductor artifacts and all) without tracing, and its replays equal
     eager (every step's logits, every KV cache at the end)."""
     extra = ["--device", "cuda", "--compiler", "inductor", "--mode", mode,
-             "--capture-sizes", "1,2,4,8,16"]
+             "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand"]
     cold, _ = _worker(tmp_path, *extra)
     warm, _ = _worker(tmp_path, *extra)
     assert (cold["how"], warm["how"]) == ("compiled", "loaded"), (cold, warm)
     assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}
     assert "inductor_compiles" not in warm["counters"]
+    # The cold start's Triton kernels, listed beside the entry, load before the
+    # warm start's first capture: no capture or warm-up of its plan asks Triton.
+    assert warm["counters"].get("kernels_preloaded", 0) > 0, warm["counters"]
+    assert warm["counters"].get("capture_waits", 0) == 0, warm["counters"]
+    assert warm["counters"].get("triton_compiles", 0) == 0, warm["counters"]
     for run in (cold, warm):
         assert run["logits_equal"] and run["caches_equal"], run
         assert run["counters"]["cudagraph_replays"] > 0

@@ -1,0 +1,210 @@
+"""Triton kernels compiled ahead of the captures that need them, on worker
+threads, instead of one at a time in per-size warm-ups; what a plan compiled
+is saved beside the warm-start entry and loaded, all at once, by the next
+start (docs/design.md, "Kernels compiled ahead, in parallel").
+
+    pre = KernelPrecompiler(threads=8)
+    with pre.active():            # the jit_cache_hook: every compile request recorded
+        pre.preload(saved)        # a warm start: the list a cold start saved
+        with pre.deferring():     # a dry warm-up: requests go to the pool, launches skipped
+            step(...)
+        pre.wait()                # compiled, modules loaded on this thread
+    pre.saved_list()              # [(kernel, specialization)] for the next start
+A request: a JITFunction and its serialised specialisation, which
+`JITFunction.preload` compiles (or loads from Triton's cache) without arguments.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib
+import logging
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+
+from compile_backend.core.counters import counters
+from compile_backend.runtime import jit_guard
+
+logger = logging.getLogger(__name__)
+
+MAX_THREADS = 16
+
+
+def default_threads() -> int:
+    """One worker per core, at most MAX_THREADS (ptxas runs as a process per
+    kernel; Triton's passes run in C++)."""
+    return max(1, min(MAX_THREADS, os.cpu_count() or 1))
+
+
+def _knobs() -> Any:
+    try:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    ok = hasattr(knobs.runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
+    return knobs if ok else None
+
+
+def available() -> bool:
+    """Can this Triton compile a kernel from a recorded request (hook and preload)?"""
+    return _knobs() is not None
+
+
+def kernel_name(jit_function: Any) -> str:
+    """`module:qualname` of a JITFunction's Python function (how a saved list names it)."""
+    fn = getattr(jit_function, "fn", None)
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', '?')}"
+
+
+def resolve(name: str) -> Any:
+    """The JITFunction a saved `module:qualname` names (imports its module)."""
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not hasattr(obj, "preload"):
+        raise TypeError(f"{name} is not a Triton JIT function")
+    return obj
+
+
+class KernelPrecompiler:
+    """Collects Triton compile requests and compiles them on a thread pool."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads or default_threads()
+        self.specs: dict[tuple[str, str], Any] = {}  # (kernel name, specialization) -> JITFunction
+        self._sent: set[tuple[str, str]] = set()  # submitted once per process of this plan
+        self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}  # not yet waited for
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._deferring = False
+        self.last_request: tuple[str, str] | None = None
+        self.wait_s = 0.0  # host seconds wait() blocked
+
+    # ---- the hook ------------------------------------------------------------
+
+    def _hook(self, previous: Any) -> Any:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if jit_guard.compiling_ahead_here():  # a worker's own compile: let it through
+                return previous(*args, **kwargs) if previous is not None else None
+            info, compile_ = kwargs.get("fn"), kwargs.get("compile") or {}
+            jit_function = getattr(info, "jit_function", None)
+            spec = compile_.get("specialization_data")
+            if jit_function is not None and spec is not None:
+                key = (kernel_name(jit_function), spec)
+                self.specs.setdefault(key, jit_function)
+                self.last_request = key  # a capture refused it, if the guard raises next
+                if self._deferring:
+                    self._submit(key, jit_function, compile_.get("device"))
+                    return True  # Triton: do not compile or launch now
+            return previous(*args, **kwargs) if previous is not None else None
+
+        return hook
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["KernelPrecompiler"]:
+        """Install the hook (chained to one already set); on exit wait for
+        what is still compiling and shut the pool down."""
+        knobs = _knobs()
+        if knobs is None:
+            yield self
+            return
+        previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook(previous)
+        try:
+            yield self
+            self.wait()
+        finally:
+            knobs.runtime.jit_cache_hook = previous
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """While active, a request is submitted to the pool and its launch skipped."""
+        self._deferring, before = True, self._deferring
+        try:
+            yield
+        finally:
+            self._deferring = before
+
+    # ---- compiling -------------------------------------------------------------
+
+    def _submit(self, key: tuple[str, str], jit_function: Any, device: Any) -> None:
+        if key in self._sent:
+            return
+        self._sent.add(key)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.threads, thread_name_prefix="mrv2-precompile")
+        counters["kernels_precompiled"] += 1
+        self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
+
+    def preload(self, saved: list[tuple[str, str]]) -> int:
+        """Submit every (kernel name, specialization) of a saved list; one
+        that no longer resolves is skipped (logged). Returns how many went."""
+        sent = 0
+        for name, spec in saved:
+            try:
+                jit_function = resolve(name)
+            except Exception as e:  # noqa: BLE001 - a stale name: that kernel compiles when launched
+                logger.info("mrv2: saved kernel %s not preloaded (%s: %s)", name, type(e).__name__, e)
+                continue
+            key = (name, spec)
+            self.specs.setdefault(key, jit_function)
+            if key not in self._sent:
+                self._submit(key, jit_function, _current_device())
+                counters["kernels_preloaded"] += 1
+                sent += 1
+        return sent
+
+    def wait(self) -> None:
+        """Block until every submitted compile finished; load each module on
+        this thread (a launch inside a capture then loads nothing). A compile
+        that failed is logged and left to the launch (which raises its error)."""
+        t0 = time.perf_counter()
+        while self._futures:
+            key, future = self._futures.popitem()
+            try:
+                kernel = future.result()
+            except Exception as e:  # noqa: BLE001 - the launch compiles again and reports it
+                counters["kernels_precompile_failures"] += 1
+                logger.warning("mrv2: compiling %s ahead failed (%s: %s); it compiles at launch",
+                               key[0], type(e).__name__, e)
+                continue
+            init = getattr(kernel, "_init_handles", None)
+            if init is not None:
+                init()
+        self.wait_s += time.perf_counter() - t0
+
+    def last_request_sent(self) -> bool:
+        """Was the latest request already handed to the workers (a capture
+        that needs it can wait for them rather than warm up again)?"""
+        return self.last_request is not None and self.last_request in self._sent
+
+    @property
+    def pending(self) -> int:
+        return sum(not f.done() for f in self._futures.values())
+
+    def saved_list(self) -> list[tuple[str, str]]:
+        """Every request seen, as a list a later process can `preload`."""
+        return sorted(self.specs)
+
+
+def _current_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _compile(jit_function: Any, spec: str, device: Any) -> Any:
+    """On a worker: compile (or load from Triton's disk cache) one kernel for
+    one specialisation; Triton puts it in the JITFunction's kernel cache."""
+    with jit_guard.compiling_ahead():
+        if isinstance(device, int) and torch.cuda.is_available() \
+                and torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)  # a worker thread starts on device 0
+        return jit_function.preload(spec)

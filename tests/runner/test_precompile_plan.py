@@ -1,0 +1,142 @@
+"""A runner's plan compiles its kernels ahead (compile_backend/runtime/kernel_precompile.py):
+a graph whose capture would compile waits after a dry warm-up while workers
+compile, the rest of the plan captures meanwhile, and a warm start loads the
+saved kernel list before its first capture, so no capture or warm-up asks
+Triton for a kernel. Every replay equals eager, over several sessions. The
+kernel is tests/toy_jit.py's stand-in for a Triton JITFunction."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import compile_backend as cb
+from compile_backend.compile import step_cache
+from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.model_runner import ModelRunner
+from compile_backend.runtime import kernel_precompile
+from compile_backend.runtime.graph_pool import use_graph_backend
+from compile_backend.runtime.graph_standin import StandInGraphs
+from runtime_helpers import kv_config
+
+import toy_jit  # noqa: F401  (toy::jit_ahead)
+from toy_jit import config_of, toy_kernel
+
+triton = pytest.importorskip("triton")
+if not kernel_precompile.available():
+    pytest.skip("this Triton cannot compile a recorded request", allow_module_level=True)
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+class AheadModel(nn.Module):
+    vocab_size = 64
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, input_ids, positions):
+        h = self.embed(input_ids) + positions[:, None].float()
+        return self.head(torch.ops.toy.jit_ahead(self.proj(h)))
+
+
+def _runner(mode, cache_dir=None, state=None):
+    """A new runner, as a new process builds it: the toy kernel's cache empty."""
+    torch._dynamo.reset()
+    toy_kernel.reset()
+    toy_kernel.delay_s = 0.02
+    cb.reset_counters()
+    torch.manual_seed(0)
+    model = AheadModel()
+    if state is not None:
+        model.load_state_dict(state)
+    config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=SIZES, piece_compiler="eager",
+                                  cache_dir=cache_dir, precompile_threads=3)
+    runner = ModelRunner(model, kv_config(), config, "cpu", progress=False)
+    runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
+    return runner, model
+
+
+def _sessions_equal_eager(runner, model, sessions=3):
+    """Several sessions of steps at every size (new random ids each), each
+    step's logits against the model run eagerly on the same buffers."""
+    for session in range(sessions):
+        gen = torch.Generator().manual_seed(100 + session)
+        for t in (1, 2, 3, 4, 7, 8, 16):
+            ids = torch.randint(0, 64, (t,), generator=gen).tolist()
+            batch = InputBatch(ids, [1] * t, [1 + i % 3 for i in range(t)], list(range(t))) \
+                if t <= 4 else InputBatch(ids, [t], [t], [0])
+            assert runner.dispatch(batch).mode is not cb.CUDAGraphMode.NONE
+            out = runner.execute(batch).clone()
+            ids_t = runner.input_buffers.input_ids[:t].clone()
+            pos_t = runner.input_buffers.positions[:t].clone()
+            torch.testing.assert_close(out, model(ids_t, pos_t), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        runner, model = _runner(mode)
+        at_warmup = {c for c, _, _ in toy_kernel.log}
+        runner.capture()
+        plan = runner.capture_plan()
+        new = {config_of(g.num_tokens) for g in plan} - at_warmup
+        assert len(new) == 2  # T=2 (neither) and T=1
+        # Every graph that met a new kernel waited; one dry warm-up per new
+        # configuration (a graph whose kernel was already asked for only waits).
+        waited = [g for g in plan if config_of(g.num_tokens) in new]
+        assert cb.counters["capture_waits"] == len(waited)
+        assert cb.counters["capture_warmups"] == len(new)
+        assert runner.capture_stats["graphs_waited"] == len(waited)
+        assert cb.counters["kernels_precompiled"] == len(new)
+        # The new kernels compiled once each, on workers, none inside a capture.
+        ahead = [(c, t) for c, t, _ in toy_kernel.log if c in new]
+        assert sorted(c for c, _ in ahead) == sorted(new)
+        assert all(t.startswith("mrv2-precompile") for _, t in ahead)
+        assert not any(capturing for _, t, capturing in toy_kernel.log if t == "MainThread")
+        # Every graph of the plan captured once: the waiting ones after the others.
+        assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
+        assert [r.graph for r in runner.captures[-len(waited):]] == waited
+        _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_warm_start_loads_the_saved_kernels_before_capturing_and_compiles_none_in_the_plan(
+        mode, tmp_path):
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cold, model = _runner(mode, cache_dir=str(tmp_path))
+        cold.capture()
+        assert cold.compiled.how == "compiled"
+        saved = step_cache.read_kernels(cold.compiled.cache_path)
+        assert len(saved) == 3 and os.path.exists(step_cache.kernels_path(cold.compiled.cache_path))
+        _sessions_equal_eager(cold, model, sessions=1)
+
+        warm, model = _runner(mode, cache_dir=str(tmp_path), state=model.state_dict())
+        assert warm.compiled.how == "loaded"
+        before = len(toy_kernel.log)
+        warm.capture()
+        assert cb.counters["kernels_preloaded"] == 3
+        assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log[before:])
+        # No capture and no warm-up asked Triton for a kernel: nothing waited.
+        assert cb.counters["triton_compiles"] == 0
+        assert cb.counters["capture_waits"] == cb.counters["capture_warmups"] == 0
+        assert [r.graph for r in warm.captures] == warm.capture_plan()  # in the plan's order
+        _sessions_equal_eager(warm, model)
+        # `mrv2 cache clear` takes the kernel list with the entry.
+        assert step_cache.clear_entries(str(tmp_path)) == 1
+        assert not os.path.exists(step_cache.kernels_path(cold.compiled.cache_path))
+
+
+def test_an_unreadable_kernel_list_is_an_empty_one(tmp_path):
+    entry = str(tmp_path / "steps" / "abc.mrv2")
+    os.makedirs(os.path.dirname(entry))
+    with open(step_cache.kernels_path(entry), "w") as f:
+        f.write("{not json")
+    assert step_cache.read_kernels(entry) == []
+    step_cache.write_kernels(entry, [("m:k", "{}")])
+    step_cache.write_kernels(entry, [("m:k", "{}"), ("m:j", "{}")])  # merged, not replaced
+    assert step_cache.read_kernels(entry) == [("m:j", "{}"), ("m:k", "{}")]

@@ -1,0 +1,130 @@
+"""The precompiler (compile_backend/runtime/kernel_precompile.py) on its own:
+requests recorded, deferred ones compiled on worker threads and loaded on
+the caller's, workers let through by the capture guard, a saved list
+preloaded, a failed compile left to the launch. The kernel is tests/toy_jit.py's
+stand-in for a Triton JITFunction."""
+
+import json
+import logging
+import threading
+
+import pytest
+
+import compile_backend as cb
+from compile_backend.core.forward_context import ForwardContext, set_forward_context
+from compile_backend.runtime import jit_guard, kernel_precompile
+from compile_backend.runtime.kernel_precompile import KernelPrecompiler, kernel_name, resolve
+
+import toy_jit
+from toy_jit import toy_kernel
+
+triton = pytest.importorskip("triton")
+if not kernel_precompile.available():
+    pytest.skip("this Triton cannot compile a recorded request", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    toy_kernel.reset()
+    toy_kernel.delay_s = 0.0
+    cb.reset_counters()
+    yield
+    toy_kernel.reset()
+
+
+def test_outside_deferring_a_request_compiles_in_line_and_is_recorded():
+    pre = KernelPrecompiler(threads=2)
+    with pre.active():
+        assert toy_kernel.run((False, True)) is True
+    assert [c for c, _, _ in toy_kernel.log] == [(False, True)]
+    assert toy_kernel.log[0][1] == threading.current_thread().name
+    assert pre.saved_list() == [(kernel_name(toy_kernel), json.dumps([False, True]))]
+    assert cb.counters["kernels_precompiled"] == 0
+
+
+def test_deferred_requests_compile_on_workers_and_load_on_the_caller():
+    toy_kernel.delay_s = 0.05
+    pre = KernelPrecompiler(threads=4)
+    with pre.active():
+        with pre.deferring():
+            launched = [toy_kernel.run(cfg) for cfg in [(True, False), (False, False), (True, False)]]
+        assert launched == [False, False, False]  # skipped, as Triton skips a hooked launch
+        pre.wait()
+        assert toy_kernel.run((True, False)) and toy_kernel.run((False, False))  # now compiled
+    assert cb.counters["kernels_precompiled"] == 2  # the repeated request went once
+    assert sorted(c for c, _, _ in toy_kernel.log) == [(False, False), (True, False)]
+    assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
+    me = threading.current_thread().name
+    assert sorted(toy_kernel.handles) == [((False, False), me), ((True, False), me)]
+    assert pre.pending == 0 and pre.wait_s >= 0
+
+
+def test_a_worker_compiles_while_the_caller_captures_and_the_guard_chains():
+    """The guard refuses the capturing thread's compiles, never a worker's."""
+    toy_kernel.delay_s = 0.05
+    pre = KernelPrecompiler(threads=2)
+    ctx = ForwardContext()
+    ctx.capturing = True
+    with pre.active(), jit_guard.no_compile_in_capture():
+        with pre.deferring():
+            toy_kernel.run((True, False))
+        with set_forward_context(ctx):
+            with pytest.raises(jit_guard.CompileInCapture):
+                toy_kernel.run((False, False))  # this thread captures: refused
+            pre.wait()  # the worker's compile went through meanwhile
+    # compiled once, on a worker, while this thread's forward context said "capturing"
+    assert [(c, t.startswith("mrv2-precompile")) for c, t, _ in toy_kernel.log] == [((True, False), True)]
+    assert cb.counters["triton_compiles"] == 1  # the request, asked outside the capture (once)
+
+
+def test_a_saved_list_preloads_and_a_stale_name_is_skipped(caplog):
+    saved = [(kernel_name(toy_kernel), json.dumps([True, False])),
+             (kernel_name(toy_kernel), json.dumps([False, True])),
+             ("toy_jit:no_such_kernel", "{}")]
+    pre = KernelPrecompiler(threads=2)
+    with caplog.at_level(logging.INFO), pre.active():
+        assert pre.preload(saved) == 2
+        pre.wait()
+        assert toy_kernel.run((True, False)) and toy_kernel.run((False, True))
+    assert cb.counters["kernels_preloaded"] == 2
+    assert len(toy_kernel.log) == 2 and all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
+    assert any("no_such_kernel not preloaded" in r.message for r in caplog.records)
+    assert resolve(kernel_name(toy_kernel)) is toy_kernel
+    with pytest.raises(TypeError, match="not a Triton JIT function"):
+        resolve("toy_jit:config_of")
+
+
+def test_a_failed_compile_is_logged_counted_and_left_to_the_launch(monkeypatch, caplog):
+    def broken(spec):
+        raise RuntimeError("ptxas died")
+
+    pre = KernelPrecompiler(threads=2)
+    with caplog.at_level(logging.WARNING), pre.active():
+        monkeypatch.setattr(toy_kernel, "preload", broken)
+        with pre.deferring():
+            toy_kernel.run((True, True))
+        pre.wait()
+    assert cb.counters["kernels_precompile_failures"] == 1
+    assert any("ptxas died" in r.message and "compiles at launch" in r.message
+               for r in caplog.records)
+
+
+def test_the_hook_is_restored_and_a_previous_one_still_hears_requests():
+    heard = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: heard.append(kw["repr"])
+    try:
+        pre = KernelPrecompiler(threads=1)
+        with pre.active():
+            toy_kernel.run((False, False))
+        assert heard == ["toy_kernel[(False, False)]"]
+        assert triton.knobs.runtime.jit_cache_hook.__name__ == "<lambda>"
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+
+
+def test_threads_default_to_the_cores_and_the_option_is_checked():
+    assert 1 <= kernel_precompile.default_threads() <= kernel_precompile.MAX_THREADS
+    assert cb.CompilationConfig().precompile_threads == 0
+    with pytest.raises(ValueError, match="precompile_threads must be an int >= 0"):
+        cb.CompilationConfig(precompile_threads=-1)

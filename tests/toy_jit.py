@@ -1,0 +1,97 @@
+"""A stand-in for a Triton JIT kernel on the CPU: what the precompiler
+(compile_backend/runtime/kernel_precompile.py) uses of a JITFunction, and the
+way Triton's `run` asks `triton.knobs.runtime.jit_cache_hook` before it
+compiles a specialisation it has not seen (a True answer skips the compile
+and the launch). `toy::jit_ahead` runs it, with the configuration taken from
+the token count (T == 1, T % 4 == 0), so a plan of sizes needs new kernels
+at some sizes and not at others."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+import compile_backend as cb
+from compile_backend.runtime import jit_guard
+
+
+class ToyCompiled:
+    def __init__(self, owner: "ToyJit", cfg: tuple) -> None:
+        self.owner, self.cfg = owner, cfg
+
+    def _init_handles(self) -> None:  # Triton loads the module here
+        self.owner.handles.append((self.cfg, threading.current_thread().name))
+
+
+class ToyJit:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.cache: dict[tuple, ToyCompiled] = {}
+        self.log: list[tuple[tuple, str, bool]] = []  # (cfg, thread, capturing) per compile
+        self.handles: list[tuple[tuple, str]] = []
+        self.delay_s = 0.0
+
+    def reset(self) -> None:
+        """A new process: nothing compiled, nothing logged."""
+        self.cache.clear()
+        self.log.clear()
+        self.handles.clear()
+
+    def preload(self, spec: str) -> ToyCompiled:
+        cfg = tuple(json.loads(spec))
+        time.sleep(self.delay_s)
+        self.log.append((cfg, threading.current_thread().name, jit_guard._capturing()))
+        kernel = self.cache[cfg] = ToyCompiled(self, cfg)
+        return kernel
+
+    def run(self, cfg: tuple) -> bool:
+        """True: launched; False: a hook deferred the compile (nothing ran)."""
+        if cfg in self.cache:
+            return True
+        spec = json.dumps(cfg)
+        hook = _triton_hook()
+        if hook is not None and hook(key=cfg, repr=f"toy_kernel[{cfg}]",
+                                     fn=SimpleNamespace(jit_function=self),
+                                     compile={"key": cfg, "specialization_data": spec, "device": None},
+                                     is_manual_warmup=False, already_compiled=False):
+            return False
+        self.preload(spec)
+        return True
+
+
+def _triton_hook():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.knobs.runtime.jit_cache_hook
+
+
+def toy_kernel():  # the kernel's Python function: its name is how a saved list finds it
+    pass
+
+
+toy_kernel = ToyJit(toy_kernel)
+
+
+def config_of(t: int) -> tuple:
+    return (t == 1, t % 4 == 0)
+
+
+@torch.library.custom_op("toy::jit_ahead", mutates_args=())
+def jit_ahead(x: torch.Tensor) -> torch.Tensor:
+    if not toy_kernel.run(config_of(x.shape[0])):
+        return torch.full_like(x, float("nan"))  # skipped: the values are never read
+    return x * 2 + 1
+
+
+@jit_ahead.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+cb.register_capture_safe("toy::jit_ahead")
