@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 import compile_backend as cb
 from compile_backend.runtime import jit_guard
@@ -95,3 +96,21 @@ def _(x):
 
 
 cb.register_capture_safe("toy::jit_ahead")
+
+
+class ToyStepModel(nn.Module):
+    """A runner's model (forward(input_ids, positions) -> logits) whose one
+    kernel is the toy op named `op` (torch.ops.toy.<op>)."""
+
+    vocab_size = 64
+
+    def __init__(self, op: str = "jit_ahead"):
+        super().__init__()
+        self.op = op
+        self.embed = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, input_ids, positions):
+        h = self.embed(input_ids) + positions[:, None].float()
+        return self.head(getattr(torch.ops.toy, self.op)(self.proj(h)))

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 import compile_backend as cb
 from compile_backend.compile import step_cache
@@ -21,27 +20,13 @@ from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config
 
 import toy_jit  # noqa: F401  (toy::jit_ahead)
-from toy_jit import config_of, toy_kernel
+from toy_jit import ToyStepModel, config_of, toy_kernel
 
 triton = pytest.importorskip("triton")
 if not kernel_precompile.available():
     pytest.skip("this Triton cannot compile a recorded request", allow_module_level=True)
 
 SIZES = [1, 2, 4, 8, 16]
-
-
-class AheadModel(nn.Module):
-    vocab_size = 64
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.proj = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 8)
-
-    def forward(self, input_ids, positions):
-        h = self.embed(input_ids) + positions[:, None].float()
-        return self.head(torch.ops.toy.jit_ahead(self.proj(h)))
 
 
 def _runner(mode, cache_dir=None, state=None):
@@ -51,7 +36,7 @@ def _runner(mode, cache_dir=None, state=None):
     toy_kernel.delay_s = 0.02
     cb.reset_counters()
     torch.manual_seed(0)
-    model = AheadModel()
+    model = ToyStepModel("jit_ahead")
     if state is not None:
         model.load_state_dict(state)
     config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=SIZES, piece_compiler="eager",
@@ -86,21 +71,23 @@ def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
         plan = runner.capture_plan()
         new = {config_of(g.num_tokens) for g in plan} - at_warmup
         assert len(new) == 2  # T=2 (neither) and T=1
-        # Every graph that met a new kernel waited; one dry warm-up per new
-        # configuration (a graph whose kernel was already asked for only waits).
-        waited = [g for g in plan if config_of(g.num_tokens) in new]
-        assert cb.counters["capture_waits"] == len(waited)
+        # A graph that met a new kernel waited (one whose kernel a worker had
+        # finished by then did not); one dry warm-up per new configuration.
+        meets_new = [g for g in plan if config_of(g.num_tokens) in new]
+        waits = cb.counters["capture_waits"]
+        assert len(new) <= waits <= len(meets_new)
         assert cb.counters["capture_warmups"] == len(new)
-        assert runner.capture_stats["graphs_waited"] == len(waited)
+        assert runner.capture_stats["graphs_waited"] == waits
         assert cb.counters["kernels_precompiled"] == len(new)
         # The new kernels compiled once each, on workers, none inside a capture.
         ahead = [(c, t) for c, t, _ in toy_kernel.log if c in new]
         assert sorted(c for c, _ in ahead) == sorted(new)
         assert all(t.startswith("mrv2-precompile") for _, t in ahead)
         assert not any(capturing for _, t, capturing in toy_kernel.log if t == "MainThread")
-        # Every graph of the plan captured once: the waiting ones after the others.
+        # Every graph of the plan captured once: those that waited last, in plan order.
         assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
-        assert [r.graph for r in runner.captures[-len(waited):]] == waited
+        last = [r.graph for r in runner.captures[-waits:]]
+        assert set(last) <= set(meets_new) and last == [g for g in plan if g in last]
         _sessions_equal_eager(runner, model)
 
 

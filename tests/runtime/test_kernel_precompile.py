@@ -48,7 +48,9 @@ def test_deferred_requests_compile_on_workers_and_load_on_the_caller():
     with pre.active():
         with pre.deferring():
             launched = [toy_kernel.run(cfg) for cfg in [(True, False), (False, False), (True, False)]]
-        assert launched == [False, False, False]  # skipped, as Triton skips a hooked launch
+        # skipped, as Triton skips a hooked launch (the repeat: skipped, or
+        # launched if a worker finished the first request already)
+        assert launched[:2] == [False, False]
         pre.wait()
         assert toy_kernel.run((True, False)) and toy_kernel.run((False, False))  # now compiled
     assert cb.counters["kernels_precompiled"] == 2  # the repeated request went once
