@@ -316,7 +316,9 @@ def tables(meta: dict, rows: list[dict]) -> str:
           "new Triton kernel and waited for the workers after a dry warm-up; ahead: Triton kernels "
           "the first step and the plan asked for (compiled in line, on workers, or loaded from "
           "the saved list); preloaded: of those, loaded from the warm-start entry's list before "
-          "the first capture; wait s: host seconds the plan blocked on the workers.", ""]
+          "the first capture; wait s: host seconds the plan blocked on the workers. A graph "
+          "that waited has its refused attempt (other) and its dry warm-up (warm-up) in its "
+          "record.", ""]
     L += table(["model", "preset", "mode", "phase", "capture_warmup", "graph kind", "steps", "warm-ups",
                 "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms",
                 "waited", "ahead", "preloaded", "wait s"],

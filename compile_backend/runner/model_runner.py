@@ -244,7 +244,7 @@ class ModelRunner:
         # captured (runtime/kernel_precompile.py); a warm start loads the
         # kernels its cold start saved, all at once, before the first capture.
         pre = self._precompiler if on_demand else None
-        waiting: list[tuple[StepGraph, float]] = []
+        waiting: list[tuple[StepGraph, tuple[float, float, int]]] = []
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \
@@ -253,15 +253,15 @@ class ModelRunner:
             if pre is not None and pre.preload(self._saved_kernels()):
                 pre.wait()
             for graph in plan:
-                dry_s = self._capture_one(graph, trace, on_demand, pre)
-                if dry_s is None:
+                earlier = self._capture_one(graph, trace, on_demand, pre)
+                if earlier is None:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
-                    waiting.append((graph, dry_s))
+                    waiting.append((graph, earlier))
             if waiting:
                 pre.wait()
-            for graph, dry_s in waiting:  # their kernels compiled: plain on_demand captures
-                self._capture_one(graph, trace, on_demand, earlier_s=dry_s)
+            for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures
+                self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
             self.capture_stats = {"kernels_precompiled": len(pre.specs), "graphs_waited": len(waiting),
@@ -299,15 +299,16 @@ class ModelRunner:
 
     def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool,
                      pre: kernel_precompile.KernelPrecompiler | None = None,
-                     earlier_s: float | None = None) -> float | None:
+                     earlier: tuple[float, float, int] | None = None) -> tuple[float, float, int] | None:
         """Warm up and capture one graph of the plan. No synchronize around it
         (the plan has one at each end): its CaptureRecord's `seconds` is the
         host's time for the warm-up and the capture (the device may still be
         running the warm-up); `pool_bytes` is exact (the allocator counts on
         the host). With `pre`, a graph whose capture would compile a kernel
         is not captured now: a dry warm-up hands its kernels to `pre`, and
-        its seconds are returned (None: captured). `earlier_s`: such a dry
-        warm-up's seconds, added to this capture's record."""
+        (seconds of the refused attempt and the dry warm-up, seconds of the dry
+        warm-up, pool bytes the attempt took) are returned; None: captured. `earlier`: those of an earlier
+        call for this graph, added to this capture's record."""
         graphs = current_graph_backend()
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
@@ -321,27 +322,29 @@ class ModelRunner:
         else:
             try:  # capture first: a warm-up only where a kernel would compile or tune
                 self._forward(graph, meta, trace)
-                if earlier_s is None:
+                if earlier is None:
                     counters["capture_warmups_skipped"] += 1
             except jit_guard.CompileInCapture as e:
                 if pre is not None:
                     logger.debug("capture of %s: %s; its kernels compile ahead, it waits",
                                  graph.key, e)
                     counters["capture_waits"] += 1
-                    if pre.last_request_sent():  # an earlier dry warm-up asked for it
-                        return 0.0
-                    with pre.deferring():
-                        return self._warmup_for_capture(graph, meta, trace)
+                    dry_s = 0.0
+                    if not pre.last_request_sent():  # else an earlier dry warm-up asked for it
+                        with pre.deferring():
+                            dry_s = self._warmup_for_capture(graph, meta, trace)
+                    return (time.perf_counter() - t0, dry_s,
+                            graphs.memory_allocated() - before)
                 logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
                 warmup_s = self._warmup_for_capture(graph, meta, trace)
                 self._forward(graph, meta, trace)
         builds = self.model_state.build_log[builds_before:]
-        earlier_s = earlier_s or 0.0
+        earlier_s, earlier_dry_s, earlier_bytes = earlier or (0.0, 0.0, 0)
         self.captures.append(CaptureRecord(
             graph=graph, seconds=time.perf_counter() - t0 + earlier_s,
-            pool_bytes=graphs.memory_allocated() - before,
+            pool_bytes=graphs.memory_allocated() - before + earlier_bytes,
             for_capture={b["kind"]: b["for_capture"] for b in builds},
-            warmup_s=warmup_s + earlier_s,
+            warmup_s=warmup_s + earlier_dry_s,
             record_s=graph_pool.capture_seconds["record"] - phases["record"],
             instantiate_s=graph_pool.capture_seconds["instantiate"] - phases["instantiate"]))
         return None

@@ -86,6 +86,9 @@ def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
         assert not any(capturing for _, t, capturing in toy_kernel.log if t == "MainThread")
         # Every graph of the plan captured once: those that waited last, in plan order.
         assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
+        # A waiting graph's record holds its refused attempt and dry warm-up too.
+        assert sum(r.warmup_s > 0 for r in runner.captures) == len(new)
+        assert all(r.seconds >= r.warmup_s >= 0 for r in runner.captures)
         last = [r.graph for r in runner.captures[-waits:]]
         assert set(last) <= set(meets_new) and last == [g for g in plan if g in last]
         _sessions_equal_eager(runner, model)
