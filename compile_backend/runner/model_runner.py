@@ -291,10 +291,20 @@ class ModelRunner:
             logger.warning("mrv2: could not save the kernel list beside %s (%s)", path, e)
 
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
-        """One eager step on a dummy batch of `num_tokens` (the first call compiles)."""
+        """One eager step on a dummy batch of `num_tokens` (the first call
+        compiles or loads the step). The first one runs the step dry once
+        first: its Triton kernels compile on worker threads, not one after
+        another in line (runtime/kernel_precompile.py; a dummy batch, so
+        nothing of the dry run's is kept)."""
         num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
         graph = StepGraph.eager(num_tokens, num_reqs)
         meta = prepare_inputs_to_capture(graph, self.model_state)
+        pre = self._precompiler
+        if not self._stepped and pre is not None and kernel_precompile.compiles_here():
+            with pre.active():
+                with pre.deferring():
+                    self._forward(graph, meta, None)
+                counters["first_step_dry_runs"] += 1
         self._forward(graph, meta, trace)
 
     def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool,

@@ -55,6 +55,12 @@ def available() -> bool:
     return _knobs() is not None
 
 
+def compiles_here() -> bool:
+    """Does Triton compile kernels in this process? Not where it interprets
+    them (TRITON_INTERPRET=1: CPU tensors), so a dry run buys nothing there."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def kernel_name(jit_function: Any) -> str:
     """`module:qualname` of a JITFunction's Python function (how a saved list names it)."""
     fn = getattr(jit_function, "fn", None)
@@ -82,6 +88,7 @@ class KernelPrecompiler:
         self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}  # not yet waited for
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._deferring = False
+        self._active = False
         self.last_request: tuple[str, str] | None = None
         self.wait_s = 0.0  # host seconds wait() blocked
 
@@ -108,17 +115,20 @@ class KernelPrecompiler:
     @contextlib.contextmanager
     def active(self) -> Iterator["KernelPrecompiler"]:
         """Install the hook (chained to one already set); on exit wait for
-        what is still compiling and shut the pool down."""
+        what is still compiling and shut the pool down. Re-entrant: an inner
+        `active()` of the same precompiler changes nothing."""
         knobs = _knobs()
-        if knobs is None:
+        if knobs is None or self._active:
             yield self
             return
+        self._active = True
         previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self._hook(previous)
         try:
             yield self
             self.wait()
         finally:
+            self._active = False
             knobs.runtime.jit_cache_hook = previous
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)

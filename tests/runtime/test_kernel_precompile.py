@@ -130,3 +130,10 @@ def test_threads_default_to_the_cores_and_the_option_is_checked():
     assert cb.CompilationConfig().precompile_threads == 0
     with pytest.raises(ValueError, match="precompile_threads must be an int >= 0"):
         cb.CompilationConfig(precompile_threads=-1)
+
+
+def test_where_triton_interprets_nothing_compiles(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not kernel_precompile.compiles_here()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernel_precompile.compiles_here()
