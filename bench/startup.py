@@ -61,7 +61,8 @@ GPU_SIZES = [1, 2, 4] + list(range(8, 257, 8))  # the default capture sizes: 35
 CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
-            "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded")
+            "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
+            "first_step_dry_runs")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
