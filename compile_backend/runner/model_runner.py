@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -65,6 +65,16 @@ class CaptureRecord:
                 "warmup_s": round(self.warmup_s, 6), "record_s": round(self.record_s, 6),
                 "instantiate_s": round(self.instantiate_s, 6),
                 "pool_bytes": self.pool_bytes, "for_capture": self.for_capture}
+
+
+class _Waited(NamedTuple):
+    """What a graph that waited for kernels compiled ahead spent before its
+    capture: the refused attempt and the dry warm-up (host seconds), the dry
+    warm-up alone, and the pool bytes the refused attempt took."""
+
+    seconds: float
+    dry_s: float
+    pool_bytes: int
 
 
 def fit_capture_sizes(sizes: list[int], kv: KVCacheConfig) -> list[int]:
@@ -244,7 +254,7 @@ class ModelRunner:
         # captured (runtime/kernel_precompile.py); a warm start loads the
         # kernels its cold start saved, all at once, before the first capture.
         pre = self._precompiler if on_demand else None
-        waiting: list[tuple[StepGraph, tuple[float, float, int]]] = []
+        waiting: list[tuple[StepGraph, _Waited]] = []
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \
@@ -309,16 +319,15 @@ class ModelRunner:
 
     def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool,
                      pre: kernel_precompile.KernelPrecompiler | None = None,
-                     earlier: tuple[float, float, int] | None = None) -> tuple[float, float, int] | None:
+                     earlier: _Waited | None = None) -> _Waited | None:
         """Warm up and capture one graph of the plan. No synchronize around it
         (the plan has one at each end): its CaptureRecord's `seconds` is the
         host's time for the warm-up and the capture (the device may still be
         running the warm-up); `pool_bytes` is exact (the allocator counts on
         the host). With `pre`, a graph whose capture would compile a kernel
         is not captured now: a dry warm-up hands its kernels to `pre`, and
-        (seconds of the refused attempt and the dry warm-up, seconds of the dry
-        warm-up, pool bytes the attempt took) are returned; None: captured. `earlier`: those of an earlier
-        call for this graph, added to this capture's record."""
+        what it spent is returned (None: captured). `earlier`: what an earlier
+        call for this graph spent, added to this capture's record."""
         graphs = current_graph_backend()
         before = graphs.memory_allocated()
         t0 = time.perf_counter()
@@ -343,18 +352,18 @@ class ModelRunner:
                     if not pre.last_request_sent():  # else an earlier dry warm-up asked for it
                         with pre.deferring():
                             dry_s = self._warmup_for_capture(graph, meta, trace)
-                    return (time.perf_counter() - t0, dry_s,
-                            graphs.memory_allocated() - before)
+                    return _Waited(time.perf_counter() - t0, dry_s,
+                                   graphs.memory_allocated() - before)
                 logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
                 warmup_s = self._warmup_for_capture(graph, meta, trace)
                 self._forward(graph, meta, trace)
         builds = self.model_state.build_log[builds_before:]
-        earlier_s, earlier_dry_s, earlier_bytes = earlier or (0.0, 0.0, 0)
+        earlier = earlier or _Waited(0.0, 0.0, 0)
         self.captures.append(CaptureRecord(
-            graph=graph, seconds=time.perf_counter() - t0 + earlier_s,
-            pool_bytes=graphs.memory_allocated() - before + earlier_bytes,
+            graph=graph, seconds=time.perf_counter() - t0 + earlier.seconds,
+            pool_bytes=graphs.memory_allocated() - before + earlier.pool_bytes,
             for_capture={b["kind"]: b["for_capture"] for b in builds},
-            warmup_s=warmup_s + earlier_dry_s,
+            warmup_s=warmup_s + earlier.dry_s,
             record_s=graph_pool.capture_seconds["record"] - phases["record"],
             instantiate_s=graph_pool.capture_seconds["instantiate"] - phases["instantiate"]))
         return None
