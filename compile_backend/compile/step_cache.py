@@ -141,15 +141,15 @@ def read_entry(path: str, header: dict) -> bytes:
     return entry["aot"]
 
 
-def write_entry(path: str, header: dict, aot: bytes) -> None:
-    """Atomic: a temporary file in the same folder, then os.replace."""
+def _write_atomic(path: str, suffix: str, data: bytes) -> None:
+    """A temporary file in the same folder, synced, then os.replace: a
+    reader sees the whole file or none."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump({"header": header, "aot": aot, "saved": time.time()}, f,
-                        protocol=pickle.HIGHEST_PROTOCOL)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -157,6 +157,12 @@ def write_entry(path: str, header: dict, aot: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_entry(path: str, header: dict, aot: bytes) -> None:
+    """Atomic (_write_atomic)."""
+    _write_atomic(path, SUFFIX, pickle.dumps({"header": header, "aot": aot, "saved": time.time()},
+                                             protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def kernels_path(entry: str) -> str:
@@ -179,18 +185,8 @@ def write_kernels(entry: str, kernels: list[tuple[str, str]]) -> None:
     """Atomic, as write_entry; a list already there is merged (a runner of
     other sizes adds its kernels)."""
     merged = sorted(set(read_kernels(entry)) | set(kernels))
-    path = kernels_path(entry)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=KERNELS_SUFFIX)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": 1, "kernels": merged}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _write_atomic(kernels_path(entry), KERNELS_SUFFIX,
+                  json.dumps({"format": 1, "kernels": merged}).encode())
 
 
 def list_entries(cache_dir: str) -> list[dict[str, Any]]:

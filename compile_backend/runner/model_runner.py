@@ -189,7 +189,10 @@ class ModelRunner:
                 return self.compiled(input_ids, positions)
         mark_token_dim(input_ids)
         mark_token_dim(positions)
-        recording = (self._precompiler.active() if self._precompiler is not None
+        # The first step's Triton kernels are recorded (not every step of the
+        # guarded fallback, which comes here at every call).
+        recording = (self._precompiler.active()
+                     if self._precompiler is not None and not self._stepped
                      else contextlib.nullcontext())
         with symbolic_tokens(), torch.no_grad(), recording:  # a runner serves inference only
             out = self.compiled(input_ids, positions)
@@ -254,6 +257,7 @@ class ModelRunner:
         # captured (runtime/kernel_precompile.py); a warm start loads the
         # kernels its cold start saved, all at once, before the first capture.
         pre = self._precompiler if on_demand else None
+        waited_before = pre.wait_s if pre is not None else 0.0  # the first step's waits are not the plan's
         waiting: list[tuple[StepGraph, _Waited]] = []
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
@@ -275,7 +279,7 @@ class ModelRunner:
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
             self.capture_stats = {"kernels_precompiled": len(pre.specs), "graphs_waited": len(waiting),
-                                  "compile_wait_s": pre.wait_s}
+                                  "compile_wait_s": pre.wait_s - waited_before}
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures

@@ -83,7 +83,7 @@ class KernelPrecompiler:
 
     def __init__(self, threads: int = 0) -> None:
         self.threads = threads or default_threads()
-        self.specs: dict[tuple[str, str], Any] = {}  # (kernel name, specialization) -> JITFunction
+        self.specs: set[tuple[str, str]] = set()  # every request seen: (kernel name, specialization)
         self._sent: set[tuple[str, str]] = set()  # submitted once per process of this plan
         self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}  # not yet waited for
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -103,7 +103,7 @@ class KernelPrecompiler:
             spec = compile_.get("specialization_data")
             if jit_function is not None and spec is not None:
                 key = (kernel_name(jit_function), spec)
-                self.specs.setdefault(key, jit_function)
+                self.specs.add(key)
                 self.last_request = key  # a capture refused it, if the guard raises next
                 if self._deferring:
                     self._submit(key, jit_function, compile_.get("device"))
@@ -145,15 +145,17 @@ class KernelPrecompiler:
 
     # ---- compiling -------------------------------------------------------------
 
-    def _submit(self, key: tuple[str, str], jit_function: Any, device: Any) -> None:
+    def _submit(self, key: tuple[str, str], jit_function: Any, device: Any) -> bool:
+        """Hand one request to the pool; False where it was handed over already."""
         if key in self._sent:
-            return
+            return False
         self._sent.add(key)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="mrv2-precompile")
         counters["kernels_precompiled"] += 1
         self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
+        return True
 
     def preload(self, saved: list[tuple[str, str]]) -> int:
         """Submit every (kernel name, specialization) of a saved list; one
@@ -166,9 +168,8 @@ class KernelPrecompiler:
                 logger.info("mrv2: saved kernel %s not preloaded (%s: %s)", name, type(e).__name__, e)
                 continue
             key = (name, spec)
-            self.specs.setdefault(key, jit_function)
-            if key not in self._sent:
-                self._submit(key, jit_function, _current_device())
+            self.specs.add(key)
+            if self._submit(key, jit_function, _current_device()):
                 counters["kernels_preloaded"] += 1
                 sent += 1
         return sent
