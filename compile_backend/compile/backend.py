@@ -109,18 +109,25 @@ class Mrv2Backend:
         self.config = config
         self.graph_mode = graph_mode
         self.mode_reason = mode_reason
+        self._workers: Any = None  # compile workers started ahead (start_workers)
+
+    def start_workers(self) -> None:
+        """Start the compile workers now, for the next compile: a runner calls
+        it before Dynamo traces, so that they import torch meanwhile."""
+        if self._workers is None:
+            self._workers = _start_workers(self.config)
+
+    def close_workers(self) -> None:
+        """Stop workers started ahead that no compile took (Dynamo failed)."""
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
 
     def __call__(self, gm: torch.fx.GraphModule,
                  example_inputs: Sequence[Any]) -> Callable[..., Any]:
         t0 = time.perf_counter()
         config = self.config
         import compile_backend.kernels  # noqa: F401  (registers the mrv2 ops' facts: their names resolve)
-        # Here, not at import: these pull in Dynamo and sympy, which a process
-        # that only loads a saved step or runs eagerly does not need
-        # (tests/test_imports.py pins what importing the package costs).
-        from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
-        from compile_backend.compile.piece_compiler import compile_pieces
-        from compile_backend.compile.split import split_graph
 
         roles = OpRegistry.from_config(config)  # misspelled op names raise, grad or not
         needs_grad = _inputs_needing_grad(example_inputs)
@@ -132,8 +139,27 @@ class Mrv2Backend:
                 "uncompiled and without CUDA graphs, so that autograd still works. For "
                 "graphs, call the compiled model under torch.no_grad() or "
                 "torch.inference_mode().", stacklevel=2)
+            self.close_workers()
             return gm.forward
         counters["dynamo_graphs"] += 1
+        # Started first: they import torch while the passes and the fake run go on.
+        workers, self._workers = self._workers or _start_workers(config), None
+        try:
+            return self._compile(gm, example_inputs, roles, workers, t0)
+        finally:
+            if workers is not None:
+                workers.close()
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], roles: OpRegistry,
+                 workers: Any, t0: float) -> Callable[..., Any]:
+        # Here, not at import: these pull in Dynamo and sympy, which a process
+        # that only loads a saved step or runs eagerly does not need
+        # (tests/test_imports.py pins what importing the package costs).
+        from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
+        from compile_backend.compile.piece_compiler import compile_pieces
+        from compile_backend.compile.split import split_graph
+
+        config = self.config
         if self.graph_mode is None:
             graph_mode, mode_reason = graph_mode_on_this_machine(config.cudagraph_mode)
         else:
@@ -160,7 +186,7 @@ class Mrv2Backend:
         fixed_shape_inputs = {FULL_GRAPH: _fixed_shapes(placeholders),
                               **{name: _fixed_shapes(calls[name].args) for name in captured}}
         fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
-                                      serializable=config.serializable)
+                                      serializable=config.serializable, workers=workers)
         step = CompiledStep(
             config=config,
             roles=roles,
@@ -190,6 +216,31 @@ class Mrv2Backend:
 
             write_compile_dump(config.debug_dump_path, step)
         return step
+
+
+# What a compile worker imports before its first piece (while the caller traces).
+WORKER_PRELOAD = ("torch._inductor.compile_fx", "torch._inductor.standalone_compile",
+                  "torch.fx._graph_pickler", "compile_backend.compile.piece_compiler",
+                  "compile_backend.kernels")
+
+
+def _start_workers(config: CompilationConfig) -> Any:
+    """Compile workers for Inductor pieces (compile/compile_workers.py), or
+    None: eager pieces, `compile_workers=0`, or none could start (logged)."""
+    if config.piece_compiler != "inductor":
+        return None
+    from compile_backend.compile.compile_workers import CompileWorkers, auto_workers
+
+    n = auto_workers() if config.compile_workers is None else config.compile_workers
+    if n == 0:
+        return None
+    try:
+        return CompileWorkers(n, preload=WORKER_PRELOAD)
+    except OSError as e:
+        counters["compile_worker_fallbacks"] += 1
+        logger.warning("mrv2: no compile workers (%s: %s); pieces compile in this process, "
+                       "one after another", type(e).__name__, e)
+        return None
 
 
 def mrv2_backend(

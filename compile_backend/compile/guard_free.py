@@ -94,12 +94,19 @@ class GuardFreeModel:
                 if aot is not None:
                     self._bind(aot, "loaded", t0)
                     return
+        # Compile workers start before Dynamo traces: they import torch meanwhile.
+        start_workers = getattr(self.backend, "start_workers", None)
+        if start_workers is not None:
+            start_workers()
         try:
             with progress(f"compiling {type(self.model).__name__} (Dynamo trace, pieces)"):
                 aot = aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - any failure: the guarded path still serves
             self._guarded(f"aot_compile failed ({type(e).__name__}: {e})")
             return
+        finally:
+            if start_workers is not None:
+                self.backend.close_workers()  # unless the compile took them
         counters["aot_compiles"] += 1
         if header is not None:
             self._save(aot, header)

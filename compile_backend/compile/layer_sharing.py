@@ -84,7 +84,11 @@ def assume_for(assumptions: list[Any], compiled_symbols: list[Any],
         return False
     renamed = [a.xreplace(dict(zip(compiled_symbols, piece_symbols(fake_args))))
                for a in assumptions]
-    if not all(_holds(r, env.var_to_val) for r in renamed):
+    # torch 2.13 renamed the hints (var_to_val still answers, with a warning).
+    values = getattr(env, "backed_var_to_val", None)
+    if values is None:
+        values = env.var_to_val
+    if not all(_holds(r, values) for r in renamed):
         return False
     for r in renamed:
         env.evaluate_expr(r)

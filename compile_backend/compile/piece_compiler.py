@@ -26,6 +26,7 @@ from compile_backend.compile.layer_sharing import (AsLayer, assume_for, assumed_
                                                   shape_env_mark)
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
+from compile_backend.compile.worker_compile import loaded_from_worker, send_to_worker
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +61,33 @@ class _Shared(NamedTuple):
     symbols: list[Any]  # those symbols, in the order piece_key renames them
 
 
-class _PieceCompileInterpreter(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs; at each piece, compiles it with the
-    fake (symbolic) arguments it receives. Version counters read around each
-    piece's fake run tell which inputs it writes."""
+class _Met(NamedTuple):
+    """A captured piece as the fake run met it: what deciding its callable needs."""
 
-    def __init__(self, split_gm, pieces, compiler, cache, serializable, bar):
+    piece: Piece
+    submod: torch.fx.GraphModule
+    args: tuple  # its fake (symbolic) arguments
+    key: str | None  # piece_key: equal keys may share one compile
+    names: list[str]  # its layer names, op order
+
+
+class _PieceCompileInterpreter(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs, noting each captured piece with
+    the fake (symbolic) arguments it receives; version counters read around
+    each piece's fake run tell which inputs it writes. With compile workers,
+    the first piece of each key goes to them as soon as it is met
+    (compile/compile_workers.py); `decide` then picks every piece's callable
+    in order."""
+
+    def __init__(self, split_gm, pieces, compiler, serializable, workers, bar):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
-        self.cache = cache
         self.serializable = serializable
+        self.workers = workers
         self.bar = bar
+        self.met: list[_Met] = []
+        self.sent: dict[str, Any] = {}  # key -> the future of its compile in a worker
         self.compiled: dict[str, Callable[..., Any]] = {}
 
     def call_module(self, target, args, kwargs):
@@ -81,32 +97,78 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         before = versions(args)
         out = super().call_module(target, args, kwargs)  # fake outputs, uncompiled
         piece.written_inputs = written_inputs(args, before)
-        if piece.captured:
-            key, names = piece_key(submod, args)
-            hit = self.cache.get(key) if key else None
+        if not piece.captured:
+            self.compiled[target] = submod  # breakpoints (and capture fallbacks) run eagerly
+            return out
+        key, names = piece_key(submod, args)
+        self.met.append(_Met(piece, submod, tuple(args), key, names))
+        sent_as = key or piece.name
+        if self.workers is not None and self.compiler == "inductor" and sent_as not in self.sent:
+            # None: it could not be sent, compiled here (the others of its key are not tried)
+            self.sent[sent_as] = send_to_worker(self.workers, submod, args,
+                                                self._here(submod, args))
+        return out
+
+    def _here(self, submod, args):
+        """This process's compile of a piece, and what it assumed of its symbols."""
+        def compile_here():
+            mark = shape_env_mark(args)
+            fn = compile_piece(submod, args, self.compiler, self.serializable)
+            return fn, assumed_since(mark, piece_symbols(args))
+        return compile_here
+
+    def decide(self) -> None:
+        """Each captured piece's callable, in order: the artifact of an equal
+        piece whose assumptions hold for it, or its own compile (a worker's,
+        or this process's)."""
+        cache: dict[str, _Shared] = {}
+        for met in self.met:
+            piece = met.piece
+            hit = cache.get(met.key) if met.key else None
             # Equal up to renaming size symbols: what the compile assumed of its
             # piece's symbols must hold for this piece's too (then it is guarded).
-            if hit is not None and not assume_for(hit.assumed, hit.symbols, args):
+            if hit is not None and not assume_for(hit.assumed, hit.symbols, met.args):
                 hit = None
             if hit is None:
-                mark = shape_env_mark(args)
-                fn = compile_piece(submod, args, self.compiler, self.serializable)
+                future = self.sent.pop(met.key or piece.name, None)
+                fn, assumed = self._compiled(met, future)
                 counters["piece_compiles"] += 1
-                if key and key not in self.cache:  # the first artifact is the one shared
-                    symbols = piece_symbols(args)
-                    self.cache[key] = _Shared(fn, names, piece.name,
-                                              assumed_since(mark, symbols), symbols)
+                if met.key and met.key not in cache:  # the first artifact is the one shared
+                    cache[met.key] = _Shared(fn, met.names, piece.name, assumed,
+                                             piece_symbols(met.args))
             else:
-                fn, compiled_names, piece.compiled_as = hit.fn, hit.names, hit.piece
+                fn, piece.compiled_as = hit.fn, hit.piece
                 counters["piece_compile_reuses"] += 1
-                piece.layer_alias = layer_alias_for(compiled_names, names)
+                piece.layer_alias = layer_alias_for(hit.names, met.names)
                 if piece.layer_alias is not None:
                     fn = AsLayer(fn, piece.layer_alias)
+            self.compiled[piece.name] = fn
             self.bar.update(note=f"{piece.name} {'shared' if hit else 'compiled'}")
-        else:
-            fn = submod  # breakpoints (and capture fallbacks) run eagerly
-        self.compiled[target] = fn
-        return out
+
+    def _compiled(self, met: _Met, future: Any) -> tuple[Callable[..., Any], list[Any]]:
+        """`met`'s own compile: the worker's where it sent one and it holds here,
+        else this process's."""
+        if future is not None:
+            try:
+                where, value = future.result()
+            except Exception as e:  # noqa: BLE001 - compiled here instead, the reason logged
+                counters["compile_worker_fallbacks"] += 1
+                logger.warning("mrv2: a compile worker could not compile piece %s, compiling "
+                               "it here: %s", met.piece.name, e)
+            else:
+                if where == "here":
+                    return value
+                fn, assumed = loaded_from_worker(met.submod, value)
+                # What the worker's compile assumed, guarded here as a sharer's is.
+                if assume_for(assumed, piece_symbols(met.args), met.args):
+                    counters["compile_worker_compiles"] += 1
+                    counters["inductor_compiles"] += 1  # the worker counted it in its own process
+                    return fn, assumed
+                counters["compile_worker_fallbacks"] += 1
+                logger.warning("mrv2: piece %s compiled in a worker assumed %s of its sizes, "
+                               "which does not hold here; compiling it here", met.piece.name,
+                               assumed)
+        return self._here(met.submod, met.args)()
 
 
 def compile_pieces(
@@ -115,11 +177,14 @@ def compile_pieces(
     example_inputs: Sequence[Any],
     compiler: str,
     serializable: bool = False,
+    workers: Any = None,
 ) -> tuple[dict[str, Callable[..., Any]], frozenset[int]]:
     """Compile every piece of `split_gm` (each piece's `written_inputs`,
     `compiled_as` and `layer_alias` set on the way); returns the callables by
     piece name and the indices of `split_gm`'s inputs the whole graph writes.
-    `serializable`: Inductor pieces as artifacts that can be saved."""
+    `serializable`: Inductor pieces as artifacts that can be saved.
+    `workers`: CompileWorkers that compile distinct Inductor pieces in
+    parallel with each other and with this process (None: one by one here)."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     # The fake mode Dynamo traced with (its symbolic shapes live in it).
@@ -133,13 +198,15 @@ def compile_pieces(
         fake_args.append(val)
     with progress(f"compiling pieces ({compiler})", total=sum(p.captured for p in pieces),
                   unit="piece") as bar:
-        interp = _PieceCompileInterpreter(split_gm, pieces, compiler, cache={},
-                                          serializable=serializable, bar=bar)
+        interp = _PieceCompileInterpreter(split_gm, pieces, compiler, serializable, workers, bar)
         before = versions(fake_args)
         # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
         # say) are Python registrations that only the Python dispatcher runs.
         with fake_mode, enable_python_dispatcher():
             interp.run(*fake_args)
+            if workers is not None:
+                workers.run_queued_here()  # what no worker took yet: compiled here meanwhile
+            interp.decide()
     return interp.compiled, written_inputs(fake_args, before)
 
 

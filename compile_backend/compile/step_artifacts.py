@@ -29,7 +29,10 @@ from torch.fx._graph_pickler import GraphPickler, Options
 FORMAT = 2
 
 
-def _artifact_bytes(artifact: Any) -> bytes:
+def artifact_bytes(artifact: Any) -> bytes:
+    """An Inductor artifact (standalone_compile's, or `load_artifact`'s) as bytes."""
+    if isinstance(artifact, _Loaded):
+        return artifact.data
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "piece.bin")
         artifact.save(path=path, format="binary")
@@ -59,19 +62,33 @@ def _bare(gm: torch.fx.GraphModule, children: dict | None = None) -> torch.fx.Gr
     return torch.fx.GraphModule(children or {}, graph)
 
 
-def _as_graph_returns(gm: torch.fx.GraphModule, fn: Any) -> Any:
-    """A loaded Inductor artifact returns its outputs as a list; a piece whose
-    graph returns one value (not a tuple) must return that value, as the
-    artifact compiled in this process does."""
-    out = gm.graph.output_node().args[0]
-    if isinstance(out, (tuple, list)):
-        return fn
+class _Loaded:
+    """A loaded Inductor artifact, run as the piece `gm` it was compiled from.
+    It returns its outputs as a list; a piece whose graph returns one value
+    (not a tuple) must return that value, as the artifact compiled in this
+    process does. Keeps its bytes: a step compiled by workers
+    (compile/compile_workers.py) saves them as they came."""
 
-    def one_value(*args: Any) -> Any:
-        result = fn(*args)
-        return result[0] if isinstance(result, (list, tuple)) else result
+    def __init__(self, gm: torch.fx.GraphModule, fn: Any, data: bytes) -> None:
+        self.fn, self.data = fn, data
+        out = gm.graph.output_node().args[0]
+        self.one_value = not isinstance(out, (tuple, list))
 
-    return one_value
+    def __call__(self, *args: Any) -> Any:
+        result = self.fn(*args)
+        if self.one_value and isinstance(result, (list, tuple)):
+            return result[0]
+        return result
+
+    def save(self, *, path: str, format: str = "binary") -> None:
+        assert format == "binary", format
+        with open(path, "wb") as f:
+            f.write(self.data)
+
+
+def load_artifact(gm: torch.fx.GraphModule, data: bytes) -> _Loaded:
+    """`artifact_bytes`'s bytes, loaded to run as the piece `gm`."""
+    return _Loaded(gm, _load_artifact(data), data)
 
 
 def serialize_step(step: Any) -> bytes:
@@ -82,7 +99,7 @@ def serialize_step(step: Any) -> bytes:
         if isinstance(fn, torch.fx.GraphModule):  # eager piece compiler: the graph is the code
             artifacts[name] = None
         elif hasattr(fn, "save"):
-            artifacts[name] = _artifact_bytes(fn)
+            artifacts[name] = artifact_bytes(fn)
         else:
             raise RuntimeError(
                 f"piece {name} was compiled as {type(fn).__name__}, which cannot be saved "
@@ -140,8 +157,7 @@ def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
             fns[p.name] = p.graph_module
         elif p.compiled_as is None:
             data = payload["artifacts"][p.name]
-            fns[p.name] = (p.graph_module if data is None
-                           else _as_graph_returns(p.graph_module, _load_artifact(data)))
+            fns[p.name] = p.graph_module if data is None else load_artifact(p.graph_module, data)
     for p in pieces:
         if p.captured and p.compiled_as is not None:
             base = fns[p.compiled_as]

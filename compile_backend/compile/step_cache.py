@@ -95,7 +95,8 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
     except ImportError:  # pragma: no cover
         triton_version = None
     options = config.summary()
-    for name in ("cache_dir", "debug_dump_path", "precompile_threads"):  # not what runs
+    for name in ("cache_dir", "debug_dump_path", "precompile_threads",
+                 "compile_workers"):  # not what runs
         options.pop(name, None)
     header = {
         "format": 1,

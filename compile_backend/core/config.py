@@ -80,6 +80,11 @@ class CompilationConfig:
         its first capture (runtime/kernel_precompile.py).
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
+    compile_workers: worker processes that compile distinct Inductor pieces
+        in parallel with each other and with the caller, started when a
+        compile begins (compile/compile_workers.py); None: one per two cores
+        beside the caller's, at most 3 (none on 2 cores); 0: every piece in
+        the caller's process, one after another.
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
@@ -120,6 +125,7 @@ class CompilationConfig:
     direct_op_calls: bool = True
     capture_warmup: str = "on_demand"
     precompile_threads: int = 0
+    compile_workers: int | None = None
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
@@ -174,6 +180,13 @@ class CompilationConfig:
             raise ValueError(
                 f"precompile_threads must be an int >= 0, got {self.precompile_threads!r}; "
                 "0 uses one thread per CPU core (at most 16)")
+        if self.compile_workers is not None and (
+                not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool)
+                or self.compile_workers < 0):
+            raise ValueError(
+                f"compile_workers must be None or an int >= 0, got {self.compile_workers!r}; "
+                "None picks one per two cores beside this process's (at most 3), 0 compiles every "
+                "piece in this process")
         if (not isinstance(self.graphs_per_shape, int) or isinstance(self.graphs_per_shape, bool)
                 or self.graphs_per_shape < 1):
             raise ValueError(

@@ -221,6 +221,32 @@ def test_a_step_saved_in_this_process_loads_for_a_new_runner(tmp_path, caplog):
     assert any("loaded the compiled step" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [False, True], ids=["workers", "workers_fail"])
+def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path, fail):
+    """Inductor pieces compiled in worker processes (compile/compile_workers.py)
+    run as those compiled here: every step's logits and every KV cache equal
+    eager, and a second process loads the saved step. Where every worker's
+    job fails, the pieces it held compile here instead (counted)."""
+    extra = ["--compiler", "inductor", "--compile-workers", "2", "--capture-warmup", "on_demand"]
+    cold, err = _worker(tmp_path, *extra, *(["--workers-fail"] if fail else []))
+    counts = cold["counters"]
+    assert cold["how"] == "compiled"
+    assert (counts["piece_compiles"], counts["inductor_compiles"]) == (3, 3), counts
+    if fail:
+        # Those a worker took failed; the caller compiled them and what it took itself.
+        assert 1 <= counts["compile_worker_fallbacks"] <= 3 and "compile_worker_compiles" not in counts
+        assert "a compile worker could not compile piece" in err
+    else:
+        assert counts["compile_worker_compiles"] >= 1, counts
+        assert "compile_worker_fallbacks" not in counts, err[-3000:]
+    warm, _ = _worker(tmp_path, *extra)
+    assert warm["how"] == "loaded" and "inductor_compiles" not in warm["counters"]
+    for run in (cold, warm):
+        assert run["logits_equal"] and run["caches_equal"], run
+        assert run["counters"]["cudagraph_replays"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
 def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):

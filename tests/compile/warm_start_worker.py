@@ -10,6 +10,10 @@ and, at the end, every KV cache. One JSON line on stdout.
 
     python tests/compile/warm_start_worker.py --cache DIR [--mode piecewise] [--device cpu|cuda]
         [--compiler eager|inductor] [--capture-sizes 1,4,8] [--capture-warmup on_demand]
+        [--compile-workers N] [--workers-fail]
+
+--workers-fail: every compile worker's job fails (the pieces compile in this
+process, as after a worker's error).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ ap.add_argument("--compiler", default="eager")
 ap.add_argument("--capture-sizes", default="1,4,8")
 ap.add_argument("--debug-checks", action="store_true")
 ap.add_argument("--capture-warmup", default="every_size")
+ap.add_argument("--compile-workers", type=int, default=None)
+ap.add_argument("--workers-fail", action="store_true")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -44,6 +50,10 @@ from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 
 traced = {"fullgraph_capture": 0, "frames": 0}
+if args.workers_fail:
+    import compile_backend.compile.worker_compile as worker_compile
+
+    worker_compile.WORKER_COMPILE = "zlib:decompress"  # the payload is no zlib stream: an error
 
 
 def _counting(name, fn):
@@ -98,7 +108,8 @@ with graphs, torch.no_grad():
     cfg = cb.CompilationConfig(cudagraph_mode=args.mode, piece_compiler=args.compiler,
                                capture_sizes=[int(s) for s in args.capture_sizes.split(",")],
                                cache_dir=args.cache, debug_checks=args.debug_checks,
-                               capture_warmup=args.capture_warmup)
+                               capture_warmup=args.capture_warmup,
+                               compile_workers=args.compile_workers)
     runner = ModelRunner(m, kv, cfg, device, progress=False)
     runner.capture()
     got = serve(runner)

@@ -1,0 +1,215 @@
+"""Worker processes that compile while the caller goes on.
+
+    workers = CompileWorkers(2)                     # started now: they import torch meanwhile
+    future = workers.submit("module:function", arg, local=fn)
+    workers.run_queued_here()                       # the caller runs what no worker took yet
+    where, value = future.result()                  # where: "worker" or "here"
+    workers.close()                                 # they exit once idle
+
+A worker is `python -m compile_backend.compile.compile_workers`: a fresh
+interpreter (no fork of a process holding CUDA, no re-import of the caller's
+script) reading length-prefixed pickles (function, argument) on stdin and
+answering on its own copy of stdout (prints go to stderr). It takes jobs
+once its preloads are imported; one that dies fails the job it held.
+docs/design.md, section "Cold compile in parallel"."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any, BinaryIO, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<Q")  # each message: its byte count, then its pickle
+
+
+class WorkerError(RuntimeError):
+    """A job a worker could not do: its traceback, or how the worker died."""
+
+
+def auto_workers() -> int:
+    """Workers for `compile_workers=None`: an Inductor compile keeps about two
+    cores busy (its Python and its compiler processes), so one per two cores
+    beside the caller's, at most 3 (a transformer has 3 distinct pieces:
+    first, layer, last). None on 2 cores, where they only contend (measured:
+    docs/design.md, "Cold compile in parallel")."""
+    return max(0, min(3, (os.cpu_count() or 1) // 2 - 1))
+
+
+def _send(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LEN.pack(len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream: BinaryIO) -> Any:
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError("the stream ended")
+    (size,) = _LEN.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the stream ended inside a message")
+    return pickle.loads(data)
+
+
+def resolve(name: str) -> Callable[..., Any]:
+    """`module:qualname` -> the function."""
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Job:
+    __slots__ = ("future", "remote", "arg", "local")
+
+    def __init__(self, remote: str, arg: Any, local: Callable[[], Any] | None) -> None:
+        self.future: Future = Future()
+        self.remote, self.arg, self.local = remote, arg, local
+
+
+class CompileWorkers:
+    """`n` worker processes, started at construction; `preload`: modules
+    each imports before its first job (while the caller traces)."""
+
+    def __init__(self, n: int, preload: Sequence[str] = ()) -> None:
+        assert n >= 1, n
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        env = dict(os.environ)
+        # The caller's import path (a source checkout, a test's folders).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self._procs = [
+            subprocess.Popen([sys.executable, "-m", __name__, *preload], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+            for _ in range(n)]
+        self._threads = [threading.Thread(target=self._serve, args=(p,), daemon=True,
+                                          name=f"mrv2-compile-worker-{p.pid}")
+                         for p in self._procs]
+        for t in self._threads:
+            t.start()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    def submit(self, remote: str, arg: Any, local: Callable[[], Any] | None = None) -> Future:
+        """Queue `resolve(remote)(arg)` for a worker; `local`: the same work in
+        this process, for `run_queued_here`. The future's result is
+        (where, value), where "worker" or "here"."""
+        assert not self.closed
+        job = _Job(remote, arg, local)
+        self._queue.put(job)
+        return job.future
+
+    def run_queued_here(self) -> int:
+        """Run, in this thread, the queued jobs no worker has taken (those with
+        a local form; others go back to the queue); returns how many ran."""
+        ran, skipped = 0, []
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None or job.local is None:
+                skipped.append(job)
+                continue
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(("here", job.local()))
+            except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                job.future.set_exception(e)
+            ran += 1
+        for job in skipped:
+            self._queue.put(job)
+        return ran
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the workers: each exits when its stdin closes, which its thread
+        does once the jobs it took are answered. `wait`: until they exited
+        (the caller otherwise goes on while they tear down)."""
+        if not self.closed:
+            self.closed = True
+            for _ in self._threads:
+                self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    def _serve(self, proc: subprocess.Popen) -> None:
+        try:
+            # Jobs wait in the queue (where the caller may take them) until this
+            # worker has imported what it preloads.
+            ready = _recv(proc.stdout) == ("ready", None)
+        except (OSError, EOFError, pickle.PickleError, ValueError):
+            ready = False
+        try:
+            while ready:
+                job = self._queue.get()
+                if job is None:
+                    return
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    _send(proc.stdin, (job.remote, job.arg))
+                    status, value = _recv(proc.stdout)
+                except (OSError, EOFError, pickle.PickleError, ValueError) as e:
+                    proc.poll()
+                    job.future.set_exception(WorkerError(
+                        f"compile worker {proc.pid} died (exit code {proc.returncode}): "
+                        f"{type(e).__name__}: {e}"))
+                    return  # it takes no more jobs
+                if status == "ok":
+                    job.future.set_result(("worker", value))
+                else:
+                    job.future.set_exception(WorkerError(value))
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _worker_main(preload: Sequence[str]) -> None:
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what the jobs print goes to stderr, not into the answers
+    sys.stdout = sys.stderr
+    for name in preload:  # the caller traces meanwhile
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a job that needs it reports the error
+            traceback.print_exc()
+    _send(out, ("ready", None))
+    inp = sys.stdin.buffer
+    while True:
+        try:
+            remote, arg = _recv(inp)
+        except EOFError:
+            return
+        try:
+            answer = ("ok", resolve(remote)(arg))
+            pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)  # an answer that cannot go back
+        except BaseException:  # noqa: BLE001 - sent back, the caller decides
+            answer = ("error", traceback.format_exc())
+        _send(out, answer)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""A piece's Inductor compile, done in a compile worker.
+
+    future = send_to_worker(workers, submod, fake_args, local=compile_here)
+    where, value = future.result()
+    fn, assumed = loaded_from_worker(submod, value)     # where == "worker"
+
+The payload is the piece, its fake (symbolic) arguments and Inductor's
+config, pickled by FX's GraphPickler, which carries the ShapeEnv: the
+worker's symbols keep their names, hints and ranges. The worker answers
+with the artifact's bytes (compile/step_artifacts.py, as a warm start loads
+them) and what compiling assumed of the piece's size symbols, which the
+caller guards as it does for a piece that shares an artifact
+(compile/layer_sharing.py). docs/design.md, section "Cold compile in parallel".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch.fx._graph_pickler import GraphPickler, Options
+
+from compile_backend.core.counters import counters
+
+logger = logging.getLogger(__name__)
+
+# What a worker runs (compile/compile_workers.py) on send_to_worker's payload.
+WORKER_COMPILE = "compile_backend.compile.worker_compile:compile_in_worker"
+
+
+class _PiecePickler(GraphPickler):
+    """GraphPickler, and a view's base described without its fake mode: the
+    pickler clears a tensor's own mode but not its base's, so a piece that
+    takes a view (a slice of a persistent buffer) fails to pickle; the
+    unpickler sets both again."""
+
+    def reducer_override(self, obj: object) -> Any:
+        out = super().reducer_override(obj)
+        meta = getattr(out[1][0], "metadata", None) if isinstance(out, tuple) else None
+        base = getattr(meta, "base", None)
+        if dataclasses.is_dataclass(base) and getattr(base, "fake_mode", None) is not None:
+            out[1][0].metadata = dataclasses.replace(meta, base=dataclasses.replace(
+                base, fake_mode=None))
+        return out
+
+
+def send_to_worker(workers: Any, submod: torch.fx.GraphModule, args: Sequence[Any],
+                   local: Callable[[], Any]) -> Any:
+    """Queue an Inductor compile of `submod` for the workers (a future), or
+    None where the piece cannot be pickled (it is then compiled here)."""
+    from torch._inductor import config as inductor_config
+
+    try:
+        payload = _PiecePickler.dumps(
+            (submod, tuple(args), inductor_config.save_config_portable()),
+            Options(ops_filter=None))
+    except Exception as e:  # noqa: BLE001 - compiled here: logged and counted
+        counters["compile_worker_fallbacks"] += 1
+        logger.warning("mrv2: a piece could not be sent to a compile worker (%s: %s); it "
+                       "compiles in this process", type(e).__name__, e)
+        return None
+    return workers.submit(WORKER_COMPILE, payload, local=local)
+
+
+def compile_in_worker(payload: bytes) -> tuple[bytes, list[Any]]:
+    """In a worker: the piece's artifact (bytes) and what compiling it
+    assumed of its size symbols."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import compile_backend.kernels  # noqa: F401  (the mrv2 ops the piece calls)
+    from compile_backend.compile.layer_sharing import assumed_since, piece_symbols, shape_env_mark
+    from compile_backend.compile.piece_compiler import compile_piece
+    from compile_backend.compile.step_artifacts import artifact_bytes
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    gm, args, config = GraphPickler.loads(payload, fake_mode)
+    mark = shape_env_mark(args)
+    # As in the caller: inside the tracing context's fake mode, with the
+    # Python dispatcher (ops' symbolic-shape rules).
+    with inductor_config.patch(config), tracing(TracingContext(fake_mode)), fake_mode, \
+            enable_python_dispatcher():
+        fn = compile_piece(gm, args, "inductor", serializable=True)
+    return artifact_bytes(fn), assumed_since(mark, piece_symbols(args))
+
+
+def loaded_from_worker(submod: torch.fx.GraphModule,
+                       answer: tuple[bytes, list[Any]]) -> tuple[Callable[..., Any], list[Any]]:
+    """The worker's answer as (the piece's callable, what it assumed)."""
+    from compile_backend.compile.step_artifacts import load_artifact
+
+    data, assumed = answer
+    return load_artifact(submod, data), assumed

@@ -1,0 +1,99 @@
+"""Compile workers (compile/compile_workers.py): jobs run in fresh worker
+processes or, where no worker has taken them, in the caller's; a failed job
+or a dead worker fails its future with the reason; what a job prints never
+reaches the answers. The piece's payload (compile/worker_compile.py) pickles
+views of a buffer. Inductor compiles in workers: tests/compile/test_warm_start.py
+(slow tier)."""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import compile_backend as cb
+from compile_backend.compile.compile_workers import CompileWorkers, WorkerError, auto_workers
+
+
+@pytest.fixture
+def workers():
+    pool = CompileWorkers(1)
+    yield pool
+    pool.close(wait=True)
+
+
+def test_a_job_runs_in_a_worker_and_its_prints_do_not_corrupt_the_answers(workers):
+    data = os.urandom(4096)
+    printed = workers.submit("builtins:print", "a line on the worker's stdout")
+    assert printed.result(timeout=60) == ("worker", None)
+    for _ in range(3):
+        assert workers.submit("zlib:crc32", data).result(timeout=60) == ("worker", zlib.crc32(data))
+
+
+def test_a_failing_job_fails_its_future_with_the_workers_traceback(workers):
+    future = workers.submit("zlib:decompress", b"not zlib data")
+    with pytest.raises(WorkerError, match="zlib.error"):
+        future.result(timeout=60)
+    assert workers.submit("zlib:adler32", b"abc").result(timeout=60) == ("worker", zlib.adler32(b"abc"))
+
+
+def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(workers):
+    dead = workers.submit("os:_exit", 3)
+    with pytest.raises(WorkerError, match=r"died \(exit code 3\)"):
+        dead.result(timeout=60)
+    left = workers.submit("zlib:crc32", b"xyz", local=lambda: "ran here")
+    assert workers.run_queued_here() == 1
+    assert left.result(timeout=1) == ("here", "ran here")
+
+
+def test_jobs_wait_for_a_worker_that_is_still_importing_and_the_caller_may_take_them(
+        tmp_path, monkeypatch):
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get the caller's import path
+    pool = CompileWorkers(1, preload=["slow_to_import"])
+    try:
+        first = pool.submit("zlib:crc32", b"a", local=lambda: "first, here")
+        second = pool.submit("zlib:crc32", b"b", local=None)  # a worker's only
+        assert pool.run_queued_here() == 1  # the worker is still importing
+        assert first.result(timeout=1) == ("here", "first, here")
+        assert second.result(timeout=60) == ("worker", zlib.crc32(b"b"))
+    finally:
+        pool.close(wait=True)
+    assert all(p.returncode == 0 for p in pool._procs)
+
+
+def test_a_job_whose_answer_cannot_be_pickled_fails_with_the_reason(workers):
+    future = workers.submit("builtins:open", os.devnull)  # a file object: not picklable
+    with pytest.raises(WorkerError, match="pickle"):
+        future.result(timeout=60)
+    assert workers.submit("zlib:crc32", b"q").result(timeout=60) == ("worker", zlib.crc32(b"q"))
+
+
+def test_compile_workers_option():
+    assert cb.CompilationConfig().compile_workers is None
+    assert cb.CompilationConfig(compile_workers=0).compile_workers == 0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="compile_workers must be None or an int >= 0"):
+            cb.CompilationConfig(compile_workers=bad)
+    assert 0 <= auto_workers() <= 3
+
+
+def test_a_piece_payload_pickles_views_of_a_buffer():
+    """A piece that takes slices of one persistent buffer (the runner's input
+    ids, say) goes to a worker with the view kept: GraphPickler alone fails
+    on a view's base."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler, Options
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from compile_backend.compile.worker_compile import _PiecePickler
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    buffer = torch.randn(64, 8)
+    fake = mode.from_tensor(buffer)
+    args = (fake[4:20], fake[1:9, 2:6], fake)
+    data = _PiecePickler.dumps(args, Options(ops_filter=None))
+    back = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    for a, b in zip(args, back):
+        assert (a.shape, a.stride(), a.storage_offset(), a._is_view()) == \
+            (b.shape, b.stride(), b.storage_offset(), b._is_view())
