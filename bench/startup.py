@@ -62,7 +62,7 @@ CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
             "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
-            "first_step_dry_runs")
+            "first_step_dry_runs", "compile_worker_compiles", "compile_worker_fallbacks")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
@@ -119,7 +119,8 @@ def child(spec: dict) -> dict:
     setup = Setup(device=spec["device"], dtype=torch.bfloat16 if cuda else torch.float32,
                   preset=spec["preset"], piece_compiler=spec["piece_compiler"],
                   context=spec["context"], graphs=None if cuda else StandInGraphs(),
-                  options={"capture_warmup": spec.get("capture_warmup", "on_demand")})
+                  options={"capture_warmup": spec.get("capture_warmup", "on_demand"),
+                           "compile_workers": spec.get("compile_workers")})
     t = time.perf_counter()
     if cuda:  # the context, on its own (otherwise inside the model's build)
         torch.empty(1, device="cuda")
@@ -279,7 +280,8 @@ def process_cells(r: dict) -> list:
     return [r["model"], r["preset"], r["mode"], r["phase"], dash(r["compile_s"], ".1f"),
             dash(r["capture_s"], ".2f"), r["graphs"], dash(r["start_to_first_step_s"], ".1f"),
             dash(r.get("mrv2_share_s"), ".1f"), c["piece_compiles"], c["piece_compile_reuses"],
-            c["inductor_compiles"], c["dynamo_graphs"], dash(r.get("import_torch_s"), ".1f"),
+            c["inductor_compiles"], c.get("compile_worker_compiles", "-"), c["dynamo_graphs"],
+            dash(r.get("import_torch_s"), ".1f"),
             dash(r.get("import_mrv2_s"), ".2f"), dash(r.get("model_s"), ".1f"),
             dash(r.get("runner_s"), ".2f"), dash(r["first_step_s"], ".3f"), r["plan"], caches]
 
@@ -300,14 +302,16 @@ def tables(meta: dict, rows: list[dict]) -> str:
          "plan (graphs: CUDA graphs captured; plan: sizes x graph kinds); start to first step: "
          "from the parent's spawn of the process to the end of the first step (interpreter "
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
-         "caches, runner." + (f" Bytecode: {meta['bytecode']}." if meta.get("bytecode") else ""),
+         "caches, runner; in workers: distinct Inductor pieces compiled by compile worker "
+         "processes (CompilationConfig.compile_workers)." + (f" Bytecode: {meta['bytecode']}." if meta.get("bytecode") else ""),
          ""]
     L += table(["model", "preset", "mode", "phase", "compile s", "capture s", "graphs",
                 "start-to-first-step s", "mrv2's share s", "piece_compiles", "reuses",
-                "inductor_compiles", "dynamo_graphs", "import torch s", "import mrv2 s", "weights s",
-                "runner s", "first step s", "plan", "caches MiB after (inductor / triton / mrv2)"],
-               "llll" + "r" * 15 + "l",
-               [[r["model"], r["preset"], r["mode"], r["phase"], f"failed: {r['error']}"] + [None] * 15
+                "inductor_compiles", "in workers", "dynamo_graphs", "import torch s", "import mrv2 s",
+                "weights s", "runner s", "first step s", "plan",
+                "caches MiB after (inductor / triton / mrv2)"],
+               "llll" + "r" * 16 + "l",
+               [[r["model"], r["preset"], r["mode"], r["phase"], f"failed: {r['error']}"] + [None] * 16
                 if "error" in r else process_cells(r) for r in rows])
     L += ["", "Capture profile: host seconds of runner.capture() by phase, summed over the "
           "plan's graphs (warm-up: the eager step before a capture; record: the step run under "
@@ -404,6 +408,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--capture-warmup", default="on_demand", choices=["every_size", "on_demand"],
                     help="CompilationConfig.capture_warmup (on_demand: a warm-up only where a "
                     "capture would compile a kernel)")
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="CompilationConfig.compile_workers (default: its own, one per two cores "
+                    "beside the process's, at most 3; 0: Inductor's pieces one after another)")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile each child into DIR (<model>-<preset>-<mode>-<phase>.prof and "
                          "a .txt of the top functions by cumulative time)")
@@ -424,7 +431,7 @@ def child_base(args, cuda: bool) -> dict:
     return {"device": "cuda" if cuda else "cpu",
             "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
             "sizes": sizes, "batch": min(args.batch, max(sizes)),
-            "capture_warmup": args.capture_warmup,
+            "capture_warmup": args.capture_warmup, "compile_workers": args.compile_workers,
             "profile": os.path.abspath(args.profile) if args.profile else None,
             "context": args.context if args.context is not None else (500 if cuda else 40)}
 

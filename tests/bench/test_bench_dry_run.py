@@ -78,7 +78,7 @@ def _startup_row(phase, mode="piecewise", **changes):
                                       "record_s": 0.6, "instantiate_s": 0.5, "other_s": 0.2}},
            "first_step_ran_as": mode, "device_name": "GPU", "torch": "t", "triton": "3",
            "counters": {"piece_compiles": 3, "piece_compile_reuses": 62, "inductor_compiles": 3,
-                        "dynamo_graphs": 1},
+                        "compile_worker_compiles": 2, "dynamo_graphs": 1},
            "cache_bytes": {"TORCHINDUCTOR_CACHE_DIR": 2**21, "TRITON_CACHE_DIR": 0,
                            "MRV2_CACHE_DIR": 0}}
     return {**row, **changes}
@@ -92,7 +92,7 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
              "error": "exit code 1", "stderr_tail": "Traceback: boom"}]
     text = startup.tables(meta, rows)
     assert ("| llama | llama8b | piecewise | warm | 6.0 | 1.50 | 1155 | 12.0 | 9.0 | 3 | 62 | 3 "
-            "| 1 | 3.0 | 1.00 | 2.5 | 0.50 |") in text
+            "| 2 | 1 | 3.0 | 1.00 | 2.5 | 0.50 |") in text
     assert "| llama | llama8b | full | cold | failed: exit code 1 |" in text and "Traceback: boom" in text
     assert "| cold compile s | ~19 (Dynamo 4.6 + Inductor 14.8) | <= 15 | 30.0 |" in text
     assert "| warm start to first step s | ~9 (warm start with Inductor's cache) | <= 5 | 12.0 |" in text
