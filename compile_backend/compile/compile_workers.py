@@ -94,15 +94,20 @@ class CompileWorkers:
             subprocess.Popen([sys.executable, "-m", __name__, *preload], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
             for _ in range(n)]
-        self._threads = [threading.Thread(target=self._serve, args=(p,), daemon=True,
+        self._ready = [threading.Event() for _ in self._procs]  # set: ready, or dead at start
+        self._threads = [threading.Thread(target=self._serve, args=(p, e), daemon=True,
                                           name=f"mrv2-compile-worker-{p.pid}")
-                         for p in self._procs]
+                         for p, e in zip(self._procs, self._ready)]
         for t in self._threads:
             t.start()
         self.closed = False
 
     def __len__(self) -> int:
         return len(self._procs)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until every worker has imported its preloads (or died)."""
+        return all(e.wait(timeout) for e in self._ready)
 
     def submit(self, remote: str, arg: Any, local: Callable[[], Any] | None = None) -> Future:
         """Queue `resolve(remote)(arg)` for a worker; `local`: the same work in
@@ -148,13 +153,14 @@ class CompileWorkers:
             for t in self._threads:
                 t.join()
 
-    def _serve(self, proc: subprocess.Popen) -> None:
+    def _serve(self, proc: subprocess.Popen, started: threading.Event) -> None:
         try:
             # Jobs wait in the queue (where the caller may take them) until this
             # worker has imported what it preloads.
             ready = _recv(proc.stdout) == ("ready", None)
         except (OSError, EOFError, pickle.PickleError, ValueError):
             ready = False
+        started.set()
         try:
             while ready:
                 job = self._queue.get()

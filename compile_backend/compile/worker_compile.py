@@ -47,6 +47,21 @@ class _PiecePickler(GraphPickler):
         return out
 
 
+# Node metadata a worker's compile does without: Dynamo's GraphArg holds the
+# real input (a parameter's data), and the stacks hold modules and functions.
+_LEFT_OUT_META = frozenset({"grapharg", "source_fn_stack", "nn_module_stack",
+                            "fwd_source_fn_stack"})
+
+
+def _sendable(submod: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the piece whose nodes keep only what its compile reads."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(submod.graph, {}))
+    for node in graph.nodes:
+        node.meta = {k: v for k, v in node.meta.items() if k not in _LEFT_OUT_META}
+    return torch.fx.GraphModule(submod, graph)
+
+
 def send_to_worker(workers: Any, submod: torch.fx.GraphModule, args: Sequence[Any],
                    local: Callable[[], Any]) -> Any:
     """Queue an Inductor compile of `submod` for the workers (a future), or
@@ -55,7 +70,7 @@ def send_to_worker(workers: Any, submod: torch.fx.GraphModule, args: Sequence[An
 
     try:
         payload = _PiecePickler.dumps(
-            (submod, tuple(args), inductor_config.save_config_portable()),
+            (_sendable(submod), tuple(args), inductor_config.save_config_portable()),
             Options(ops_filter=None))
     except Exception as e:  # noqa: BLE001 - compiled here: logged and counted
         counters["compile_worker_fallbacks"] += 1

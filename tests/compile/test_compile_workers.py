@@ -54,9 +54,11 @@ def test_jobs_wait_for_a_worker_that_is_still_importing_and_the_caller_may_take_
     try:
         first = pool.submit("zlib:crc32", b"a", local=lambda: "first, here")
         second = pool.submit("zlib:crc32", b"b", local=None)  # a worker's only
+        assert not pool.wait_ready(timeout=0.1)
         assert pool.run_queued_here() == 1  # the worker is still importing
         assert first.result(timeout=1) == ("here", "first, here")
         assert second.result(timeout=60) == ("worker", zlib.crc32(b"b"))
+        assert pool.wait_ready(timeout=0)
     finally:
         pool.close(wait=True)
     assert all(p.returncode == 0 for p in pool._procs)

@@ -183,7 +183,7 @@ class _CacheStack(torch.nn.Module):
         return x
 
 
-def _cache_stack_compiles(lengths, ranges=None, then=None):
+def _cache_stack_compiles(lengths, ranges=None, then=None, piece_compiler="eager"):
     """Compile _CacheStack with each cache's length dynamic (`ranges`: a
     (min, max) per cache, or None); (piece compiles, reuses) of the one
     Dynamo graph, after checking two calls against eager. `then`: cache
@@ -195,7 +195,7 @@ def _cache_stack_compiles(lengths, ranges=None, then=None):
     torch.manual_seed(3)
     model = _CacheStack(n=len(lengths)).eval()
     compiled = torch.compile(model, backend=cb.backend(
-        cudagraph_mode="none", piece_compiler="eager", splitting_ops=["toy::attn"]))
+        cudagraph_mode="none", piece_compiler=piece_compiler, splitting_ops=["toy::attn"]))
     g = torch.Generator().manual_seed(11)
 
     def call(lens):
@@ -231,18 +231,19 @@ def test_a_symbol_with_another_range_keeps_its_layer_apart():
     assert (compiles, reuses) == (2, 2)
 
 
-def _guarding_compiler(monkeypatch, guard):
+def _guarding_compiler(monkeypatch, guard, compiler=None):
     """Piece compiles that first guard `guard(first symbolic size)` of their
-    piece (as Inductor does when it picks a kernel for a size range)."""
+    piece (as Inductor does when it picks a kernel for a size range);
+    `compiler`: the one they run instead of the piece's."""
     from compile_backend.compile import piece_compiler
 
     real = piece_compiler.compile_piece
 
-    def guarding(gm, fake_args, compiler, serializable=False):
+    def guarding(gm, fake_args, piece_compiler_name, serializable=False):
         sizes = [d for a in fake_args if isinstance(a, torch.Tensor) for d in a.shape
                  if isinstance(d, torch.SymInt)]
         bool(guard(sizes[0]))  # a guard on this piece's first symbol
-        return real(gm, fake_args, compiler, serializable)
+        return real(gm, fake_args, compiler or piece_compiler_name, serializable)
 
     monkeypatch.setattr(piece_compiler, "compile_piece", guarding)
 
@@ -263,3 +264,63 @@ def test_a_piece_whose_sizes_break_what_a_compile_assumed_compiles_its_own(monke
     `s > 7` on themselves)."""
     _guarding_compiler(monkeypatch, lambda s: s <= 7)
     assert _cache_stack_compiles([5, 6, 8, 9]) == (3, 1)
+
+
+class _InProcessWorkers:
+    """Compile workers that run the worker's own function (unpickle into a
+    ShapeEnv of its own, compile, say what it assumed) in this process: what a
+    worker's compile assumed reaches the caller only through its answer."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def submit(self, remote, payload, local=None):
+        from concurrent.futures import Future
+
+        from compile_backend.compile.compile_workers import resolve
+
+        self.sent += 1
+        future = Future()
+        future.set_result(("worker", resolve(remote)(payload)))
+        return future
+
+    def run_queued_here(self):
+        return 0
+
+    def close(self):
+        pass
+
+
+def _through_workers(monkeypatch, guard):
+    """Pieces "compiled by Inductor" in _InProcessWorkers: each compile guards
+    `guard(its first symbol)` in its own ShapeEnv and runs the piece eagerly."""
+    from compile_backend.compile import backend, piece_compiler, step_artifacts
+
+    _guarding_compiler(monkeypatch, guard, compiler="eager")
+    workers = _InProcessWorkers()
+    monkeypatch.setattr(backend, "_start_workers", lambda config: workers)
+    monkeypatch.setattr(step_artifacts, "artifact_bytes", lambda fn: b"the piece")
+    # The loaded artifact: the caller's own piece module (eager), with what the worker assumed.
+    monkeypatch.setattr(piece_compiler, "loaded_from_worker",
+                        lambda submod, answer: (submod, answer[1]))
+    return workers
+
+
+def test_what_a_workers_compile_assumed_is_guarded_here_for_it_and_its_sharers(monkeypatch):
+    """The first layer's piece compiles in a worker, whose compile guards
+    `s0 >= 4` in the worker's ShapeEnv only: the caller guards it on receipt
+    (for that piece, as for the layers sharing its artifact), so a call whose
+    first cache is 3 long compiles a new graph."""
+    workers = _through_workers(monkeypatch, lambda s: s >= 4)
+    assert _cache_stack_compiles([5, 6, 7, 9], then=[3, 6, 7, 9], piece_compiler="inductor") \
+        == (1, 3)
+    assert cb.counters["dynamo_graphs"] == 2, dict(cb.counters)
+    assert workers.sent == cb.counters["compile_worker_compiles"] == 2  # one per Dynamo graph
+
+
+def test_a_workers_artifact_is_shared_only_where_what_it_assumed_holds(monkeypatch):
+    """The worker's compile guards `s0 <= 7`: the 6-long layer shares its
+    artifact, the 8- and 9-long ones compile their own here."""
+    _through_workers(monkeypatch, lambda s: s <= 7)
+    assert _cache_stack_compiles([5, 6, 8, 9], piece_compiler="inductor") == (3, 1)
+    assert cb.counters["compile_worker_compiles"] == 1

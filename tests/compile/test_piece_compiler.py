@@ -261,12 +261,18 @@ def test_identical_layers_share_one_compiled_piece():
 
 
 @pytest.mark.slow
-def test_inductor_pieces_compile_once_and_match_eager():
-    """Inductor: one compile per distinct piece, reused across layers and sizes."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_inductor_pieces_compile_once_and_match_eager(workers):
+    """Inductor: one compile per distinct piece, reused across layers and
+    sizes; in this process, or in compile worker processes."""
     model = Layers(3)
     torch.manual_seed(0)
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="mrv2")  # piece_compiler defaults to inductor
+    backend = cb.backend(compile_workers=workers)  # piece_compiler defaults to inductor
+    if workers:  # ready before the compile, so that they take its pieces
+        backend.start_workers()
+        assert backend._workers.wait_ready(timeout=120)
+    compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         for t in [6, 3, 11]:
             x = cb.mark_token_dim(torch.randn(t, 16))
@@ -277,3 +283,5 @@ def test_inductor_pieces_compile_once_and_match_eager():
     distinct = cb.counters["piece_compiles"]
     assert cb.counters["inductor_compiles"] == distinct
     assert distinct < 4 and cb.counters["piece_compile_reuses"] >= 1
+    assert cb.counters["compile_worker_fallbacks"] == 0
+    assert (cb.counters["compile_worker_compiles"] >= 1) == (workers > 0)
