@@ -39,10 +39,11 @@ class _PiecePickler(GraphPickler):
 
     def reducer_override(self, obj: object) -> Any:
         out = super().reducer_override(obj)
-        meta = getattr(out[1][0], "metadata", None) if isinstance(out, tuple) else None
+        data = out[1][0] if isinstance(out, tuple) and len(out) > 1 and out[1] else None
+        meta = getattr(data, "metadata", None)
         base = getattr(meta, "base", None)
         if dataclasses.is_dataclass(base) and getattr(base, "fake_mode", None) is not None:
-            out[1][0].metadata = dataclasses.replace(meta, base=dataclasses.replace(
+            data.metadata = dataclasses.replace(meta, base=dataclasses.replace(
                 base, fake_mode=None))
         return out
 
