@@ -143,12 +143,16 @@ class CompileWorkers:
 
     def close(self, wait: bool = False) -> None:
         """Stop the workers: each exits when its stdin closes, which its thread
-        does once the jobs it took are answered. `wait`: until they exited
-        (the caller otherwise goes on while they tear down)."""
+        does once the jobs it took are answered; one still importing is
+        killed (it took no job). `wait`: until they exited (the caller
+        otherwise goes on while they tear down)."""
         if not self.closed:
             self.closed = True
             for _ in self._threads:
                 self._queue.put(None)
+            for proc, ready in zip(self._procs, self._ready):
+                if not ready.is_set():
+                    proc.kill()
         if wait:
             for t in self._threads:
                 t.join()

@@ -151,14 +151,14 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         if future is not None:
             try:
                 where, value = future.result()
-            except Exception as e:  # noqa: BLE001 - compiled here instead, the reason logged
-                counters["compile_worker_fallbacks"] += 1
-                logger.warning("mrv2: a compile worker could not compile piece %s, compiling "
-                               "it here: %s", met.piece.name, e)
-            else:
                 if where == "here":
                     return value
                 fn, assumed = loaded_from_worker(met.submod, value)
+            except Exception as e:  # noqa: BLE001 - compiled here instead, the reason logged
+                counters["compile_worker_fallbacks"] += 1
+                logger.warning("mrv2: piece %s was not compiled by a compile worker, compiling "
+                               "it here: %s", met.piece.name, e)
+            else:
                 # What the worker's compile assumed, guarded here as a sharer's is.
                 if assume_for(assumed, piece_symbols(met.args), met.args):
                     counters["compile_worker_compiles"] += 1

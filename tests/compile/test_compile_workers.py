@@ -64,6 +64,20 @@ def test_jobs_wait_for_a_worker_that_is_still_importing_and_the_caller_may_take_
     assert all(p.returncode == 0 for p in pool._procs)
 
 
+def test_closing_kills_a_worker_still_importing(tmp_path, monkeypatch):
+    """A compile whose pieces the caller compiled alone (its workers not ready
+    yet) does not leave them importing torch beside the next work."""
+    import time
+
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = CompileWorkers(1, preload=["slow_to_import"])
+    t0 = time.perf_counter()
+    pool.close(wait=True)
+    assert time.perf_counter() - t0 < 10
+    assert pool._procs[0].returncode == -9
+
+
 def test_a_job_whose_answer_cannot_be_pickled_fails_with_the_reason(workers):
     future = workers.submit("builtins:open", os.devnull)  # a file object: not picklable
     with pytest.raises(WorkerError, match="pickle"):

@@ -236,7 +236,7 @@ def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path,
     if fail:
         # Those a worker took failed; the caller compiled them and what it took itself.
         assert 1 <= counts["compile_worker_fallbacks"] <= 3 and "compile_worker_compiles" not in counts
-        assert "a compile worker could not compile piece" in err
+        assert "was not compiled by a compile worker, compiling it here" in err
     else:
         assert counts["compile_worker_compiles"] >= 1, counts
         assert "compile_worker_fallbacks" not in counts, err[-3000:]
