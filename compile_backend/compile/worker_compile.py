@@ -4,19 +4,20 @@
     where, value = future.result()
     fn, assumed = loaded_from_worker(submod, value)     # where == "worker"
 
-The payload is the piece, its fake (symbolic) arguments and Inductor's
-config, pickled by FX's GraphPickler, which carries the ShapeEnv: the
-worker's symbols keep their names, hints and ranges. The worker answers
-with the artifact's bytes (compile/step_artifacts.py, as a warm start loads
-them) and what compiling assumed of the piece's size symbols, which the
-caller guards as it does for a piece that shares an artifact
-(compile/layer_sharing.py). docs/design.md, section "Cold compile in parallel".
-"""
+The job: the modules that register the piece's custom ops, then the piece,
+its fake (symbolic) arguments and Inductor's config, pickled by FX's
+GraphPickler, which carries the ShapeEnv (symbols keep names, hints and
+ranges). The answer: the artifact's bytes (compile/step_artifacts.py, as a
+warm start loads them) and what compiling assumed of the piece's size
+symbols, which the caller guards as for a piece sharing an artifact
+(compile/layer_sharing.py). docs/design.md, section "Cold compile in parallel"."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -63,6 +64,44 @@ def _sendable(submod: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(submod, graph)
 
 
+# Namespaces whose ops every worker has: torch's own, and mrv2's (it preloads them).
+_KNOWN_NAMESPACES = frozenset({"aten", "prims", "mrv2", "_c10d_functional", "c10d",
+                               "_c10d_functional_autograd", "inductor", "higher_order"})
+
+
+def _defining_module(op: Any) -> str | None:
+    """The loaded module that registered `op`'s fake implementation (what
+    tracing it needed), by its source file; None where unknown or where it is
+    the caller's script (a worker must not run that again)."""
+    try:
+        from torch._library import simple_registry
+
+        source = simple_registry.singleton.find(op._name).fake_impl.kernel.source
+    except Exception:  # noqa: BLE001 - unknown: the worker reports a missing op, if any
+        return None
+    path = str(source).rpartition(":")[0]
+    for name, module in list(sys.modules.items()):
+        if name != "__main__" and getattr(module, "__file__", None) == path:
+            return name
+    return None
+
+
+def op_modules(gm: torch.fx.GraphModule) -> list[str]:
+    """Modules a worker imports so that `gm`'s custom ops (a user's, a test's)
+    are registered there before it unpickles the piece."""
+    found = set()
+    for node in gm.graph.nodes:
+        op = node.target
+        if isinstance(op, torch._ops.OpOverloadPacket):  # as FX's own tracer records it
+            op = getattr(op, "default", None)
+        if (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
+                and op.namespace not in _KNOWN_NAMESPACES):
+            name = _defining_module(op)
+            if name is not None:
+                found.add(name)
+    return sorted(found)
+
+
 def send_to_worker(workers: Any, submod: torch.fx.GraphModule, args: Sequence[Any],
                    local: Callable[[], Any]) -> Any:
     """Queue an Inductor compile of `submod` for the workers (a future), or
@@ -78,12 +117,13 @@ def send_to_worker(workers: Any, submod: torch.fx.GraphModule, args: Sequence[An
         logger.warning("mrv2: a piece could not be sent to a compile worker (%s: %s); it "
                        "compiles in this process", type(e).__name__, e)
         return None
-    return workers.submit(WORKER_COMPILE, payload, local=local)
+    return workers.submit(WORKER_COMPILE, (op_modules(submod), payload), local=local)
 
 
-def compile_in_worker(payload: bytes) -> tuple[bytes, list[Any]]:
+def compile_in_worker(job: tuple[list[str], bytes]) -> tuple[bytes, list[Any]]:
     """In a worker: the piece's artifact (bytes) and what compiling it
-    assumed of its size symbols."""
+    assumed of its size symbols (`job`: the modules that register its ops,
+    and send_to_worker's payload)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
@@ -95,6 +135,9 @@ def compile_in_worker(payload: bytes) -> tuple[bytes, list[Any]]:
     from compile_backend.compile.piece_compiler import compile_piece
     from compile_backend.compile.step_artifacts import artifact_bytes
 
+    modules, payload = job
+    for name in modules:
+        importlib.import_module(name)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     gm, args, config = GraphPickler.loads(payload, fake_mode)
     mark = shape_env_mark(args)

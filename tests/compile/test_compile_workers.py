@@ -1,10 +1,12 @@
 """Compile workers (compile/compile_workers.py): jobs run in fresh worker
 processes or, where no worker has taken them, in the caller's; a failed job
 or a dead worker fails its future with the reason; what a job prints never
-reaches the answers. The piece's payload (compile/worker_compile.py) pickles
-views of a buffer. Inductor compiles in workers: tests/compile/test_warm_start.py
-(slow tier)."""
+reaches the answers. The piece's job (compile/worker_compile.py) pickles
+views of a buffer and names the modules of its custom ops; a model's own ops
+compile in a worker (slow tier, as tests/compile/test_warm_start.py's runner
+cases)."""
 
+import copy
 import os
 import zlib
 
@@ -113,3 +115,44 @@ def test_a_piece_payload_pickles_views_of_a_buffer():
     for a, b in zip(args, back):
         assert (a.shape, a.stride(), a.storage_offset(), a._is_view()) == \
             (b.shape, b.stride(), b.storage_offset(), b._is_view())
+
+
+def test_a_workers_job_names_the_modules_of_the_pieces_own_ops():
+    import toy_ops  # noqa: F401  (registers toy::*)
+
+    from compile_backend.compile.worker_compile import op_modules
+
+    def f(x, state):
+        y = torch.ops.toy.attn(x, x, x)
+        return torch.ops.toy.state_mix(torch.relu(y), state)
+
+    gm = torch.fx.symbolic_trace(f)
+    assert op_modules(gm) == ["toy_ops"]
+
+
+@pytest.mark.slow
+def test_a_models_own_ops_reach_the_workers_and_its_pieces_equal_eager():
+    """A piece that calls a test's attention-like op (toy::state_mix, which
+    updates a buffer) compiles with Inductor in a worker, which imports the
+    op's module first; outputs and the buffer equal eager after every call."""
+    from backend_models import D, TOY_OPTIONS, ToyHybrid
+
+    torch._dynamo.reset()
+    cb.reset_counters()
+    torch.manual_seed(5)
+    model = ToyHybrid()
+    eager = copy.deepcopy(model)
+    backend = cb.backend(piece_compiler="inductor", compile_workers=1, **TOY_OPTIONS)
+    backend.start_workers()
+    assert backend._workers.wait_ready(timeout=120)  # so that the worker takes the pieces
+    compiled = torch.compile(model, backend=backend)
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for t in (6, 3, 11):
+            x = cb.mark_token_dim(torch.randn(t, D, generator=g))
+            with cb.symbolic_tokens():
+                out = compiled(x)
+            torch.testing.assert_close(out, eager(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.state, eager.state, atol=1e-5, rtol=1e-5)
+    assert cb.counters["compile_worker_compiles"] >= 1, dict(cb.counters)
+    assert cb.counters["compile_worker_fallbacks"] == 0, dict(cb.counters)
