@@ -353,7 +353,8 @@ def precompile_cells(r: dict) -> list:
     st, c = r.get("capture_stats") or {}, r.get("counters", {})
     if not st:
         return ["-"] * 4
-    return [st.get("graphs_waited", 0), st.get("kernels_precompiled", 0),
+    # kernels_recorded: "kernels_precompiled" in earlier runs (the counter's name)
+    return [st.get("graphs_waited", 0), st.get("kernels_recorded", st.get("kernels_precompiled", 0)),
             c.get("kernels_preloaded", 0), f"{st.get('compile_wait_s', 0.0):.2f}"]
 
 

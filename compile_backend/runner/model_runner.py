@@ -157,8 +157,9 @@ class ModelRunner:
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend())
         self.captures: list[CaptureRecord] = []
-        # What capture() compiled ahead: kernels, graphs that waited for them,
-        # host seconds spent waiting (empty without the precompiler).
+        # What capture() compiled ahead: kernels_recorded (the Triton kernels
+        # the first step and the plan asked for), graphs_waited, compile_wait_s
+        # (host seconds the plan waited for them); empty without the precompiler.
         self.capture_stats: dict[str, Any] = {}
         # Records the Triton kernels the first step and the plan compile (the
         # list saved beside the warm-start entry) and compiles ahead for
@@ -278,7 +279,7 @@ class ModelRunner:
                 self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
-            self.capture_stats = {"kernels_precompiled": len(pre.specs), "graphs_waited": len(waiting),
+            self.capture_stats = {"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
                                   "compile_wait_s": pre.wait_s - waited_before}
             self._save_kernels(pre.saved_list())
         self.captured = True
