@@ -103,7 +103,9 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         key, names = piece_key(submod, args)
         self.met.append(_Met(piece, submod, tuple(args), key, names))
         sent_as = key or piece.name
-        if self.workers is not None and self.compiler == "inductor" and sent_as not in self.sent:
+        # A collective compiles here: a worker has no process group to resolve its group by.
+        if (self.workers is not None and self.compiler == "inductor" and not piece.collectives
+                and sent_as not in self.sent):
             # None: it could not be sent, compiled here (the others of its key are not tried)
             self.sent[sent_as] = send_to_worker(self.workers, submod, args,
                                                 self._here(submod, args))

@@ -152,6 +152,54 @@ def test_compiled_the_op_sits_inside_a_captured_piece_and_sums(one_rank_gloo, mo
     assert torch.equal(torch.ops.mrv2.all_reduce(x, 4096, name), x)  # 1 rank: the sum is x
 
 
+def test_a_piece_with_a_collective_compiles_here_not_in_a_compile_worker(one_rank_gloo,
+                                                                        monkeypatch):
+    """A worker joins no process group: the piece holding the all-reduce is
+    never sent; the other captured piece is (here its worker fails, so it
+    compiles here too, counted)."""
+    from concurrent.futures import Future
+
+    import torch.distributed._functional_collectives as funcol
+
+    from compile_backend.compile import backend, piece_compiler
+
+    name = one_rank_gloo.group_name
+    _ready(monkeypatch, name)
+    sent = []
+
+    class Workers:
+        def submit(self, remote, job, local=None):
+            sent.append(job)
+            future = Future()
+            future.set_exception(RuntimeError("no worker in this test"))
+            return future
+
+        def run_queued_here(self):
+            return 0
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(backend, "_start_workers", lambda config: Workers())
+    real = piece_compiler.compile_piece
+    monkeypatch.setattr(piece_compiler, "compile_piece",
+                        lambda gm, args, compiler, serializable=False: real(gm, args, "eager"))
+
+    def step(x, w):
+        h = torch.ops.toy.attn(x, x, x)  # breakpoint
+        y = funcol.all_reduce(h @ w, "sum", name)
+        return torch.ops.toy.attn(y, y, y) + y
+
+    x, w = torch.randn(6, 8), torch.randn(8, 8)
+    compiled = torch.compile(step, backend="mrv2", options={
+        "splitting_ops": ["toy::attn"], "piece_compiler": "inductor", "tp_all_reduce": "auto"})
+    torch.testing.assert_close(compiled(x, w), step(x, w), atol=1e-5, rtol=1e-5)
+    pieces = cb.compiled_steps()[-1].pieces
+    assert [(p.captured, bool(p.collectives)) for p in pieces] == [
+        (False, False), (True, True), (False, False), (True, False)]
+    assert len(sent) == 1 and cb.counters["compile_worker_fallbacks"] == 1
+
+
 def test_one_rank_sets_up_nothing_and_freeing_clears_every_group(monkeypatch):
     from compile_backend.core.parallel import TensorParallel
 
