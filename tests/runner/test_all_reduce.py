@@ -131,22 +131,28 @@ def test_the_rewritten_all_reduce_is_still_a_collective_to_capture_safety(one_ra
     assert not CaptureSafetyPass(OpRegistry())(g).changed  # NCCL: captured
 
 
-def test_compiled_the_op_sits_inside_a_captured_piece_and_sums(one_rank_gloo, monkeypatch):
+def _compile_all_reduce_step(group_name, piece_compiler):
+    """breakpoint -> matmul, all-reduce -> breakpoint, compiled and checked
+    against eager once (one rank: the sum is the value); returns its pieces."""
     import torch.distributed._functional_collectives as funcol
-
-    name = one_rank_gloo.group_name
-    _ready(monkeypatch, name)
 
     def step(x, w):
         h = torch.ops.toy.attn(x, x, x)  # breakpoint
-        y = funcol.all_reduce(h @ w, "sum", name)
+        y = funcol.all_reduce(h @ w, "sum", group_name)
         return torch.ops.toy.attn(y, y, y) + y
 
     x, w = torch.randn(6, 8), torch.randn(8, 8)
     compiled = torch.compile(step, backend="mrv2", options={
-        "splitting_ops": ["toy::attn"], "piece_compiler": "eager", "tp_all_reduce": "auto"})
+        "splitting_ops": ["toy::attn"], "piece_compiler": piece_compiler, "tp_all_reduce": "auto"})
     torch.testing.assert_close(compiled(x, w), step(x, w), atol=1e-5, rtol=1e-5)
-    pieces = cb.compiled_steps()[-1].pieces
+    return cb.compiled_steps()[-1].pieces
+
+
+def test_compiled_the_op_sits_inside_a_captured_piece_and_sums(one_rank_gloo, monkeypatch):
+    name = one_rank_gloo.group_name
+    _ready(monkeypatch, name)
+    x = torch.randn(6, 8)
+    pieces = _compile_all_reduce_step(name, "eager")
     assert [(p.captured, p.collectives) for p in pieces] == [
         (False, []), (True, ["mrv2::all_reduce"]), (False, []), (True, [])]
     assert torch.equal(torch.ops.mrv2.all_reduce(x, 4096, name), x)  # 1 rank: the sum is x
@@ -158,8 +164,6 @@ def test_a_piece_with_a_collective_compiles_here_not_in_a_compile_worker(one_ran
     never sent; the other captured piece is (here its worker fails, so it
     compiles here too, counted)."""
     from concurrent.futures import Future
-
-    import torch.distributed._functional_collectives as funcol
 
     from compile_backend.compile import backend, piece_compiler
 
@@ -184,17 +188,7 @@ def test_a_piece_with_a_collective_compiles_here_not_in_a_compile_worker(one_ran
     real = piece_compiler.compile_piece
     monkeypatch.setattr(piece_compiler, "compile_piece",
                         lambda gm, args, compiler, serializable=False: real(gm, args, "eager"))
-
-    def step(x, w):
-        h = torch.ops.toy.attn(x, x, x)  # breakpoint
-        y = funcol.all_reduce(h @ w, "sum", name)
-        return torch.ops.toy.attn(y, y, y) + y
-
-    x, w = torch.randn(6, 8), torch.randn(8, 8)
-    compiled = torch.compile(step, backend="mrv2", options={
-        "splitting_ops": ["toy::attn"], "piece_compiler": "inductor", "tp_all_reduce": "auto"})
-    torch.testing.assert_close(compiled(x, w), step(x, w), atol=1e-5, rtol=1e-5)
-    pieces = cb.compiled_steps()[-1].pieces
+    pieces = _compile_all_reduce_step(name, "inductor")
     assert [(p.captured, bool(p.collectives)) for p in pieces] == [
         (False, False), (True, True), (False, False), (True, False)]
     assert len(sent) == 1 and cb.counters["compile_worker_fallbacks"] == 1
