@@ -88,8 +88,9 @@ class CompileWorkers:
         assert n >= 1, n
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         env = dict(os.environ)
-        # The caller's import path (a source checkout, a test's folders).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        # The caller's import path (a source checkout, a test's folders; "" is its cwd).
+        env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir))
         self._procs = [
             subprocess.Popen([sys.executable, "-m", __name__, *preload], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
