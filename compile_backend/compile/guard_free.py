@@ -75,8 +75,10 @@ class GuardFreeModel:
         flag = ({"enable_aot_compile": True}
                 if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
         with torch._dynamo.config.patch(**flag):
-            aot_compile = getattr(torch.compile(self.model.forward, fullgraph=True,
-                                                backend=self.backend), "aot_compile", None)
+            aot_compile = getattr(torch.compile(
+                self.model.forward, fullgraph=True, backend=self.backend,
+                options={"guard_filter_fn": guard_filter(self.config.debug_checks)}),
+                "aot_compile", None)
         if aot_compile is None:
             self._guarded("this torch has no aot_compile")
             return
@@ -208,6 +210,32 @@ class GuardFreeModel:
             f"(failed guards: {reason}). Runner steps skip Dynamo's guards: the model's code, "
             "parameters and buffers must stay the same objects and the inputs keep their "
             "dtypes and ranks. Build a new ModelRunner after changing the model.")
+
+
+def guard_filter(debug_checks: bool) -> Callable[[Any], list[bool]]:
+    """The guards a runner's step keeps (torch's `guard_filter_fn`): what
+    torch's AOT compile keeps by default (no guard on a global, none of a
+    type it cannot save), less those on the model's parameters and buffers
+    unless `debug_checks`. A runner never evaluates guards per step; a
+    saved step's entry is keyed by every parameter's and buffer's name,
+    shape, strides, dtype, device and requires_grad (step_cache.entry_header),
+    so the guards on them (a third of the load's guard build on a 32-layer
+    model) only re-checked that. Under `debug_checks` they stay, so a
+    parameter changed after the compile is named at the next step."""
+    def keep(entries: Any) -> list[bool]:
+        from torch._dynamo.guards import CheckFunctionManager
+
+        unsaved = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())
+        return [not (g.is_global or g.guard_type in unsaved
+                     or (not debug_checks and _on_model_state(g.name)))
+                for g in entries]
+    return keep
+
+
+def _on_model_state(source: str) -> bool:
+    """Does a guard's source name a module's parameter or buffer
+    (`L['self']._modules['layers']._modules['0']._parameters['weight']`)?"""
+    return "._parameters[" in source or "._buffers[" in source
 
 
 def _failed_guards(aot: Any, model: torch.nn.Module, args: tuple) -> list[str]:

@@ -103,7 +103,9 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
         "mrv2": _own_source_hash(),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "model": code,
-        "state": [(n, list(t.shape), str(t.dtype), t.device.type)
+        # Everything the guards on them checked (guard_free.guard_filter drops those).
+        "state": [(n, list(t.shape), list(t.stride()), str(t.dtype), str(t.device),
+                   t.requires_grad)
                   for n, t in [*model.named_parameters(), *model.named_buffers()]],
         "inputs": [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args],
         "config": options,

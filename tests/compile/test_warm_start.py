@@ -111,6 +111,18 @@ def test_entry_header_changes_with_model_code_state_inputs_and_options():
     moved = cb.CompilationConfig(piece_compiler="eager", cache_dir="/elsewhere")
     assert step_cache.entry_key(step_cache.entry_header(m, moved, (ids, ids))[0]) == key
 
+    # What the guards on parameters and buffers checked, which a runner's
+    # step no longer keeps (guard_free.guard_filter): strides, requires_grad.
+    weight = next(p for p in m.parameters() if p.dim() == 2)
+    data = weight.data
+    weight.data = data.t().contiguous().t()  # same shape and values, column-major
+    assert step_cache.entry_key(step_cache.entry_header(m, cfg, (ids, ids))[0]) != key
+    weight.data = data
+    weight.requires_grad_(not weight.requires_grad)
+    assert step_cache.entry_key(step_cache.entry_header(m, cfg, (ids, ids))[0]) != key
+    weight.requires_grad_(not weight.requires_grad)
+    assert step_cache.entry_key(step_cache.entry_header(m, cfg, (ids, ids))[0]) == key
+
     class Patched(type(m)):  # same state, other code
         def forward(self, input_ids, positions):
             return super().forward(input_ids, positions) * 1.0
@@ -186,6 +198,41 @@ def test_debug_checks_run_the_guards_and_name_a_changed_input_dtype():
         quiet = _engine("none")
         quiet.runner.capture()
         assert quiet.runner.compiled.how == "compiled"  # no guard runs without debug_checks
+
+
+def test_runner_steps_keep_no_guard_on_parameters_unless_debug_checks():
+    """A runner's step drops Dynamo's guards on the model's parameters and
+    buffers (its cache key holds what they checked): a parameter changed in
+    dtype after the compile goes unchecked without debug_checks, and is named
+    at the next call with them."""
+    from compile_backend.compile.guard_free import guard_filter
+
+    class Entry:
+        def __init__(self, name, guard_type="TENSOR_MATCH", is_global=False):
+            self.name, self.guard_type, self.is_global = name, guard_type, is_global
+
+    entries = [Entry("L['self']._modules['layers']._modules['0']._parameters['weight']"),
+               Entry("L['self']._modules['norm']._buffers['scale']"),
+               Entry("L['input_ids']"), Entry("L['self'].eps", "CONSTANT_MATCH"),
+               Entry("G['torch']", "ID_MATCH", is_global=True)]
+    assert guard_filter(False)(entries) == [False, False, True, True, False]
+    assert guard_filter(True)(entries) == [True, True, True, True, False]
+
+    torch._dynamo.reset()
+    for debug_checks in (False, True):
+        with use_graph_backend(StandInGraphs()), torch.no_grad():
+            engine = _engine("none", debug_checks=debug_checks)
+            engine.runner.capture()
+            runner = engine.runner
+            ids = runner.input_buffers.input_ids[:4]
+            pos = runner.input_buffers.positions[:4]
+            norm = next(p for n, p in runner.model.named_parameters() if "norm" in n)
+            norm.data = norm.data.double()
+            if debug_checks:
+                with pytest.raises(RuntimeError, match="no longer fits this call .*norm"):
+                    runner.compiled(ids, pos)
+            else:
+                assert runner.compiled._aot.guard_check(runner.model, ids, pos)
 
 
 def _eager_reference(prompts, new_tokens):
