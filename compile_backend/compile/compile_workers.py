@@ -43,7 +43,11 @@ def auto_workers() -> int:
     beside the caller's, at most 3 (a transformer has 3 distinct pieces:
     first, layer, last). None on 2 cores, where they only contend (measured:
     docs/design.md, "Cold compile in parallel")."""
-    return max(0, min(3, (os.cpu_count() or 1) // 2 - 1))
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(3, cores // 2 - 1))
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
