@@ -75,9 +75,10 @@ class GuardFreeModel:
         flag = ({"enable_aot_compile": True}
                 if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
         with torch._dynamo.config.patch(**flag):
+            keep = guard_filter(self.config.debug_checks)
             aot_compile = getattr(torch.compile(
                 self.model.forward, fullgraph=True, backend=self.backend,
-                options={"guard_filter_fn": guard_filter(self.config.debug_checks)}),
+                options={"guard_filter_fn": keep} if keep is not None else None),
                 "aot_compile", None)
         if aot_compile is None:
             self._guarded("this torch has no aot_compile")
@@ -212,7 +213,7 @@ class GuardFreeModel:
             "dtypes and ranks. Build a new ModelRunner after changing the model.")
 
 
-def guard_filter(debug_checks: bool) -> Callable[[Any], list[bool]]:
+def guard_filter(debug_checks: bool) -> Callable[[Any], list[bool]] | None:
     """The guards a runner's step keeps (torch's `guard_filter_fn`): what
     torch's AOT compile keeps by default (no guard on a global, none of a
     type it cannot save), less those on the model's parameters and buffers
@@ -221,11 +222,16 @@ def guard_filter(debug_checks: bool) -> Callable[[Any], list[bool]]:
     shape, strides, dtype, device and requires_grad (step_cache.entry_header),
     so the guards on them (a third of the load's guard build on a 32-layer
     model) only re-checked that. Under `debug_checks` they stay, so a
-    parameter changed after the compile is named at the next step."""
-    def keep(entries: Any) -> list[bool]:
-        from torch._dynamo.guards import CheckFunctionManager
+    parameter changed after the compile is named at the next step. None
+    where this torch does not say which guard types it cannot save (then
+    its own default applies)."""
+    from torch._dynamo.guards import CheckFunctionManager
 
-        unsaved = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())
+    unsaved = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", None)
+    if unsaved is None:
+        return None
+
+    def keep(entries: Any) -> list[bool]:
         return [not (g.is_global or g.guard_type in unsaved
                      or (not debug_checks and _on_model_state(g.name)))
                 for g in entries]
