@@ -183,14 +183,19 @@ def test_runner_steps_skip_dynamo_after_the_first_compile(monkeypatch):
     assert len(out) == 3
 
 
+def _compiled_runner(debug_checks):
+    """A captured mode-none runner (its step compiled), and 4 tokens of its
+    input buffers."""
+    engine = _engine("none", debug_checks=debug_checks)
+    engine.runner.capture()
+    runner = engine.runner
+    return runner, runner.input_buffers.input_ids[:4], runner.input_buffers.positions[:4]
+
+
 def test_debug_checks_run_the_guards_and_name_a_changed_input_dtype():
     torch._dynamo.reset()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        engine = _engine("none", debug_checks=True)
-        engine.runner.capture()
-        runner = engine.runner
-        ids = runner.input_buffers.input_ids[:4]
-        pos = runner.input_buffers.positions[:4]
+        runner, ids, pos = _compiled_runner(debug_checks=True)
         with pytest.raises(RuntimeError, match="no longer fits this call .*dtype"):
             runner.compiled(ids.to(torch.int32), pos)
         with pytest.raises(RuntimeError, match="no longer fits this call"):
@@ -221,11 +226,7 @@ def test_runner_steps_keep_no_guard_on_parameters_unless_debug_checks():
     torch._dynamo.reset()
     for debug_checks in (False, True):
         with use_graph_backend(StandInGraphs()), torch.no_grad():
-            engine = _engine("none", debug_checks=debug_checks)
-            engine.runner.capture()
-            runner = engine.runner
-            ids = runner.input_buffers.input_ids[:4]
-            pos = runner.input_buffers.positions[:4]
+            runner, ids, pos = _compiled_runner(debug_checks)
             norm = next(p for n, p in runner.model.named_parameters() if "norm" in n)
             norm.data = norm.data.double()
             if debug_checks:
