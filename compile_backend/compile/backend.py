@@ -143,7 +143,8 @@ class Mrv2Backend:
             return gm.forward
         counters["dynamo_graphs"] += 1
         # Started first: they import torch while the passes and the fake run go on.
-        workers, self._workers = self._workers or _start_workers(config), None
+        workers = self._workers if self._workers is not None else _start_workers(config)
+        self._workers = None
         try:
             return self._compile(gm, example_inputs, roles, workers, t0)
         finally:

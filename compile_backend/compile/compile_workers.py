@@ -28,6 +28,8 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, BinaryIO, Callable, Sequence
 
+from compile_backend.core.qualified_names import resolve
+
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")  # each message: its byte count, then its pickle
@@ -67,15 +69,6 @@ def _recv(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
-def resolve(name: str) -> Callable[..., Any]:
-    """`module:qualname` -> the function."""
-    module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class _Job:
     __slots__ = ("future", "remote", "arg", "local")
 
@@ -106,9 +99,6 @@ class CompileWorkers:
         for t in self._threads:
             t.start()
         self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._procs)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every worker has imported its preloads (or died)."""

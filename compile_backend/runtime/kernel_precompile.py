@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib
 import logging
 import os
 import time
@@ -27,6 +26,8 @@ from typing import Any, Iterator
 import torch
 
 from compile_backend.core.counters import counters
+from compile_backend.core.qualified_names import qualified_name
+from compile_backend.core.qualified_names import resolve as resolve_name
 from compile_backend.runtime import jit_guard
 
 logger = logging.getLogger(__name__)
@@ -63,16 +64,12 @@ def compiles_here() -> bool:
 
 def kernel_name(jit_function: Any) -> str:
     """`module:qualname` of a JITFunction's Python function (how a saved list names it)."""
-    fn = getattr(jit_function, "fn", None)
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', '?')}"
+    return qualified_name(getattr(jit_function, "fn", None))
 
 
 def resolve(name: str) -> Any:
     """The JITFunction a saved `module:qualname` names (imports its module)."""
-    module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    obj = resolve_name(name)
     if not hasattr(obj, "preload"):
         raise TypeError(f"{name} is not a Triton JIT function")
     return obj

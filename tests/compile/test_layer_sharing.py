@@ -277,7 +277,7 @@ class _InProcessWorkers:
     def submit(self, remote, payload, local=None):
         from concurrent.futures import Future
 
-        from compile_backend.compile.compile_workers import resolve
+        from compile_backend.core.qualified_names import resolve
 
         self.sent += 1
         future = Future()
