@@ -265,7 +265,8 @@ class ModelRunner:
                 plan_capture(current_graph_backend()), \
                 jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext(), \
                 pre.active() if pre else contextlib.nullcontext():  # its hook first, then the guard's
-            if pre is not None and pre.preload(self._saved_kernels()):
+            saved = self._saved_kernels() if pre is not None else []
+            if saved and pre.preload(saved):
                 pre.wait()
             for graph in plan:
                 earlier = self._capture_one(graph, trace, on_demand, pre)
@@ -280,7 +281,8 @@ class ModelRunner:
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
             self.capture_stats = {"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
-                                  "compile_wait_s": pre.wait_s - waited_before}
+                                  "compile_wait_s": pre.wait_s - waited_before,
+                                  "kernels_unsaved": _unsaved(pre.specs, saved)}
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
@@ -421,3 +423,20 @@ class ModelRunner:
     def _write_step(self, batch: InputBatch, graph: StepGraph) -> dict[str, Any]:
         self.model_state.write(batch.pad_to(graph))
         return self.model_state.prepare_attn(batch)
+
+
+def _unsaved(specs: set[tuple[str, str]], saved: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The kernel requests of a warm start (one with a saved list) that its
+    cold start did not save: each compiled while the plan ran (a wait).
+    Named with its specialization, beside how many of that kernel the list
+    had, so a log or a bench row says what the cold start missed."""
+    if not saved:
+        return []
+    have = set(saved)
+    out = []
+    for name, spec in sorted(specs - have):
+        same = sum(1 for n, _ in saved if n == name)
+        logger.info("mrv2: kernel %s compiled in a warm start's plan; its cold start saved "
+                    "%d specialisations of it, not this one: %s", name, same, spec)
+        out.append({"kernel": name, "saved_of_it": same, "specialization": spec})
+    return out

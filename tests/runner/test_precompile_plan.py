@@ -129,10 +129,32 @@ def test_a_warm_start_loads_the_saved_kernels_before_capturing_and_compiles_none
         assert cb.counters["triton_compiles"] == 0
         assert cb.counters["capture_waits"] == cb.counters["capture_warmups"] == 0
         assert [r.graph for r in warm.captures] == warm.capture_plan()  # in the plan's order
+        assert warm.capture_stats["kernels_unsaved"] == []
         _sessions_equal_eager(warm, model)
         # `mrv2 cache clear` takes the kernel list with the entry.
         assert step_cache.clear_entries(str(tmp_path)) == 1
         assert not os.path.exists(step_cache.kernels_path(cold.compiled.cache_path))
+
+
+def test_a_kernel_the_saved_list_lacks_is_named_in_the_warm_starts_stats(tmp_path, caplog):
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cold, model = _runner("piecewise", cache_dir=str(tmp_path))
+        cold.capture()
+        assert cold.capture_stats["kernels_unsaved"] == []  # nothing saved before it
+        saved = step_cache.read_kernels(cold.compiled.cache_path)
+        os.remove(step_cache.kernels_path(cold.compiled.cache_path))  # write_kernels merges
+        step_cache.write_kernels(cold.compiled.cache_path, saved[1:])  # one left out
+
+        warm, model = _runner("piecewise", cache_dir=str(tmp_path), state=model.state_dict())
+        with caplog.at_level("INFO", logger="compile_backend.runner.model_runner"):
+            warm.capture()
+        unsaved = warm.capture_stats["kernels_unsaved"]
+        assert [(u["kernel"], u["specialization"]) for u in unsaved] == [saved[0]]
+        assert unsaved[0]["saved_of_it"] == len(saved) - 1  # the toy's other configurations
+        assert "compiled in a warm start's plan" in caplog.text
+        # The warm start adds it to the list: the next start loads it too.
+        assert step_cache.read_kernels(cold.compiled.cache_path) == saved
+        _sessions_equal_eager(warm, model, sessions=1)
 
 
 def test_an_unreadable_kernel_list_is_an_empty_one(tmp_path):
