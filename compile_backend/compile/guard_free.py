@@ -17,6 +17,7 @@ Where `aot_compile` is missing or fails, the model runs under `torch.compile`
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,12 @@ class GuardFreeModel:
         self.how: str | None = None
         self.cache_path: str | None = None
         self.seconds = 0.0
+        # Host seconds of the first call by phase, in order: "wrap" (torch.compile
+        # and the imports it makes), "key" (the entry's header), "read",
+        # "deserialize" (Dynamo's code and guards, mrv2's step and its pieces'
+        # artifacts), "guard_check", "compile" (a cold start's trace and
+        # pieces), "save", "first_run" (the first step through the new code).
+        self.phases: dict[str, float] = {}
 
     @property
     def ready(self) -> bool:
@@ -56,16 +63,24 @@ class GuardFreeModel:
             # collections walk only what the compile or load makes.
             with frozen_gc():
                 self._first(args)
-        elif self._aot is not None and self.config.debug_checks:
+            t0 = time.perf_counter()
+            out = self._fn(*args)
+            self.phases["first_run"] = time.perf_counter() - t0
+            return out
+        if self._aot is not None and self.config.debug_checks:
             self._check_guards(args)
         return self._fn(*args)
+
+    def _phase(self, name: str, t0: float) -> float:
+        """Adds the seconds since `t0` to phase `name`; returns now."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - t0
+        return now
 
     # ---- first call ------------------------------------------------------------
 
     def _first(self, args: tuple) -> None:
-        import time
-
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
         # The model's forward, traced as the function `type(model).forward`
         # (its first argument the model): torch 2.11 has aot_compile on
         # compiled functions, not on a compiled module's forward. Module hooks
@@ -80,6 +95,7 @@ class GuardFreeModel:
                 self.model.forward, fullgraph=True, backend=self.backend,
                 options={"guard_filter_fn": keep} if keep is not None else None),
                 "aot_compile", None)
+        t = self._phase("wrap", t)
         if aot_compile is None:
             self._guarded("this torch has no aot_compile")
             return
@@ -88,6 +104,7 @@ class GuardFreeModel:
             from compile_backend.compile import step_cache
 
             header, why_not = step_cache.entry_header(self.model, self.config, args)
+            t = self._phase("key", t)
             if why_not:
                 logger.warning("mrv2: no warm-start cache for this model: %s", why_not)
                 header = None
@@ -101,6 +118,7 @@ class GuardFreeModel:
         start_workers = getattr(self.backend, "start_workers", None)
         if start_workers is not None:
             start_workers()
+        t = time.perf_counter()
         try:
             with progress(f"compiling {type(self.model).__name__} (Dynamo trace, pieces)"):
                 aot = aot_compile((args, {}))
@@ -111,13 +129,13 @@ class GuardFreeModel:
             if start_workers is not None:
                 self.backend.close_workers()  # unless the compile took them
         counters["aot_compiles"] += 1
+        t = self._phase("compile", t)
         if header is not None:
             self._save(aot, header)
+            self._phase("save", t)
         self._bind(aot, "compiled", t0)
 
     def _bind(self, aot: Any, how: str, t0: float) -> None:
-        import time
-
         if how == "loaded":
             self._adopt(aot._artifacts.compiled_fn)
         self._aot = aot
@@ -149,7 +167,8 @@ class GuardFreeModel:
 
     def summary(self) -> dict[str, Any]:
         """For the debug dump's runtime section."""
-        return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3)}
+        return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
 
     def _guarded(self, reason: str) -> None:
         """The fallback: Dynamo with guards, graph breaks allowed (as before
@@ -171,12 +190,16 @@ class GuardFreeModel:
             counters["cache_misses"] += 1
             return None
         try:
+            t = time.perf_counter()
             data = step_cache.read_entry(path, header)
             from torch._dynamo.aot_compile import AOTCompiledFunction
 
+            t = self._phase("read", t)
             aot = AOTCompiledFunction.deserialize(data)
+            t = self._phase("deserialize", t)
             # Once, at load: the saved guards accept this model and these inputs.
             failed = _failed_guards(aot, self.model, args)
+            self._phase("guard_check", t)
             if failed:
                 raise RuntimeError(f"its guards refuse this model and inputs: {failed}")
         except Exception as e:  # noqa: BLE001 - a bad entry is compiled again, never used
