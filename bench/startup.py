@@ -330,17 +330,18 @@ def tables(meta: dict, rows: list[dict]) -> str:
           "the saved list); preloaded: of those, loaded from the warm-start entry's list before "
           "the first capture; wait s: host seconds the plan blocked on the workers. A graph "
           "that waited has its refused attempt (other) and its dry warm-up (warm-up) in its "
-          "record.", ""]
+          "record. Plan outside graphs s: capture s less every graph's total and the wait "
+          "(the plan's collection, synchronizes and the saved kernels' submission).", ""]
     L += table(["model", "preset", "mode", "phase", "capture_warmup", "graph kind", "steps", "warm-ups",
                 "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms",
-                "waited", "ahead", "preloaded", "wait s"],
-               "l" * 6 + "r" * 12,
+                "waited", "ahead", "preloaded", "wait s", "plan outside graphs s"],
+               "l" * 6 + "r" * 13,
                [[r["model"], r["preset"], r["mode"], r["phase"], r.get("capture_warmup", "every_size"),
                  kind, p["graphs"], p.get("warmups", "-"), f"{p['total_s']:.2f}", f"{p['warmup_s']:.2f}",
                  f"{p['record_s']:.2f}", f"{p['instantiate_s']:.2f}", f"{p['other_s']:.2f}",
                  f"{1e3 * p['total_s'] / max(p['graphs'], 1):.1f}",
-                 *precompile_cells(r)]
-                for r in ok for kind, p in r.get("capture_profile", {}).items()])
+                 *precompile_cells(r), outside_graphs(r) if i == 0 else ""]
+                for r in ok for i, (kind, p) in enumerate(r.get("capture_profile", {}).items())])
     with_phases = [r for r in ok if r.get("first_call_phases")]
     if with_phases:
         names = [n for n in FIRST_CALL_PHASES if any(n in r["first_call_phases"] for r in with_phases)]
@@ -370,6 +371,15 @@ def tables(meta: dict, rows: list[dict]) -> str:
 
 FIRST_CALL_PHASES = ("wrap", "key", "read", "deserialize", "guard_check", "compile", "save",
                      "first_run")
+
+
+def outside_graphs(r: dict) -> str:
+    """Host seconds of runner.capture() in no graph's record and not waiting
+    for kernels: the plan's own start and end (its collection, synchronizes,
+    the saved kernels' submission), on the row's first graph kind."""
+    total = sum(p["total_s"] for p in r.get("capture_profile", {}).values())
+    wait = (r.get("capture_stats") or {}).get("compile_wait_s", 0.0)
+    return dash(r["capture_s"] - total - wait, ".2f") if r.get("capture_s") is not None else "-"
 
 
 def precompile_cells(r: dict) -> list:
