@@ -209,7 +209,9 @@ def plan_capture(graphs: Any):
     while what a step leaves dead is young (the first step's and a refused
     capture's cycles). A dead cycle in the oldest generation that holds
     device memory keeps it until the next full collection, after the plan:
-    the pool may grow by that much. Plans may nest; the outermost one does
+    the pool may grow by that much. That includes garbage made before the
+    first step's compile or load, which its frozen collector
+    (core/frozen_gc.py) returns to the oldest generation. Plans may nest; the outermost one does
     all this."""
     global _plan_depth
     outermost = _plan_depth == 0
