@@ -199,24 +199,22 @@ def plan_capture(graphs: Any):
     (the plan's end synchronizes); `pool_bytes` stay per graph (the
     allocator counts on the host, without a synchronize).
 
-    The garbage collector is frozen meanwhile (vLLM does the same): a
-    collection of the young generations first, then gc.freeze(), so the
-    collections that capture's allocations trigger no longer walk every
-    object the compile left behind (Dynamo's and Inductor's); gc.unfreeze()
-    after, also on error. Not a full collection: with Dynamo and Inductor
-    loaded it walks every object of the process (0.18-0.28 s on the H200
-    host, the largest single item of a warm PIECEWISE capture's Python),
-    while what a step leaves dead is young (the first step's and a refused
-    capture's cycles). A dead cycle in the oldest generation that holds
-    device memory keeps it until the next full collection, after the plan:
-    the pool may grow by that much. That includes garbage made before the
-    first step's compile or load, which its frozen collector
-    (core/frozen_gc.py) returns to the oldest generation. Plans may nest; the outermost one does
-    all this."""
+    The garbage collector is frozen meanwhile (vLLM does the same): one
+    full collection first, then gc.freeze(), so the collections that
+    capture's allocations trigger no longer walk every object the compile
+    left behind (Dynamo's and Inductor's); gc.unfreeze() after, also on
+    error. The collection is full although it walks every object of the
+    process (0.18-0.28 s on the H200 host): a dead cycle holding device
+    memory would otherwise keep it out of the pool, and one made before the
+    first step's compile or load (a model dropped for this one) sits in the
+    oldest generation, which that step's frozen collector
+    (core/frozen_gc.py) returned it to; only collecting the young
+    generations left such memory held through serving. Plans may nest; the
+    outermost one does all this."""
     global _plan_depth
     outermost = _plan_depth == 0
     if outermost:
-        gc.collect(1)
+        gc.collect()
         graphs.synchronize()
         graphs.empty_cache()
     _plan_depth += 1
