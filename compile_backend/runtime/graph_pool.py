@@ -209,7 +209,8 @@ def plan_capture(graphs: Any):
     first step's compile or load (a model dropped for this one) sits in the
     oldest generation, which that step's frozen collector
     (core/frozen_gc.py) returned it to; only collecting the young
-    generations left such memory held through serving. Plans may nest; the
+    generations left such memory held until Python's next full collection
+    (late, with millions of long-lived objects). Plans may nest; the
     outermost one does all this."""
     global _plan_depth
     outermost = _plan_depth == 0

@@ -173,7 +173,7 @@ def test_a_dead_cycle_made_before_the_first_step_is_collected_before_the_first_c
     """A dead reference cycle made before the runner's first step (a model
     dropped for this one) is collected before the plan's first capture, so
     the device memory it holds is not kept out of the graphs' pool and
-    through serving. The first step's frozen collector (core/frozen_gc.py)
+    until Python's next full collection. The first step's frozen collector (core/frozen_gc.py)
     returns it to the oldest generation: a plan that collected only the
     young generations (tried: 0.2-0.3 s faster on the H200 host) kept it."""
     events: list[str] = []
