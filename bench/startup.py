@@ -309,8 +309,8 @@ def tables(meta: dict, rows: list[dict]) -> str:
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
          "caches, runner; mrv2's share: mrv2's import, the runner, the compile or load, the "
          "capture and the first step (not the interpreter, torch, CUDA's context, the weights or "
-         "the bench's own gc.collect and empty_cache between compile and capture); in workers: distinct Inductor pieces compiled by compile worker "
-         "processes (CompilationConfig.compile_workers)." + (f" Bytecode: {meta['bytecode']}." if meta.get("bytecode") else ""),
+         "the bench's own gc.collect and empty_cache between compile and capture); in workers: "
+         "distinct Inductor pieces compiled by compile worker processes (CompilationConfig.compile_workers)." + (f" Bytecode: {meta['bytecode']}." if meta.get("bytecode") else ""),
          ""]
     L += table(["model", "preset", "mode", "phase", "compile s", "capture s", "graphs",
                 "start-to-first-step s", "mrv2's share s", "piece_compiles", "reuses",
