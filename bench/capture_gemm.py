@@ -18,6 +18,11 @@ Wd^T). Per call, host microseconds around the call: the first layer's calls
   background  that warm-up on a side stream in a second thread while the
               main thread spins in Python (as a load would), joined before
               the captures;
+  script      that warm-up as a warm start makes it (runtime/gemm_warmup.py):
+              the first step's GEMMs recorded, then run at every size in one
+              TorchScript call on a thread while the main thread spins in
+              Python; "main-thread Python" is the spin rate meanwhile against
+              its rate alone (1.00: not slowed);
   threads     that warm-up split over 8 threads (own streams), the main
               thread waiting: do cuBLAS's first calls run in parallel, and
               does the main thread's capture profit from them?
@@ -79,6 +84,15 @@ def _warm_all(w: dict, inputs: dict, stream: torch.cuda.Stream | None = None) ->
     return time.perf_counter() - t0
 
 
+def _spin_rate(seconds: float = 0.2) -> float:
+    """The main thread's Python work per second, alone (the spin loop below)."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        sum(i * i for i in range(2000))
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
 def child(variant: str) -> dict:
     torch.cuda.init()
     w = _weights()
@@ -87,6 +101,7 @@ def child(variant: str) -> dict:
     torch.cuda.synchronize()
     warm_s = 0.0
     spun = 0
+    extra: dict = {}
     if variant == "warmed":
         warm_s = _warm_all(w, inputs)
     elif variant == "background":
@@ -97,6 +112,7 @@ def child(variant: str) -> dict:
             _warm_all(w, inputs, side)
             done.set()
 
+        solo_rate = _spin_rate()
         t0 = time.perf_counter()
         th = threading.Thread(target=run)
         th.start()
@@ -105,6 +121,23 @@ def child(variant: str) -> dict:
             spun += 1
         th.join()
         warm_s = time.perf_counter() - t0
+        extra = {"main_python": spun / max(warm_s, 1e-9) / solo_rate}
+    elif variant == "script":
+        from compile_backend.runtime import gemm_warmup
+
+        problems = gemm_warmup.record(lambda: _layer(w, inputs[SIZES[-1]], None), SIZES[-1])
+        gemm_warmup._script()  # made once a process, as a runner's first warm start does
+        solo_rate = _spin_rate()
+        t0 = time.perf_counter()
+        run = gemm_warmup.start(problems, SIZES, list(w.values()), "cuda")
+        while run._thread is not None and run._thread.is_alive():
+            sum(i * i for i in range(2000))
+            spun += 1
+        run.join()
+        warm_s = time.perf_counter() - t0
+        extra = {"problems": len(problems), "calls": run.calls, "thread_s": run.seconds,
+                 "error": run.stats()["gemm_warmup_error"],
+                 "main_python": spun / max(warm_s, 1e-9) / solo_rate}
     elif variant == "threads":
         # Eight threads, each its own stream and sizes; the main thread waits.
         sizes = sorted(SIZES, reverse=True)
@@ -141,7 +174,7 @@ def child(variant: str) -> dict:
     torch.cuda.synchronize()
     us = lambda v: [round(1e6 * s, 1) for s in v]  # noqa: E731
     return {"variant": variant, "warm_s": warm_s, "capture_s": capture_s, "spins": spun,
-            "first_us": us(first), "rest_us": us(rest),
+            "first_us": us(first), "rest_us": us(rest), **extra,
             "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default)"),
             "torch": torch.__version__, "device": torch.cuda.get_device_name()}
 
@@ -149,7 +182,7 @@ def child(variant: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", default=None)
-    ap.add_argument("--variants", default="plain,warmed,background,threads,eager_load")
+    ap.add_argument("--variants", default="plain,warmed,background,script,threads,eager_load")
     ap.add_argument("--out", default="bench/results/capture_gemm.md")
     args = ap.parse_args()
     if args.child:
@@ -171,18 +204,19 @@ def main() -> None:
         row["variant"] = v
         rows.append(row)
     head = ("| variant | warm-up s | capture s (35 graphs x 32 layers x 4 GEMMs) | first-layer call us: "
-            "median / max / sum ms | other layers' call us: median / p99 / sum ms |")
+            "median / max / sum ms | other layers' call us: median / p99 / sum ms | main-thread Python |")
     lines = [f"# cuBLAS GEMMs recorded into CUDA graphs ({rows[0]['device'] if rows else '?'}, "
              f"torch {rows[0]['torch'] if rows else '?'})", "",
              "Command: `python bench/capture_gemm.py`; one fresh process per variant "
              "(the module docstring says what each does).", "", head,
-             "|---|---:|---:|---|---|"]
+             "|---|---:|---:|---|---|---:|"]
     for r in rows:
         f, o = r["first_us"], r["rest_us"]
         p99 = sorted(o)[int(0.99 * (len(o) - 1))] if o else 0
+        main = f"{r['main_python']:.2f}" if "main_python" in r else "-"
         lines.append(f"| {r['variant']} | {r['warm_s']:.2f} | {r['capture_s']:.2f} | "
                      f"{statistics.median(f):.0f} / {max(f):.0f} / {sum(f) / 1e3:.0f} | "
-                     f"{statistics.median(o):.0f} / {p99:.0f} / {sum(o) / 1e3:.0f} |")
+                     f"{statistics.median(o):.0f} / {p99:.0f} / {sum(o) / 1e3:.0f} | {main} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

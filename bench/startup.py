@@ -355,6 +355,19 @@ def tables(meta: dict, rows: list[dict]) -> str:
         L += table(["model", "preset", "mode", "phase", *names], "llll" + "r" * len(names),
                    [[r["model"], r["preset"], r["mode"], r["phase"],
                      *[dash(r["first_call_phases"].get(n), ".2f") for n in names]] for r in with_phases])
+    with_gemms = [r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))]
+    if with_gemms:
+        L += ["", "cuBLAS's first calls (runtime/gemm_warmup.py), inside compile s: a start without "
+              "a saved GEMM list records one more eager step's GEMMs (recorded, record s); one with "
+              "it runs each at every capture size on a thread while its first step loads (calls, "
+              "thread s, and the first step's wait for it at the join).", ""]
+        L += table(["model", "preset", "mode", "phase", "recorded", "record s", "calls",
+                    "thread s", "join wait s"], "llll" + "r" * 5,
+                   [[r["model"], r["preset"], r["mode"], r["phase"],
+                     *[dash(r["capture_stats"].get(k), f) for k, f in (
+                         ("gemms_recorded", "d"), ("gemm_record_s", ".2f"), ("gemm_warmup_calls", "d"),
+                         ("gemm_warmup_s", ".2f"), ("gemm_warmup_wait_s", ".2f"))]]
+                    for r in with_gemms])
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)
     odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]

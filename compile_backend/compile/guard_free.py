@@ -48,6 +48,27 @@ class GuardFreeModel:
         # artifacts), "guard_check", "compile" (a cold start's trace and
         # pieces), "save", "first_run" (the first step through the new code).
         self.phases: dict[str, float] = {}
+        self._header: tuple[Any, dict | None, str | None] | None = None  # entry_for's, by inputs
+
+    def entry_for(self, args: tuple) -> str | None:
+        """The warm-start entry the first call with `args` will save or load
+        (None: no cache, or the model cannot be cached), known before that
+        call; the header is kept for it."""
+        if self.config.cache_dir is None:
+            return None
+        from compile_backend.compile import step_cache
+
+        header, _ = self._entry_header(args)
+        return None if header is None else step_cache.entry_path(self.config.cache_dir, header)
+
+    def _entry_header(self, args: tuple) -> tuple[dict | None, str | None]:
+        from compile_backend.compile import step_cache
+
+        inputs = [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+        if self._header is None or self._header[0] != inputs:
+            header, why_not = step_cache.entry_header(self.model, self.config, args)
+            self._header = (inputs, None if why_not else header, why_not)
+        return self._header[1], self._header[2]
 
     @property
     def ready(self) -> bool:
@@ -103,7 +124,7 @@ class GuardFreeModel:
         if self.config.cache_dir is not None:
             from compile_backend.compile import step_cache
 
-            header, why_not = step_cache.entry_header(self.model, self.config, args)
+            header, why_not = self._entry_header(args)
             t = self._phase("key", t)
             if why_not:
                 logger.warning("mrv2: no warm-start cache for this model: %s", why_not)

@@ -1,8 +1,8 @@
 """The warm-start cache: saved compiled steps, one file per entry.
 
     <cache_dir>/steps/<key>.mrv2           pickle {"header": {...}, "aot": bytes}
-    <cache_dir>/steps/<key>.kernels.json   the Triton kernels a runner's plan
-                                           compiled (runtime/kernel_precompile.py)
+    <cache_dir>/steps/<key>.kernels.json   a plan's Triton kernels (runtime/kernel_precompile.py)
+    <cache_dir>/steps/<key>.gemms.json     its first step's GEMMs (runtime/gemm_warmup.py)
 
 The key hashes everything the saved step depends on (`entry_header`): the
 model's code and its parameters' names, shapes and dtypes; the inputs' dtypes
@@ -31,6 +31,7 @@ import torch
 
 SUFFIX = ".mrv2"
 KERNELS_SUFFIX = ".kernels.json"
+GEMMS_SUFFIX = ".gemms.json"
 
 
 def steps_dir(cache_dir: str) -> str:
@@ -96,7 +97,7 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
         triton_version = None
     options = config.summary()
     for name in ("cache_dir", "debug_dump_path", "precompile_threads",
-                 "compile_workers"):  # not what runs
+                 "compile_workers", "warm_gemms"):  # not what runs
         options.pop(name, None)
     header = {
         "format": 1,
@@ -168,19 +169,33 @@ def write_entry(path: str, header: dict, aot: bytes) -> None:
                                              protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _side_path(entry: str, suffix: str) -> str:
+    """Where a list saved beside the entry at `entry` lives."""
+    return entry[: -len(SUFFIX)] + suffix if entry.endswith(SUFFIX) else entry + suffix
+
+
 def kernels_path(entry: str) -> str:
     """Where the kernel list of the entry at `entry` lives."""
-    return entry[: -len(SUFFIX)] + KERNELS_SUFFIX if entry.endswith(SUFFIX) else entry + KERNELS_SUFFIX
+    return _side_path(entry, KERNELS_SUFFIX)
+
+
+def _read_side(entry: str, suffix: str, field: str) -> list:
+    """The list `field` of a file beside an entry; [] when there is none or
+    it cannot be read (what it lists is then done at launch, as before)."""
+    try:
+        with open(_side_path(entry, suffix)) as f:
+            data = json.load(f)
+        items = data[field]
+        return items if isinstance(items, list) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def read_kernels(entry: str) -> list[tuple[str, str]]:
-    """The (kernel, specialization) pairs saved beside an entry; [] when
-    there is none or it cannot be read (the kernels then compile at launch)."""
+    """The (kernel, specialization) pairs saved beside an entry."""
     try:
-        with open(kernels_path(entry)) as f:
-            data = json.load(f)
-        return [(str(name), str(spec)) for name, spec in data["kernels"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [(str(name), str(spec)) for name, spec in _read_side(entry, KERNELS_SUFFIX, "kernels")]
+    except (ValueError, TypeError):
         return []
 
 
@@ -190,6 +205,18 @@ def write_kernels(entry: str, kernels: list[tuple[str, str]]) -> None:
     merged = sorted(set(read_kernels(entry)) | set(kernels))
     _write_atomic(kernels_path(entry), KERNELS_SUFFIX,
                   json.dumps({"format": 1, "kernels": merged}).encode())
+
+
+def read_gemms(entry: str) -> list[dict[str, Any]]:
+    """The GEMM problems saved beside an entry, as saved (runtime/gemm_warmup.loads)."""
+    return [d for d in _read_side(entry, GEMMS_SUFFIX, "gemms") if isinstance(d, dict)]
+
+
+def write_gemms(entry: str, gemms: list[dict[str, Any]]) -> None:
+    """Atomic, merged with a list already there, as write_kernels."""
+    merged = {json.dumps(d, sort_keys=True): d for d in [*read_gemms(entry), *gemms]}
+    _write_atomic(_side_path(entry, GEMMS_SUFFIX), GEMMS_SUFFIX,
+                  json.dumps({"format": 1, "gemms": [merged[k] for k in sorted(merged)]}).encode())
 
 
 def list_entries(cache_dir: str) -> list[dict[str, Any]]:
@@ -226,6 +253,6 @@ def clear_entries(cache_dir: str) -> int:
         if name.endswith(SUFFIX):
             os.unlink(os.path.join(folder, name))
             n += not name.startswith(".tmp-")
-        elif name.endswith(KERNELS_SUFFIX):  # an entry's kernel list goes with it
+        elif name.endswith((KERNELS_SUFFIX, GEMMS_SUFFIX)):  # an entry's lists go with it
             os.unlink(os.path.join(folder, name))
     return n

@@ -85,6 +85,11 @@ class CompilationConfig:
         compile begins (compile/compile_workers.py); None: one per two cores
         beside the caller's, at most 3 (none on 2 cores); 0: every piece in
         the caller's process, one after another.
+    warm_gemms: a runner with a warm-start cache records the GEMMs its first
+        step asks cuBLAS for, saves them beside the entry, and a later
+        start makes cuBLAS's first call of each (about 2 ms of host time
+        each) at every capture size on a thread while its first step loads,
+        not inside the captures (runtime/gemm_warmup.py). CUDA only.
     graphs_per_shape: how many graphs one piece (or whole graph) keeps per input
         shape, one per set of addresses of the inputs it writes (a new cache
         object per `generate` call); the least recently used goes beyond it.
@@ -126,6 +131,7 @@ class CompilationConfig:
     capture_warmup: str = "on_demand"
     precompile_threads: int = 0
     compile_workers: int | None = None
+    warm_gemms: bool = True
     graphs_per_shape: int = 4
     cache_dir: str | None = field(default_factory=default_cache_dir)
     serializable: bool = False
@@ -187,6 +193,8 @@ class CompilationConfig:
                 f"compile_workers must be None or an int >= 0, got {self.compile_workers!r}; "
                 "None picks one per two cores beside this process's (at most 3), 0 compiles every "
                 "piece in this process")
+        if not isinstance(self.warm_gemms, bool):
+            raise ValueError(f"warm_gemms must be True or False, got {self.warm_gemms!r}")
         if (not isinstance(self.graphs_per_shape, int) or isinstance(self.graphs_per_shape, bool)
                 or self.graphs_per_shape < 1):
             raise ValueError(

@@ -33,7 +33,7 @@ from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
-from compile_backend.runtime import graph_pool, jit_guard, kernel_precompile
+from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -159,7 +159,9 @@ class ModelRunner:
         self.captures: list[CaptureRecord] = []
         # What capture() compiled ahead: kernels_recorded (the Triton kernels
         # the first step and the plan asked for), graphs_waited, compile_wait_s
-        # (host seconds the plan waited for them); empty without the precompiler.
+        # (host seconds the plan waited for them), kernels_unsaved; and the
+        # GEMMs: gemms_recorded and gemm_record_s (a start without a saved
+        # list), gemm_warmup_calls, _s, _wait_s, _error (one with it).
         self.capture_stats: dict[str, Any] = {}
         # Records the Triton kernels the first step and the plan compile (the
         # list saved beside the warm-start entry) and compiles ahead for
@@ -280,9 +282,9 @@ class ModelRunner:
                 self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
-            self.capture_stats = {"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
-                                  "compile_wait_s": pre.wait_s - waited_before,
-                                  "kernels_unsaved": _unsaved(pre.specs, saved)}
+            self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
+                                       "compile_wait_s": pre.wait_s - waited_before,
+                                       "kernels_unsaved": _unsaved(pre.specs, saved)})
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
@@ -307,22 +309,85 @@ class ModelRunner:
         except OSError as e:  # the next start compiles its kernels at launch, as before
             logger.warning("mrv2: could not save the kernel list beside %s (%s)", path, e)
 
+    # ---- cuBLAS's first calls, beside the first step (runtime/gemm_warmup.py) ----
+
+    def _gemm_entry(self, num_tokens: int) -> str | None:
+        """The warm-start entry the first step (at `num_tokens`) saves or
+        loads, where a GEMM list beside it applies: warm_gemms on, a device
+        gemm_warmup.DEVICES names, a cache; else None."""
+        entry_for = getattr(self.compiled, "entry_for", None)
+        if (not self.config.warm_gemms or entry_for is None
+                or self.device.type not in gemm_warmup.DEVICES):
+            return None
+        ids = self.input_buffers.input_ids[:num_tokens]
+        return entry_for((ids, self.input_buffers.positions[:num_tokens]))
+
+    def _start_gemms(self, entry: str | None, sizes: set[int]) -> gemm_warmup.Warmup | None:
+        """The GEMMs saved beside `entry`, run on a thread at every size in
+        `sizes`; None without a list."""
+        if entry is None:
+            return None
+        from compile_backend.compile import step_cache
+
+        problems = gemm_warmup.loads(step_cache.read_gemms(entry))
+        if not problems:
+            return None
+        donors = [*self.model.parameters(), *self.model.buffers()]
+        return gemm_warmup.start(problems, sizes, donors, self.device)
+
+    def _record_gemms(self, num_tokens: int) -> None:
+        """One more eager step at `num_tokens`, its GEMMs recorded and saved
+        beside the entry the first step saved (or loaded)."""
+        path = getattr(self.compiled, "cache_path", None)
+        if path is None or not gemm_warmup.can_record():
+            return
+        from compile_backend.compile import step_cache
+
+        graph, meta = self._eager_inputs(num_tokens)
+        t0 = time.perf_counter()
+        problems = gemm_warmup.record(lambda: self._forward(graph, meta, None), num_tokens)
+        self.capture_stats["gemms_recorded"] = len(problems)
+        self.capture_stats["gemm_record_s"] = round(time.perf_counter() - t0, 4)
+        if not problems:
+            return
+        try:
+            step_cache.write_gemms(path, gemm_warmup.dumps(problems))
+        except OSError as e:  # the next start makes cuBLAS's first calls in its captures
+            logger.warning("mrv2: could not save the GEMM list beside %s (%s)", path, e)
+
+    def _eager_inputs(self, num_tokens: int) -> tuple[StepGraph, dict[str, Any]]:
+        """An eager step's graph and metadata on a dummy batch of `num_tokens`."""
+        graph = StepGraph.eager(num_tokens, min(num_tokens, self.kv_cache_config.max_num_reqs))
+        return graph, prepare_inputs_to_capture(graph, self.model_state)
+
     def warmup(self, num_tokens: int, trace: list | None = None) -> None:
         """One eager step on a dummy batch of `num_tokens` (the first call
         compiles or loads the step). The first one runs the step dry once
         first: its Triton kernels compile on worker threads, not one after
         another in line (runtime/kernel_precompile.py; a dummy batch, so
-        nothing of the dry run's is kept)."""
-        num_reqs = min(num_tokens, self.kv_cache_config.max_num_reqs)
-        graph = StepGraph.eager(num_tokens, num_reqs)
-        meta = prepare_inputs_to_capture(graph, self.model_state)
-        pre = self._precompiler
-        if not self._stepped and pre is not None and kernel_precompile.compiles_here():
-            with pre.active():
-                with pre.deferring():
-                    self._forward(graph, meta, None)
-                counters["first_step_dry_runs"] += 1
-        self._forward(graph, meta, trace)
+        nothing of the dry run's is kept). Beside the first one, a warm
+        start's saved GEMMs run at the plan's sizes on a thread; a start
+        without that list records one more step's (runtime/gemm_warmup.py)."""
+        graph, meta = self._eager_inputs(num_tokens)
+        first = not self._stepped
+        sizes = {g.num_tokens for g in self.capture_plan()}
+        entry = self._gemm_entry(num_tokens) if first and sizes else None
+        # A warm start's saved GEMMs run on a thread while the step loads.
+        gemms = self._start_gemms(entry, sizes)
+        try:
+            pre = self._precompiler
+            if first and pre is not None and kernel_precompile.compiles_here():
+                with pre.active():
+                    with pre.deferring():
+                        self._forward(graph, meta, None)
+                    counters["first_step_dry_runs"] += 1
+            self._forward(graph, meta, trace)
+        finally:
+            if gemms is not None:
+                gemms.join()  # done before any capture
+                self.capture_stats.update(gemms.stats())
+        if gemms is None and entry is not None:
+            self._record_gemms(num_tokens)
 
     def _capture_one(self, graph: StepGraph, trace: list | None, on_demand: bool,
                      pre: kernel_precompile.KernelPrecompiler | None = None,

@@ -313,6 +313,12 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
     assert warm["counters"].get("kernels_preloaded", 0) > 0, warm["counters"]
     assert warm["counters"].get("capture_waits", 0) == 0, warm["counters"]
     assert warm["counters"].get("triton_compiles", 0) == 0, warm["counters"]
+    # The cold start recorded its first step's GEMMs; the warm start made
+    # cuBLAS's first calls of them on a thread beside its load
+    # (runtime/gemm_warmup.py), before its first capture.
+    assert cold["capture_stats"]["gemms_recorded"] > 0, cold["capture_stats"]
+    assert warm["capture_stats"]["gemm_warmup_calls"] > 0, warm["capture_stats"]
+    assert warm["capture_stats"]["gemm_warmup_error"] is None, warm["capture_stats"]
     for run in (cold, warm):
         assert run["logits_equal"] and run["caches_equal"], run
         assert run["counters"]["cudagraph_replays"] > 0

@@ -115,7 +115,8 @@ with graphs, torch.no_grad():
     got = serve(runner)
     counts = {k: v for k, v in cb.counters.items() if v}
     result = {"how": runner.compiled.how, "load_seconds": runner.compiled.seconds,
-              "traced": dict(traced), "counters": counts}
+              "traced": dict(traced), "counters": counts,
+              "capture_stats": {k: v for k, v in runner.capture_stats.items() if k.startswith("gemm")}}
     ref_model = model()
     ref = ModelRunner(ref_model, kv, cb.CompilationConfig(cudagraph_mode="none", cache_dir=None),
                       device, progress=False, compile_fn=lambda mod: mod)
