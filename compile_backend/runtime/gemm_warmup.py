@@ -59,7 +59,13 @@ class GemmProblem:
     def from_json(cls, d: dict[str, Any]) -> "GemmProblem":
         shapes = tuple(tuple(x if x == TOKENS else int(x) for x in s) for s in d["shapes"])
         strides = tuple(None if s is None else tuple(int(x) for x in s) for s in d["strides"])
-        if d["op"] not in OPS or _dtype(d["dtype"]) is None or len(shapes) != len(strides):
+        ranks = {"mm": (2, 2), "addmm": ((1, 2), 2, 2), "bmm": (3, 3)}.get(d["op"])
+        if (ranks is None or _dtype(d["dtype"]) is None or len(shapes) != len(ranks)
+                or len(strides) != len(ranks)
+                or not all(len(s) in (r if isinstance(r, tuple) else (r,)) for s, r in zip(shapes, ranks))
+                or any(st is not None and len(st) != len(s) for s, st in zip(shapes, strides))
+                or any(x != TOKENS and x < 1 for s in shapes for x in s)
+                or any(x < 0 for st in strides if st is not None for x in st)):
             raise ValueError(f"not a GEMM problem: {d!r}")
         return cls(d["op"], d["dtype"], shapes, strides, float(d["beta"]), float(d["alpha"]))
 
@@ -232,6 +238,41 @@ def start(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[to
     donor tensor of their dtype with enough elements (a weight: read only)
     or of one scratch buffer per dtype; outputs are new and dropped."""
     device = torch.device(device)
+    try:
+        calls = _calls(problems, sizes, donors, device)
+    except (RuntimeError, ValueError) as e:  # a saved list this machine cannot hold (memory)
+        run = Warmup(0)
+        run.error = e
+        logger.warning("mrv2: no GEMM warm-up (%s: %s); the capture makes cuBLAS's first calls",
+                       type(e).__name__, e)
+        return run
+    run = Warmup(len(calls[0]))
+    if not calls[0]:
+        return run
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    fn = _script()
+
+    def body() -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                fn(*calls)
+        except BaseException as e:  # noqa: BLE001 - reported at join; the capture pays instead
+            run.error = e
+        finally:
+            run.seconds = time.perf_counter() - t0
+
+    if background:
+        run._thread = threading.Thread(target=body, name="mrv2-gemm-warmup", daemon=True)
+        run._thread.start()
+    else:
+        body()
+    return run
+
+
+def _calls(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[torch.Tensor],
+           device: torch.device) -> tuple[list, ...]:
+    """The script's arguments: op codes, a, b, c operands (views), beta, alpha."""
     views: list[tuple[int, list[tuple[tuple[int, ...], tuple[int, ...]]], torch.dtype, float, float]] = []
     need: dict[torch.dtype, int] = {}
     sizes = sorted(set(sizes), reverse=True)
@@ -252,28 +293,7 @@ def start(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[to
         else:
             a.append(ts[0]); b.append(ts[1]); c.append(ts[0])  # noqa: E702
         ops_.append(code); beta.append(be); alpha.append(al)  # noqa: E702
-    run = Warmup(len(ops_))
-    if not ops_:
-        return run
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    fn = _script()
-
-    def body() -> None:
-        t0 = time.perf_counter()
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                fn(ops_, a, b, c, beta, alpha)
-        except BaseException as e:  # noqa: BLE001 - reported at join; the capture pays instead
-            run.error = e
-        finally:
-            run.seconds = time.perf_counter() - t0
-
-    if background:
-        run._thread = threading.Thread(target=body, name="mrv2-gemm-warmup", daemon=True)
-        run._thread.start()
-    else:
-        body()
-    return run
+    return ops_, a, b, c, beta, alpha
 
 
 def _bases(need: dict[torch.dtype, int], donors: Iterable[torch.Tensor],

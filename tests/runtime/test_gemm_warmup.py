@@ -126,6 +126,20 @@ def test_a_failing_warmup_is_logged_at_join_and_raises_nothing(monkeypatch, capl
     assert "GEMM warm-up stopped" in caplog.text
 
 
+def test_a_saved_list_that_does_not_fit_is_refused_without_raising(caplog):
+    # Parses, but not as a GEMM: an addmm with two operands, a 3-D mm, a negative stride.
+    for bad in ({"op": "addmm", "dtype": "float32", "shapes": [["T", 4], [4, 4]], "strides": [None, None]},
+                {"op": "mm", "dtype": "float32", "shapes": [[2, "T", 4], [4, 4]], "strides": [None, None]},
+                {"op": "mm", "dtype": "float32", "shapes": [["T", 4], [4, 4]], "strides": [None, [-1, 4]]}):
+        assert gemm_warmup.loads([bad]) == []
+    # Operands larger than this machine holds: logged, nothing started, no raise.
+    huge = GemmProblem("mm", "float32", ((TOKENS, 1 << 42), (1 << 42, 2)), (None, None))
+    with caplog.at_level(logging.WARNING, logger="compile_backend.runtime.gemm_warmup"):
+        run = gemm_warmup.start([huge], [2], [], "cpu")
+    assert run.calls == 0 and run._thread is None and run.stats()["gemm_warmup_error"]
+    assert "no GEMM warm-up" in caplog.text
+
+
 def test_warm_gemms_must_be_a_bool():
     assert cb.CompilationConfig().warm_gemms is True
     with pytest.raises(ValueError, match="warm_gemms must be True or False"):
