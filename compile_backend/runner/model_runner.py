@@ -345,7 +345,13 @@ class ModelRunner:
 
         graph, meta = self._eager_inputs(num_tokens)
         t0 = time.perf_counter()
-        problems = gemm_warmup.record(lambda: self._forward(graph, meta, None), num_tokens)
+        try:
+            problems = gemm_warmup.record(lambda: self._forward(graph, meta, None), num_tokens)
+        except Exception as e:  # noqa: BLE001 - a profiler this torch lacks: no list, as before
+            logger.warning("mrv2: could not record the first step's GEMMs (%s: %s); the next "
+                           "start makes cuBLAS's first calls in its captures", type(e).__name__, e)
+            counters["gemm_record_failures"] += 1
+            return
         self.capture_stats["gemms_recorded"] = len(problems)
         self.capture_stats["gemm_record_s"] = round(time.perf_counter() - t0, 4)
         if not problems:

@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 DEVICES = ("cuda",)  # where a runner warms GEMMs (cuBLAS's first-call cost; tests add "cpu")
 TOKENS = "T"  # a dimension that is the step's token count, in a saved problem
 OPS = ("mm", "addmm", "bmm")  # the cuBLAS-bound aten ops recorded (their index: the script's op code)
-# The profiler's dtype names (record_shapes) of the dtypes cuBLAS GEMMs take.
-_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
-           "double": torch.float64}
+# The dtypes recorded (cuBLAS GEMMs), by their saved names.
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+           torch.float64: "float64"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,7 @@ class GemmProblem:
 
 
 def _dtype(name: str) -> torch.dtype | None:
-    d = getattr(torch, name, None)
-    return d if isinstance(d, torch.dtype) else None
+    return next((d for d, n in _DTYPES.items() if n == name), None)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -111,7 +110,8 @@ def record(step: Callable[[], Any], num_tokens: int) -> list[GemmProblem]:
     ops), each once, in order; a size equal to `num_tokens` in a row
     operand (mm/addmm's input and addmm's added matrix, bmm's middle
     dimension) is marked TOKENS. Runs `step` under torch's profiler (host
-    events and shapes only)."""
+    events with their inputs' sizes, strides and dtypes: the profiler's
+    event tree, which torch 2.11 and 2.13 both have)."""
     from torch.profiler import ProfilerActivity, profile
 
     with warnings.catch_warnings():
@@ -119,54 +119,56 @@ def record(step: Callable[[], Any], num_tokens: int) -> list[GemmProblem]:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
     out: dict[GemmProblem, None] = {}
-    for e in prof.profiler.kineto_results.events():
-        p = _problem(e, num_tokens)
-        if p is not None:
-            out.setdefault(p, None)
-    return list(out)
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.name.startswith("aten::") and e.name[6:] in OPS:
+            p = _problem(e.start_time_ns, e.name[6:], list(e.extra_fields.inputs), num_tokens)
+            if p is not None:
+                out[p[1]] = min(out.get(p[1], p[0]), p[0])  # its first call
+    return sorted(out, key=out.__getitem__)  # in the step's order
 
 
-def _problem(event: Any, num_tokens: int) -> GemmProblem | None:
-    name = event.name()
-    if not name.startswith("aten::") or name[6:] not in OPS:
-        return None
-    op = name[6:]
-    shapes = [tuple(s) for s in event.structured_input_shapes()]
-    strides = [tuple(s) for s in event.structured_input_strides()]
-    dtypes = event.dtypes()
+def _problem(when: int, op: str, inputs: list, num_tokens: int) -> tuple[int, GemmProblem] | None:
+    """(when, the problem) of one recorded call; None where an operand is
+    not a tensor of a dtype cuBLAS takes, or its layout changes with the
+    token count."""
     n = 3 if op == "addmm" else 2
-    if len(shapes) < n or len(strides) < n or any(len(s) == 0 for s in shapes[:n]):
+    tensors = inputs[:n]
+    if len(tensors) < n or not all(hasattr(t, "sizes") and hasattr(t, "strides") for t in tensors):
         return None
-    dtype = _DTYPES.get(dtypes[0])
-    if dtype is None or any(_DTYPES.get(d) is not dtype for d in dtypes[:n]):
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or any(t.dtype is not dtype for t in tensors):
         return None
     # The operands whose leading size is the token count: mm's and addmm's
     # mat1 [M, K] and addmm's [M, N] input; bmm's [B, M, K] rows are dim 1.
     rows = {"mm": {0: 0}, "addmm": {0: 0, 1: 0}, "bmm": {0: 1}}[op]
     marked_shapes, kept_strides = [], []
-    for i in range(n):
-        shape, stride = list(shapes[i]), strides[i]
+    for i, t in enumerate(tensors):
+        shape, stride = list(t.sizes), tuple(t.strides)
+        if not shape or len(stride) != len(shape):
+            return None
         dim = rows.get(i)
         if op == "addmm" and i == 0 and len(shape) != 2:
             dim = None  # a bias [N]
-        if dim is not None and dim < len(shape) and shape[dim] == num_tokens:
+        if dim is not None and shape[dim] == num_tokens:
             contiguous = stride == _contiguous(tuple(shape))
-            shape[dim] = TOKENS
             # Else only rows of a wider buffer ([M, K], row stride >= K): no
             # stride of theirs changes with M.
             if not contiguous and not (len(shape) == 2 and stride[1] == 1 and stride[0] >= shape[1]):
                 return None
+            shape[dim] = TOKENS
             kept_strides.append(None if contiguous else stride)
         else:
             kept_strides.append(stride)
         marked_shapes.append(tuple(shape))
     beta = alpha = 1.0
     if op == "addmm":
-        concrete = list(event.concrete_inputs())
-        beta, alpha = (float(v) if isinstance(v, (int, float)) else 1.0
-                       for v in (concrete + [None, None, None, None, None])[3:5])
-    return GemmProblem(op, str(dtype).removeprefix("torch."), tuple(marked_shapes),
-                       tuple(kept_strides), beta, alpha)
+        beta, alpha = (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1.0
+                       for v in (list(inputs[3:5]) + [None, None])[:2])
+    return when, GemmProblem(op, _DTYPES[dtype], tuple(marked_shapes), tuple(kept_strides),
+                             beta, alpha)
 
 
 # ---- running -----------------------------------------------------------------

@@ -269,3 +269,19 @@ def test_on_the_gpu_bf16_gemms_recorded_run_on_a_thread_and_a_graph_captured_aft
         graph.replay()
         for got, want in zip(out, gemms(xs, hs)):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)  # bf16 sums of 512-1024 products
+
+
+def test_a_recording_that_fails_leaves_the_first_step_and_saves_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(gemm_warmup, "DEVICES", ("cuda", "cpu"))
+
+    def no_profiler(step, num_tokens):
+        raise AttributeError("this torch's profiler has no event tree")
+
+    monkeypatch.setattr(gemm_warmup, "record", no_profiler)
+    with use_graph_backend(StandInGraphs()), torch.no_grad(), \
+            caplog.at_level(logging.WARNING, logger="compile_backend.runner.model_runner"):
+        runner, model = _runner("piecewise", str(tmp_path))
+        runner.capture()
+        assert cb.counters["gemm_record_failures"] == 1 and "could not record" in caplog.text
+        assert step_cache.read_gemms(runner.compiled.cache_path) == []
+        _sessions_equal_eager(runner, model, sessions=1)
