@@ -120,7 +120,9 @@ def child(spec: dict) -> dict:
                   preset=spec["preset"], piece_compiler=spec["piece_compiler"],
                   context=spec["context"], graphs=None if cuda else StandInGraphs(),
                   options={"capture_warmup": spec.get("capture_warmup", "on_demand"),
-                           "compile_workers": spec.get("compile_workers")})
+                           "compile_workers": spec.get("compile_workers"),
+                           # warm-nogemms: a warm start that leaves the saved GEMM list unused
+                           "warm_gemms": spec.get("phase") != "warm-nogemms"})
     t = time.perf_counter()
     if cuda:  # the context, on its own (otherwise inside the model's build)
         torch.empty(1, device="cuda")
@@ -544,8 +546,9 @@ def main(argv=None) -> int:
     models = comma_list(args.models)
     presets = comma_list(args.preset or ("bench,llama8b" if cuda else "tiny"))
     phases = comma_list(args.phases)
-    if not set(phases) <= {"cold", "warm"}:
-        ap.error(f"--phases: cold and/or warm, not {args.phases}")
+    if not set(phases) <= {"cold", "warm", "warm-nogemms"} or phases[:1] != ["cold"]:
+        ap.error(f"--phases: cold, then warm and/or warm-nogemms (a warm start with "
+                 f"warm_gemms=False), each any number of times; not {args.phases}")
     if args.smoke and not args.preset:
         models, presets = ["llama"], ["tiny"]
     base = child_base(args, cuda)
