@@ -114,3 +114,21 @@ class ToyStepModel(nn.Module):
     def forward(self, input_ids, positions):
         h = self.embed(input_ids) + positions[:, None].float()
         return self.head(getattr(torch.ops.toy, self.op)(self.proj(h)))
+
+
+def toy_runner(mode, sizes, cache_dir=None, state=None, **options):
+    """A new ModelRunner over a new ToyStepModel (CPU, eager pieces), as a
+    new process builds it: Dynamo and the counters reset, seed 0, `state`
+    loaded when given. Returns (runner, model)."""
+    from compile_backend.runner.model_runner import ModelRunner
+    from runtime_helpers import kv_config
+
+    torch._dynamo.reset()
+    cb.reset_counters()
+    torch.manual_seed(0)
+    model = ToyStepModel("jit_ahead")
+    if state is not None:
+        model.load_state_dict(state)
+    config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=sizes, piece_compiler="eager",
+                                  cache_dir=cache_dir, **options)
+    return ModelRunner(model, kv_config(), config, "cpu", progress=False), model

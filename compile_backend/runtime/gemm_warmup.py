@@ -251,13 +251,17 @@ def start(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[to
     run = Warmup(len(calls[0]))
     if not calls[0]:
         return run
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+    stream = torch.cuda.current_stream(index) if cuda else None
     fn = _script()
 
     def body() -> None:
         t0 = time.perf_counter()
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if cuda:  # a new thread has no current device (cuBLAS would warn and pick one)
+                torch.cuda.set_device(index)
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 fn(*calls)
         except BaseException as e:  # noqa: BLE001 - reported at join; the capture pays instead
             run.error = e

@@ -13,14 +13,12 @@ import torch
 import compile_backend as cb
 from compile_backend.compile import step_cache
 from compile_backend.runner.input_batch import InputBatch
-from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.runtime import kernel_precompile
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
-from runtime_helpers import kv_config
 
 import toy_jit  # noqa: F401  (toy::jit_ahead)
-from toy_jit import ToyStepModel, config_of, toy_kernel
+from toy_jit import config_of, toy_kernel, toy_runner
 
 triton = pytest.importorskip("triton")
 if not kernel_precompile.available():
@@ -38,17 +36,9 @@ def _toy_compiles(monkeypatch):
 
 def _runner(mode, cache_dir=None, state=None):
     """A new runner, as a new process builds it: the toy kernel's cache empty."""
-    torch._dynamo.reset()
     toy_kernel.reset()
     toy_kernel.delay_s = 0.02
-    cb.reset_counters()
-    torch.manual_seed(0)
-    model = ToyStepModel("jit_ahead")
-    if state is not None:
-        model.load_state_dict(state)
-    config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=SIZES, piece_compiler="eager",
-                                  cache_dir=cache_dir, precompile_threads=3)
-    runner = ModelRunner(model, kv_config(), config, "cpu", progress=False)
+    runner, model = toy_runner(mode, SIZES, cache_dir, state, precompile_threads=3)
     runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
     return runner, model
 

@@ -16,14 +16,12 @@ import torch.nn.functional as F
 import compile_backend as cb
 from compile_backend.compile import step_cache
 from compile_backend.runner.input_batch import InputBatch
-from compile_backend.runner.model_runner import ModelRunner
 from compile_backend.runtime import gemm_warmup
 from compile_backend.runtime.gemm_warmup import TOKENS, GemmProblem
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
-from runtime_helpers import kv_config
 
-from toy_jit import ToyStepModel
+from toy_jit import toy_runner
 
 SIZES = [1, 2, 4, 8, 16]
 lib = torch.library.Library("gemm_warmup_test", "DEF")
@@ -150,15 +148,7 @@ def test_warm_gemms_must_be_a_bool():
 
 
 def _runner(mode, cache_dir, state=None, warm_gemms=True):
-    torch._dynamo.reset()
-    cb.reset_counters()
-    torch.manual_seed(0)
-    model = ToyStepModel("jit_ahead")
-    if state is not None:
-        model.load_state_dict(state)
-    config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=SIZES, piece_compiler="eager",
-                                  cache_dir=cache_dir, warm_gemms=warm_gemms)
-    return ModelRunner(model, kv_config(), config, "cpu", progress=False), model
+    return toy_runner(mode, SIZES, cache_dir, state, warm_gemms=warm_gemms)
 
 
 def _sessions_equal_eager(runner, model, sessions=2):
