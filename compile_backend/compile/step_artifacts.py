@@ -16,13 +16,21 @@ seconds" (a saved step).
 from __future__ import annotations
 
 import copy
+import io
+import logging
 import os
+import pickle
 import tempfile
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from compile_backend.core.counters import counters
+
+logger = logging.getLogger(__name__)
 
 
 # Bumped when what is saved changes: an older entry is then a miss.
@@ -59,7 +67,9 @@ def _bare(gm: torch.fx.GraphModule, children: dict | None = None) -> torch.fx.Gr
     graph.output(out)
     for node in graph.nodes:
         node.meta = {}
-    return torch.fx.GraphModule(children or {}, graph)
+    # Lazy: its code is generated once, when GraphPickler asks for it, not
+    # here and again there (and again for each child of the root).
+    return _LazyGraphModule(children or {}, graph)
 
 
 class _Loaded:
@@ -129,7 +139,42 @@ def serialize_step(step: Any) -> bytes:
     }
     for p in payload["pieces"]:
         p.graph_module = None  # the split graph's submodule of that name
-    return GraphPickler.dumps(payload, Options(ops_filter=None))
+    return _dumps(payload, Options(ops_filter=None))
+
+
+class _StepPickler(pickle.Pickler):
+    """GraphPickler's reductions on Python's C pickler. Where dill is
+    installed (depyf brings it), GraphPickler subclasses dill's pickler,
+    which is pickle's pure-Python implementation (docs/design.md, "Start in
+    seconds": a saved step). Takes whatever state this torch's GraphPickler
+    keeps, so its reductions find it."""
+
+    def __init__(self, file: io.BytesIO, options: Options | None = None) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        model = GraphPickler(io.BytesIO(), options)
+        base = vars(type(model).__mro__[1](io.BytesIO()))  # the pickler it extends
+        for name, value in vars(model).items():
+            if name not in base:
+                setattr(self, name, value)
+
+
+# GraphPickler's own methods and class attributes (reducer_override,
+# persistent_id, the types it passes through...), not its constructors.
+for _name, _value in vars(GraphPickler).items():
+    if not _name.startswith("__") and _name not in ("dumps", "loads", "debug_dumps"):
+        setattr(_StepPickler, _name, _value)
+
+
+def _dumps(payload: dict[str, Any], options: Options) -> bytes:
+    """GraphPickler.dumps on the C pickler; GraphPickler's own where that
+    fails (an object only dill pickles), counted and logged."""
+    try:
+        return GraphPickler.dumps.__func__(_StepPickler, payload, options)
+    except Exception as e:  # noqa: BLE001 - the slower pickler still saves it
+        counters["step_pickle_fallbacks"] += 1
+        logger.info("mrv2: saving the step with GraphPickler's own pickler (%s: %s)",
+                    type(e).__name__, e)
+        return GraphPickler.dumps(payload, options)
 
 
 def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -375,3 +375,30 @@ def test_a_loaded_step_writes_its_debug_dump_where_this_runner_says(tmp_path):
     assert len(second["graphs"]) == 1
     assert [p["captured"] for p in second["graphs"][0]["pieces"]] == \
         [p["captured"] for p in first["graphs"][0]["pieces"]]
+
+
+def test_a_step_saves_on_the_c_pickler_and_what_only_dill_pickles_falls_back(caplog):
+    """step_artifacts pickles with GraphPickler's reductions on Python's C
+    pickler (GraphPickler itself extends dill's pure-Python one where dill is
+    installed); a payload the C pickler refuses is saved by GraphPickler,
+    counted and logged. Both load with GraphPickler.loads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    from compile_backend.compile import step_artifacts
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2 + 1)
+    bare = step_artifacts._bare(gm)
+    cb.reset_counters()
+    data = step_artifacts._dumps({"graph": bare, "n": 3}, Options(ops_filter=None))
+    assert cb.counters["step_pickle_fallbacks"] == 0
+    back = GraphPickler.loads(data, FakeTensorMode())
+    back["graph"].recompile()  # as load_step does: the pickler restores graphs, not their code
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(7))
+    assert back["n"] == 3 and torch.equal(back["graph"](x), gm(x))
+
+    pytest.importorskip("dill")
+    with caplog.at_level(logging.INFO, logger="compile_backend.compile.step_artifacts"):
+        data = step_artifacts._dumps({"f": lambda v: v + 1}, Options(ops_filter=None))
+    assert cb.counters["step_pickle_fallbacks"] == 1 and "GraphPickler's own pickler" in caplog.text
+    assert GraphPickler.loads(data, FakeTensorMode())["f"](2) == 3
