@@ -192,12 +192,15 @@ def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     if payload.get("format") != FORMAT:
         raise RuntimeError(f"saved step format {payload.get('format')} is not {FORMAT}")
     split_gm = payload["split_graph"]
-    split_gm.recompile()  # the pickler restores graphs, not their generated code
+    # The pickler restores graphs, not their generated code; the root's
+    # recompile generates its children's too (each piece's once).
+    split_gm.recompile()
     pieces = payload["pieces"]
     fns: dict[str, Any] = {}
     for p in pieces:
         p.graph_module = getattr(split_gm, p.name)
-        p.graph_module.recompile()
+        if "forward" not in vars(type(p.graph_module)):  # a torch whose recompile left it
+            p.graph_module.recompile()
         if not p.captured:
             fns[p.name] = p.graph_module
         elif p.compiled_as is None:
