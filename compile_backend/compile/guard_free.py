@@ -64,7 +64,7 @@ class GuardFreeModel:
     def _entry_header(self, args: tuple) -> tuple[dict | None, str | None]:
         from compile_backend.compile import step_cache
 
-        inputs = [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+        inputs = step_cache.inputs_key(args)
         if self._header is None or self._header[0] != inputs:
             header, why_not = step_cache.entry_header(self.model, self.config, args)
             self._header = (inputs, None if why_not else header, why_not)

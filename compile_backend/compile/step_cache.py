@@ -84,6 +84,12 @@ def _device() -> str:
     return "cpu"
 
 
+def inputs_key(args: Sequence[Any]) -> list:
+    """What an entry depends on of the call's inputs: each tensor's dtype and
+    rank (sizes are symbolic), anything else's repr."""
+    return [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+
+
 def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tuple[dict, str | None]:
     """(what a saved step depends on, why it cannot be cached or None)."""
     code = _model_code(model)
@@ -108,7 +114,7 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
         "state": [(n, list(t.shape), list(t.stride()), str(t.dtype), str(t.device),
                    t.requires_grad)
                   for n, t in [*model.named_parameters(), *model.named_buffers()]],
-        "inputs": [(str(a.dtype), a.dim()) if isinstance(a, torch.Tensor) else repr(a) for a in args],
+        "inputs": inputs_key(args),
         "config": options,
         "torch": torch.__version__,
         "triton": triton_version,

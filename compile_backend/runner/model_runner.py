@@ -376,8 +376,8 @@ class ModelRunner:
         without that list records one more step's (runtime/gemm_warmup.py)."""
         graph, meta = self._eager_inputs(num_tokens)
         first = not self._stepped
-        sizes = {g.num_tokens for g in self.capture_plan()}
-        entry = self._gemm_entry(num_tokens) if first and sizes else None
+        sizes = {g.num_tokens for g in self.capture_plan()} if first else set()
+        entry = self._gemm_entry(num_tokens) if sizes else None
         # A warm start's saved GEMMs run on a thread while the step loads.
         gemms = self._start_gemms(entry, sizes)
         try:

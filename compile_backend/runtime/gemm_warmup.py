@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -124,14 +123,14 @@ def record(step: Callable[[], Any], num_tokens: int) -> list[GemmProblem]:
         e = todo.pop()
         todo.extend(e.children)
         if e.name.startswith("aten::") and e.name[6:] in OPS:
-            p = _problem(e.start_time_ns, e.name[6:], list(e.extra_fields.inputs), num_tokens)
+            p = _problem(e.name[6:], list(e.extra_fields.inputs), num_tokens)
             if p is not None:
-                out[p[1]] = min(out.get(p[1], p[0]), p[0])  # its first call
+                out[p] = min(out.get(p, e.start_time_ns), e.start_time_ns)
     return sorted(out, key=out.__getitem__)  # in the step's order
 
 
-def _problem(when: int, op: str, inputs: list, num_tokens: int) -> tuple[int, GemmProblem] | None:
-    """(when, the problem) of one recorded call; None where an operand is
+def _problem(op: str, inputs: list, num_tokens: int) -> GemmProblem | None:
+    """The problem of one recorded call; None where an operand is
     not a tensor of a dtype cuBLAS takes, or its layout changes with the
     token count."""
     n = 3 if op == "addmm" else 2
@@ -167,8 +166,7 @@ def _problem(when: int, op: str, inputs: list, num_tokens: int) -> tuple[int, Ge
     if op == "addmm":
         beta, alpha = (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1.0
                        for v in (list(inputs[3:5]) + [None, None])[:2])
-    return when, GemmProblem(op, _DTYPES[dtype], tuple(marked_shapes), tuple(kept_strides),
-                             beta, alpha)
+    return GemmProblem(op, _DTYPES[dtype], tuple(marked_shapes), tuple(kept_strides), beta, alpha)
 
 
 # ---- running -----------------------------------------------------------------
@@ -233,10 +231,10 @@ class Warmup:
 
 
 def start(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[torch.Tensor],
-          device: torch.device | str, background: bool = True) -> Warmup:
+          device: torch.device | str) -> Warmup:
     """Runs every problem at every size in `sizes` (problems without TOKENS
-    once) on `device`, on the caller's current stream, from a new thread
-    (background=False: here, before returning). Operands are views of a
+    once) on `device`, on the caller's current stream, from a new thread.
+    Operands are views of a
     donor tensor of their dtype with enough elements (a weight: read only)
     or of one scratch buffer per dtype; outputs are new and dropped."""
     device = torch.device(device)
@@ -268,11 +266,8 @@ def start(problems: list[GemmProblem], sizes: Iterable[int], donors: Iterable[to
         finally:
             run.seconds = time.perf_counter() - t0
 
-    if background:
-        run._thread = threading.Thread(target=body, name="mrv2-gemm-warmup", daemon=True)
-        run._thread.start()
-    else:
-        body()
+    run._thread = threading.Thread(target=body, name="mrv2-gemm-warmup", daemon=True)
+    run._thread.start()
     return run
 
 
@@ -329,7 +324,3 @@ def loads(data: Any) -> list[GemmProblem]:
         logger.warning("mrv2: the saved GEMM list does not parse (%s); none warmed", e)
         return []
 
-
-def key(p: GemmProblem) -> str:
-    """A stable text key of a problem (sorting, merging saved lists)."""
-    return json.dumps(p.to_json(), sort_keys=True)

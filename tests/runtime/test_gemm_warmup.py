@@ -169,8 +169,8 @@ def test_a_warm_start_runs_the_gemms_its_cold_start_recorded_beside_its_load(mod
     started = []
     real_start = gemm_warmup.start
 
-    def spy(problems, sizes, donors, device, background=True):
-        run = real_start(problems, sizes, donors, device, background)
+    def spy(problems, sizes, donors, device):
+        run = real_start(problems, sizes, donors, device)
         started.append((problems, sorted(sizes), run))
         return run
 
