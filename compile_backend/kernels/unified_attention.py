@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_backend.core import stream_buffers
+from compile_backend.core.counters import counters
 from compile_backend.core.direct_calls import register_direct_impl
 from compile_backend.core.forward_context import get_forward_context, resolve_layer
 from compile_backend.core.op_definition import define_op
@@ -535,65 +537,65 @@ def _no_launch(q, kc, vc, out, scale_log2, stream) -> None:
 
 # Note [decode tickets]: the one-launch decode's per-(request, kv head)
 # arrival counters. Each launch leaves every counter it used at 0 (the last
-# split resets it), so they are zeroed once, at allocation, and never again:
-# no zeroing launch per call or per replay. That only holds for memory that
+# split resets it), so they are zeroed once, when made, and never again: no
+# zeroing launch per call or per replay. That only holds for memory that
 # nothing else writes, so the counters cannot be a per-call temporary like the
 # partials' scratch (which may come from a CUDA graph's pool, where other
 # tensors of the same capture reuse its memory after the call; the partials
 # tolerate that because the kernel writes them before it reads them). They
-# are one buffer per device, allocated with torch.zeros outside any capture
-# (the first decode call that needs more than the buffer holds grows it) and
-# never freed: graphs captured with an older buffer keep its address, so a
-# grown buffer's predecessors stay allocated too (a few KiB). A capture that
-# finds no buffer large enough (no eager decode call of that batch size ran
-# before it: the runner's warm-up is one) cannot zero a new one outside the
-# graph; that capture takes the two-launch path, logged once. The buffer is
-# shared by every decode launch on the device: such launches must be ordered
-# (one stream, or streams synchronized with each other), as the layers of a
-# step and the replays of graphs from one pool are.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_OLD_TICKETS: list[torch.Tensor] = []  # grown-out buffers that graphs may still use
-_logged_fallback: list[bool] = []
-
-
-def _capturing(device: torch.device) -> bool:
-    """Is a CUDA graph being captured on the current stream of this device?"""
-    return device.type == "cuda" and stream_capturing()
+# are a per-stream buffer (compile_backend/core/stream_buffers.py: made
+# outside any capture, never freed, one per stream so launches on one stream
+# never share it with another's): a capture stream gets it before its first
+# capture (`warm_capture_stream` in compile_backend/runtime/graph_pool.py),
+# the main stream at its first eager decode. A launch needs one counter per
+# (request, kv head) only when it splits the keys, which happens only below
+# 4 x SMs programs (`num_kv_splits`), so TICKET_SLOTS covers any GPU; a
+# launch needing more (an explicit `num_splits`) or a capture on a stream
+# without the buffer (a capture mrv2 did not start) takes the two-launch
+# path, logged once and counted (`decode_two_launch_fallbacks`). Sizing the
+# buffer by the first decode that asked, as before, left a warm start's
+# captures without it (its warm-up at the largest batch splits nothing): its
+# FULL graphs for 33-64 requests on the H200 took the two-launch path and
+# compiled a kernel the cold start never had.
+TICKETS = "unified_attention.tickets"
+TICKET_SLOTS = 8192
+stream_buffers.declare(TICKETS, TICKET_SLOTS, torch.int32)
+_logged_fallback: set[bool] = set()  # causes logged (True: too many pairs)
 
 
 def decode_tickets(device: torch.device, n: int) -> torch.Tensor | None:
-    """Note [decode tickets]: the device's zeroed counter buffer with at least
-    `n` entries, or None while a CUDA graph is captured and it has fewer."""
-    t = _TICKETS.get(device)
-    if t is not None and t.numel() >= n:
-        return t
-    if _capturing(device):
+    """Note [decode tickets]: the current stream's zeroed counters (at least
+    `n`), or None: more than TICKET_SLOTS, or a capture on a stream without them."""
+    if n > TICKET_SLOTS:
         return None
-    if t is not None:
-        _OLD_TICKETS.append(t)
-    size = max(n, 2 * t.numel() if t is not None else 0, 1024)
-    t = _TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return t
+    return stream_buffers.buffer(TICKETS, device)
+
+
+def _no_tickets(B: int, KVH: int) -> None:
+    """Count and log (once per cause) a one-launch decode that takes two launches."""
+    counters["decode_two_launch_fallbacks"] += 1
+    many = B * KVH > TICKET_SLOTS
+    if many not in _logged_fallback:
+        _logged_fallback.add(many)
+        why = (f"{B} requests x {KVH} kv heads need more than the {TICKET_SLOTS} ticket counters"
+               if many else "a capture on a stream without ticket counters (a capture mrv2's "
+               "graph pool did not start: its streams get them before their first capture)")
+        logger.warning("decode attention: the split + reduce launches instead of one: %s "
+                       "(Note [decode tickets] in compile_backend/kernels/unified_attention.py)", why)
 
 
 def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
                 common, S, min_split, two_launch, bind):
     """The decode launch (Note [one-launch decode]), with its scratch: [B, H,
     S, D] partial sums, then [B, H, S] maxima and sums, each at a 16-byte
-    aligned offset (none for S == 1), and the device's ticket counters (Note
+    aligned offset (none for S == 1), and the stream's ticket counters (Note
     [decode tickets]). `two_launch` (or a capture without tickets): the
     split kernel and the reduce kernel instead."""
     tickets = None
     if S > 1 and not two_launch:
         tickets = decode_tickets(device, B * KVH)
         if tickets is None:
-            if not _logged_fallback:
-                _logged_fallback.append(True)
-                logger.warning(
-                    "decode attention: captured with the two-launch path (split + reduce): no "
-                    "ticket buffer for %d requests x %d kv heads existed before the capture; "
-                    "an eager decode call of that batch size before capturing avoids this "
-                    "(Note [decode tickets] in compile_backend/kernels/unified_attention.py)", B, KVH)
+            _no_tickets(B, KVH)
             two_launch = True
     if two_launch:
         return _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens,

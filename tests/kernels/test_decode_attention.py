@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from compile_backend.core import stream_buffers
+from compile_backend.core.counters import counters
 from kernel_cases import (DTYPE_IDS, DTYPES, GPU_HEAD_DIMS, SMALL_HEAD_DIMS, assert_close_rel, gen,
                           randn, stable_seed)
 from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
@@ -28,7 +30,8 @@ needs_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _tickets_zero() -> bool:
-    return all(int(t.count_nonzero()) == 0 for t in [*ua._TICKETS.values(), *ua._OLD_TICKETS])
+    made = [t for (name, *_), t in stream_buffers._buffers.items() if name == ua.TICKETS]
+    return all(int(t.count_nonzero()) == 0 for t in made)
 
 
 class Replays:
@@ -201,42 +204,97 @@ def test_merge_at_small_and_odd_head_sizes(dtype, device):
         r.step([300, 129, 7], f"D={D}")
 
 
-@needs_interp
-def test_tickets_grow_and_stay_zero(monkeypatch):
-    """The ticket buffer is zeroed once and grown for larger batches; the
-    grown-out buffer stays allocated (graphs may hold its address)."""
-    monkeypatch.setattr(ua, "_TICKETS", {})
-    monkeypatch.setattr(ua, "_OLD_TICKETS", [])
-    small = ua.decode_tickets(torch.device("cpu"), 10)
-    assert small.numel() >= 10 and ua.decode_tickets(torch.device("cpu"), 5) is small
-    big = ua.decode_tickets(torch.device("cpu"), small.numel() + 1)
-    assert big.numel() > small.numel() and ua._OLD_TICKETS == [small]
-    assert int(big.count_nonzero()) == 0
-    r = Replays(3, 4, 2, 16, torch.float32, "cpu", bound=300, seed=4, num_splits=3,
-                config=dict(MIN_SPLIT_LEN=32))
-    r.step([300, 150, 1])
-    assert ua._TICKETS[torch.device("cpu")] is big
-
-
-@needs_interp
-def test_capture_without_tickets_takes_two_launches(monkeypatch, caplog):
-    """A capture that finds no ticket buffer large enough cannot zero one
-    outside the graph: it takes the split + reduce launches (logged once),
-    and stays exact."""
-    monkeypatch.setattr(ua, "_TICKETS", {})
-    monkeypatch.setattr(ua, "_logged_fallback", [])
-    monkeypatch.setattr(ua, "_capturing", lambda device: True)
+def _launched_kernels(monkeypatch) -> list:
     launched = []
     real = ua.Launch.launch
     monkeypatch.setattr(ua.Launch, "launch",
                         lambda self, s, a: (launched.append(self.kernel), real(self, s, a)))
+    return launched
+
+
+def _capture_semantics(monkeypatch, warmed: bool) -> None:
+    """stream_buffers.buffer as inside a CUDA capture on a new stream: only a
+    buffer made before it (a capture cannot make one: its torch.zeros would
+    be recorded, not run). `warmed`: the stream's buffers made first, as
+    graph_pool.warm_capture_stream does before every capture."""
+    monkeypatch.setattr(stream_buffers, "_buffers", {})
+    if warmed:
+        stream_buffers.warm_stream_buffers(torch.device("cpu"))
+    made = dict(stream_buffers._buffers)
+    monkeypatch.setattr(stream_buffers, "buffer",
+                        lambda name, device: made.get((name, str(device),
+                                                       stream_buffers._stream_key(device))))
+    monkeypatch.setattr(ua, "_logged_fallback", set())
+
+
+@needs_interp
+def test_tickets_are_the_streams_buffer_and_stay_zero(monkeypatch):
+    """The one-launch decode's counters are the stream's buffer (made once,
+    zeroed), left at 0 by every launch, the same tensor for every batch."""
+    monkeypatch.setattr(stream_buffers, "_buffers", {})
+    cpu = torch.device("cpu")
+    small = ua.decode_tickets(cpu, 10)
+    assert small.numel() == ua.TICKET_SLOTS and small.dtype == torch.int32
+    assert ua.decode_tickets(cpu, ua.TICKET_SLOTS) is small
+    assert ua.decode_tickets(cpu, ua.TICKET_SLOTS + 1) is None
+    launched = _launched_kernels(monkeypatch)
+    r = Replays(3, 4, 2, 16, torch.float32, "cpu", bound=300, seed=4, num_splits=3,
+                config=dict(MIN_SPLIT_LEN=32))
+    r.step([300, 150, 1])
+    r.step([7, 299, 64])
+    assert launched == [ua._decode_kernel] * 2
+    assert _tickets_zero() and stream_buffers.buffer(ua.TICKETS, cpu) is small
+
+
+@needs_interp
+def test_a_warmed_capture_stream_has_tickets(monkeypatch):
+    """A capture finds the counters on a stream warmed before it (what
+    graph_pool.warm_capture_stream does before every capture), with no eager
+    decode call before: the one launch, as an eager call takes. A warm start
+    captures so, and used to fall back to two launches there."""
+    _capture_semantics(monkeypatch, warmed=True)
+    launched = _launched_kernels(monkeypatch)
+    before = counters["decode_two_launch_fallbacks"]
+    r = Replays(2, 4, 2, 16, torch.float16, "cpu", bound=300, seed=5, num_splits=3,
+                config=dict(MIN_SPLIT_LEN=32))
+    r.step([300, 77])
+    assert launched == [ua._decode_kernel]
+    assert counters["decode_two_launch_fallbacks"] == before and _tickets_zero()
+
+
+@needs_interp
+def test_capture_without_tickets_takes_two_launches(monkeypatch, caplog):
+    """A capture on a stream without the counters cannot make them (a zeroing
+    inside the graph would run at every replay): it takes the split + reduce
+    launches (counted, logged once), and stays exact."""
+    _capture_semantics(monkeypatch, warmed=False)
+    launched = _launched_kernels(monkeypatch)
+    before = counters["decode_two_launch_fallbacks"]
     with caplog.at_level(logging.WARNING, logger=ua.__name__):
         r = Replays(2, 4, 2, 16, torch.float16, "cpu", bound=300, seed=5, num_splits=3,
                     config=dict(MIN_SPLIT_LEN=32))
         r.step([300, 77])
     assert launched == [ua._decode_split_kernel, ua._decode_reduce_kernel]
-    assert "two-launch" in caplog.text
-    assert ua._TICKETS == {}
+    assert "stream without ticket counters" in caplog.text
+    assert counters["decode_two_launch_fallbacks"] == before + 1
+    assert stream_buffers._buffers == {}
+
+
+@needs_interp
+def test_more_pairs_than_tickets_take_two_launches(monkeypatch, caplog):
+    """More (request, kv head) pairs than counters (possible only with an
+    explicit num_splits): two launches, counted and logged, still exact."""
+    monkeypatch.setattr(ua, "TICKET_SLOTS", 3)
+    monkeypatch.setattr(ua, "_logged_fallback", set())
+    launched = _launched_kernels(monkeypatch)
+    before = counters["decode_two_launch_fallbacks"]
+    with caplog.at_level(logging.WARNING, logger=ua.__name__):
+        r = Replays(2, 4, 2, 16, torch.float32, "cpu", bound=300, seed=7, num_splits=3,
+                    config=dict(MIN_SPLIT_LEN=32))
+        r.step([300, 77])
+    assert launched == [ua._decode_split_kernel, ua._decode_reduce_kernel]
+    assert "need more than the 3 ticket counters" in caplog.text
+    assert counters["decode_two_launch_fallbacks"] == before + 1
 
 
 @needs_interp
@@ -385,26 +443,47 @@ def test_one_and_two_launches_agree_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_capture_without_tickets_gpu(monkeypatch):
-    """A capture before any eager decode of its batch size (no ticket buffer)
-    takes the two-launch path and replays exactly."""
+@pytest.mark.parametrize("stream", ["torch_default", "warmed_capture_stream"])
+def test_capture_tickets_gpu(stream, monkeypatch):
+    """A capture before any eager decode (a warm start's): on mrv2's capture
+    stream, warmed before it as every capture of its graph pool is, the one
+    launch; on a stream without the counters (torch.cuda.graph's own), the
+    two-launch path, counted. Both replay exactly with new lengths."""
+    from compile_backend.runtime import graph_pool
+
     r = Replays(4, 32, 8, 128, torch.bfloat16, "cuda", bound=2048, seed=41)
     r2 = Replays(4, 32, 8, 128, torch.bfloat16, "cuda", bound=2048, seed=41,
                  config=dict(TWO_LAUNCH=True))
     r2.fill([2048] * 4)
     r2.run()  # compiles the two-launch kernels outside the capture
-    torch.cuda.synchronize()
-    monkeypatch.setattr(ua, "_TICKETS", {})
-    monkeypatch.setattr(ua, "_logged_fallback", [])
     r.fill([2048] * 4)
+    plan = _Plan(r.q, r.kc, r.out, r.qsl, r.seq_lens, r.block_table, 1, 2048,
+                 config=dict(TWO_LAUNCH=False))
+    plan.run(r.q, r.kc, r.vc, r.out, r.scale * LOG2E, plan.stream)  # and the one-launch kernel
+    torch.cuda.synchronize()
+    monkeypatch.setattr(stream_buffers, "_buffers", {})
+    monkeypatch.setattr(graph_pool, "_warmed_streams", {})
+    monkeypatch.setattr(ua, "_logged_fallback", set())
+    side = None
+    if stream == "warmed_capture_stream":
+        graph_pool.warm_capture_stream()
+        side = graph_pool.capture_stream()
+    launched = _launched_kernels(monkeypatch)
+    before = counters["decode_two_launch_fallbacks"]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         plan = _Plan(r.q, r.kc, r.out, r.qsl, r.seq_lens, r.block_table, 1, 2048,
                      config=dict(TWO_LAUNCH=False))
         plan.run(r.q, r.kc, r.vc, r.out, r.scale * LOG2E, plan.stream)
-    assert ua._TICKETS == {} and ua._logged_fallback
+    if side is None:
+        assert launched == [ua._decode_split_kernel, ua._decode_reduce_kernel]
+        assert counters["decode_two_launch_fallbacks"] == before + 1
+    else:
+        assert launched == [ua._decode_kernel]
+        assert counters["decode_two_launch_fallbacks"] == before
     for lens in ([2048, 1, 1000, 77], [5, 2047, 300, 1024]):
         r.fill(lens)
         graph.replay()
         torch.cuda.synchronize()
         assert_close_rel(r.out, r.ref(), torch.bfloat16)
+        assert _tickets_zero()
