@@ -263,11 +263,20 @@ def test_a_warmed_capture_stream_has_tickets(monkeypatch):
 
 
 @needs_interp
-def test_capture_without_tickets_takes_two_launches(monkeypatch, caplog):
-    """A capture on a stream without the counters cannot make them (a zeroing
-    inside the graph would run at every replay): it takes the split + reduce
-    launches (counted, logged once), and stays exact."""
-    _capture_semantics(monkeypatch, warmed=False)
+@pytest.mark.parametrize("cause", ["capture_stream_without_them", "more_pairs_than_tickets"])
+def test_no_tickets_takes_two_launches(cause, monkeypatch, caplog):
+    """Without counters the one launch cannot run: a capture on a stream
+    without them cannot make them (a zeroing inside the graph would run at
+    every replay), and more (request, kv head) pairs than counters (only with
+    an explicit num_splits) do not fit. Either takes the split + reduce
+    launches, counted and logged, and stays exact."""
+    if cause == "more_pairs_than_tickets":
+        monkeypatch.setattr(ua, "TICKET_SLOTS", 3)
+        monkeypatch.setattr(ua, "_logged_fallback", set())
+        said = "need more than the 3 ticket counters"
+    else:
+        _capture_semantics(monkeypatch, warmed=False)
+        said = "stream without ticket counters"
     launched = _launched_kernels(monkeypatch)
     before = counters["decode_two_launch_fallbacks"]
     with caplog.at_level(logging.WARNING, logger=ua.__name__):
@@ -275,25 +284,7 @@ def test_capture_without_tickets_takes_two_launches(monkeypatch, caplog):
                     config=dict(MIN_SPLIT_LEN=32))
         r.step([300, 77])
     assert launched == [ua._decode_split_kernel, ua._decode_reduce_kernel]
-    assert "stream without ticket counters" in caplog.text
-    assert counters["decode_two_launch_fallbacks"] == before + 1
-    assert stream_buffers._buffers == {}
-
-
-@needs_interp
-def test_more_pairs_than_tickets_take_two_launches(monkeypatch, caplog):
-    """More (request, kv head) pairs than counters (possible only with an
-    explicit num_splits): two launches, counted and logged, still exact."""
-    monkeypatch.setattr(ua, "TICKET_SLOTS", 3)
-    monkeypatch.setattr(ua, "_logged_fallback", set())
-    launched = _launched_kernels(monkeypatch)
-    before = counters["decode_two_launch_fallbacks"]
-    with caplog.at_level(logging.WARNING, logger=ua.__name__):
-        r = Replays(2, 4, 2, 16, torch.float32, "cpu", bound=300, seed=7, num_splits=3,
-                    config=dict(MIN_SPLIT_LEN=32))
-        r.step([300, 77])
-    assert launched == [ua._decode_split_kernel, ua._decode_reduce_kernel]
-    assert "need more than the 3 ticket counters" in caplog.text
+    assert said in caplog.text
     assert counters["decode_two_launch_fallbacks"] == before + 1
 
 
