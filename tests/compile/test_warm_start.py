@@ -25,8 +25,8 @@ from runtime_helpers import kv_config, random_prompts
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _worker(cache, *extra):
-    env = dict(os.environ)
+def _worker(cache, *extra, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
     if "cuda" not in extra:
         env["TRITON_INTERPRET"] = "1"
     env.pop("MRV2_CACHE_DIR", None)
@@ -296,15 +296,21 @@ def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
-def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
+@pytest.mark.parametrize("mode,decode", [("full_and_piecewise", "default"),
+                                         ("full_and_piecewise", "one_launch"),
+                                         ("piecewise", "default")])
+def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode, decode):
     """On the GPU, with Inductor pieces: the second process loads the saved
     step (Inductor artifacts and all) without tracing, and its replays equal
-    eager (every step's logits, every KV cache at the end)."""
+    eager (every step's logits, every KV cache at the end). one_launch: every
+    decode takes the one-launch form with split keys (at this model's few
+    requests the two-launch form would run), so FULL decode graphs need the
+    ticket counters that a warm start's captures once lacked."""
     extra = ["--device", "cuda", "--compiler", "inductor", "--mode", mode,
              "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand"]
-    cold, _ = _worker(tmp_path, *extra)
-    warm, _ = _worker(tmp_path, *extra)
+    env = {"MRV2_DECODE_TWO_LAUNCH": "0"} if decode == "one_launch" else {}
+    cold, _ = _worker(tmp_path, *extra, env_extra=env)
+    warm, _ = _worker(tmp_path, *extra, env_extra=env)
     assert (cold["how"], warm["how"]) == ("compiled", "loaded"), (cold, warm)
     assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}
     assert "inductor_compiles" not in warm["counters"]
@@ -322,6 +328,7 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode):
     for run in (cold, warm):
         assert run["logits_equal"] and run["caches_equal"], run
         assert run["counters"]["cudagraph_replays"] > 0
+        assert "decode_two_launch_fallbacks" not in run["counters"], run["counters"]
 
 
 def test_without_aot_compile_steps_go_through_dynamo_and_say_so(monkeypatch, caplog):
