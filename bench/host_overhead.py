@@ -4,6 +4,7 @@
         [--batches 1,64,256] [--prefill 4] [--out bench/results/host_overhead.md]
     python bench/host_overhead.py --prepare [--batches 1,64,256]   (any device)
     python bench/host_overhead.py --dispatch                       (any device)
+    python bench/host_overhead.py --layouts [--batches 1,64]       (any device)
 
 Each line: microseconds of host time per call (perf_counter over `--calls`
 calls, device work left queued; the device work of each call is a few
@@ -17,6 +18,12 @@ piece before it) at decode batches `--batches` and one prefill step.
 nothing, defined with `torch.library.custom_op` and with mrv2's `define_op`
 (compile_backend/core/op_definition.py), pure and mutating, under no_grad
 (HF generate) and inference_mode.
+
+--layouts times the launchers that remember a checked call's layout (Note
+[checked layouts] in compile_backend/kernels/_launch.py): rope_and_cache and
+the skinny GEMM at llama-8B decode shapes, a layout seen before against a
+new one each call (any device; on the CPU the launch itself is left out: the
+interpreter's would dwarf the host work).
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
 the persistent buffers and block tables, build metadata): the host work in
@@ -77,6 +84,54 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
     return rows
 
 
+def layout_rows(batches: list[int], calls: int) -> list[tuple[str, str, str, str]]:
+    """Host us per call of rope_and_cache and of the skinny GEMM with the
+    residual (o projection: 4096 x 4096) at llama-8B decode shapes (32 heads,
+    8 KV heads, head dim 128, bf16): the layout remembered, and a new one
+    each call (the memo emptied first: the checks and the derivation run)."""
+    import contextlib
+    import importlib
+
+    cuda = torch.cuda.is_available()
+    if not cuda:  # CPU tensors reach the launchers under Triton's interpreter only
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    rc = importlib.import_module("compile_backend.kernels.rope_and_cache")
+    sl = importlib.import_module("compile_backend.kernels.skinny_linear")
+    dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
+    H, KVH, D = 32, 8, 128
+    stub = contextlib.ExitStack()
+    if not cuda:  # host work only: the interpreter's launch is not what is timed
+        for mod in (rc, sl):
+            real = mod.launch_here
+            stub.callback(setattr, mod, "launch_here", real)
+            mod.launch_here = lambda launch, device, args: None
+    rows = []
+    with stub:
+        for B in batches:
+            qkv = torch.randn(B, (H + 2 * KVH) * D, device=dev, dtype=dt)
+            q, k, v = (t.view(B, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+            pos = torch.arange(B, device=dev) + 500
+            inv = torch.rand(D // 2, device=dev)
+            kc = torch.randn(B + 8, 16, KVH, D, device=dev, dtype=dt)
+            vc = torch.randn_like(kc)
+            slots = torch.arange(B, device=dev) * 16
+            x = torch.randn(B, H * D, device=dev, dtype=dt)
+            w = torch.randn(4096, H * D, device=dev, dtype=dt) * 0.02
+            r = torch.randn(B, 4096, device=dev, dtype=dt)
+            cases = [("rope_and_cache", lambda: rc.rope_and_cache(q, k, v, pos, inv, kc, vc, slots),
+                      rc._LAUNCHES)]
+            if B <= sl.MAX_ROWS:
+                cases.append(("skinny GEMM + residual (o proj)", lambda: sl.skinny_linear(x, w, None, r),
+                              sl._LAUNCHES))
+            for name, fn, memo in cases:
+                for _ in range(20):
+                    fn()
+                seen = per_call_us(fn, calls)
+                new = per_call_us(lambda: (memo.clear(), fn()), calls)
+                rows.append((f"decode, batch {B}", name, f"{seen:.1f}", f"{new:.1f}"))
+    return rows
+
+
 def dispatch_rows(calls: int) -> list[tuple[str, str, str, str]]:
     """Host us per call of empty ops defined both ways (pure: x, w -> new
     tensor; mutating: writes nothing into a declared-written state)."""
@@ -117,7 +172,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--prepare", action="store_true", help="time prepare_step (any device)")
     ap.add_argument("--dispatch", action="store_true", help="time an empty op's dispatch (any device)")
-    ap.add_argument("--batches", default="1,64,256", help="decode batches (eager region, --prepare)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="time the launchers' remembered layouts (any device)")
+    ap.add_argument("--batches", default="1,64,256",
+                    help="decode batches (eager region, --prepare, --layouts)")
     ap.add_argument("--prefill", type=int, default=4, help="requests of 128 tokens in the prefill row")
     ap.add_argument("--out", help="also write the tables (markdown) here")
     args = ap.parse_args(argv)
@@ -126,6 +184,18 @@ def main(argv=None) -> int:
                 + _markdown("Dispatch of an empty op (host us per call)",
                             ["grad mode", "defined with", "pure us", "mutating us"],
                             dispatch_rows(args.calls)))
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return 0
+    if args.layouts:
+        where = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                 else "CPU: the launch left out, the index checks (CPU tensors only) in")
+        text = (f"{where}, torch {torch.__version__}, {args.calls} calls x 5 rounds, median\n\n"
+                + _markdown("Launchers by layout (host us per call)",
+                            ["batch", "call", "layout remembered us", "layout checked us"],
+                            layout_rows([int(b) for b in args.batches.split(",")], args.calls)))
         print(text)
         if args.out:
             with open(args.out, "w") as f:

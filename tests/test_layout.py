@@ -131,7 +131,7 @@ def test_one_value_says_which_graph_a_step_runs_in():
              if name in p.read_text()]
     assert found == []
     fields = {f.name: f.type for f in dataclasses.fields(ForwardContext)}
-    assert set(fields) == {"attn_metadata", "graph", "capturing", "trace"}
+    assert set(fields) == {"attn_metadata", "graph", "capturing", "capture_plans", "trace"}
     assert "StepGraph" in str(fields["graph"])
     assert list(inspect.signature(prepare_inputs_to_capture).parameters) == ["graph", "model_state"]
     assert "StepGraph" in str({f.name: f.type for f in dataclasses.fields(CaptureRecord)}["graph"])

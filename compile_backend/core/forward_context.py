@@ -28,6 +28,10 @@ class ForwardContext:
     graph: StepGraph | None = None
     # True while a CUDA graph is being captured (warm-up runs are False).
     capturing: bool = False
+    # While mrv2 captures a graph: the attention plans built inside that
+    # capture, dropped when it ends (Note [attention plans] in
+    # compile_backend/kernels/attention_plan.py); None otherwise.
+    capture_plans: dict | None = None
     # Ops append here what they saw at run time (debug and tests: proves an
     # attention-like op ran during capture with real metadata).
     trace: list[tuple[str, str]] | None = None

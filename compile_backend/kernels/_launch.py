@@ -1,25 +1,27 @@
 """Launching a compiled Triton kernel again without `JITFunction.run`.
 
 `kernel[grid](*args, **meta)` costs tens of microseconds of host time per
-launch (binding, the specialization key, the lookup, the launch hooks), and
-an eager attention call repeats it for every layer of a step. `Launch` is one
-launch with everything but the tensors fixed. With `bind=False` it always
-goes through `kernel[grid]` (the checked launchers); with `bind=True` its
-first call watches what Triton hands the compiled kernel's launcher, and when
-that is what a direct call would pass, later calls of the same
-specialization call the launcher directly (kept per kernel, device, grid,
-meta-parameters and each argument's dtype and 16-byte alignment or value).
-Anything unexpected, an active launch hook or the interpreter keeps the
-normal launch, logged once. Note [bound launch]: docs/design.md, section
-"Attention plans and bound launches".
+launch (binding, the specialization key, the lookup, the launch hooks).
+`Launch` is one launch with everything but the tensors fixed: with
+`bind=True` its first call watches what Triton hands the compiled kernel's
+launcher and, when that is what a direct call would pass, later calls of the
+same specialization call that launcher directly (kept per kernel, device,
+grid, meta-parameters and each argument's dtype and 16-byte alignment or
+value); anything unexpected, an active launch hook or the interpreter keeps
+the normal launch, logged once. `LayoutMemo` keeps a launcher's checked
+launches by their arguments' layout (Note [checked layouts] below). Note
+[bound launch]: docs/design.md, section "Attention plans and bound launches".
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import torch
+
+from ._device import PDL_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,81 @@ class Launch:
         return fast
 
 
+# Note [checked layouts]: a launcher's argument checks, and everything it
+# derives for its launch (grid, meta-parameters, the strides it passes), are
+# functions of its tensors' shapes, strides, dtypes and devices and of its
+# Python scalars; whether a bound launch fits also needs each tensor's
+# 16-byte alignment. `layout` is that tuple. A launcher that has checked a
+# call keeps what it derived under the call's layout (a `LayoutMemo`), with
+# a `Launch` made with bind=True on CUDA; a later call of the same layout (the
+# next layer of a step, the next capture of the same size, the next step)
+# skips the checks and the derivation and launches through the bound
+# launcher (`launch_here`). The index checks, which read tensor values, still
+# run where they run (CPU tensors, `set_debug_checks(True)`). A call whose
+# layout was never checked, or with a non-tensor where a tensor goes, takes
+# the checked path, which raises for bad input as before and remembers
+# nothing then.
+
+
+def layout(*tensors: object) -> tuple | None:
+    """Shape, strides, dtype, device and 16-byte alignment of each tensor
+    (None stays None); None if any other object is among them."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif isinstance(t, torch.Tensor):
+            out.append((t.shape, t.stride(), t.dtype, t.device, not t.data_ptr() & 15))
+        else:
+            return None
+    return tuple(out)
+
+
+class LayoutMemo:
+    """What a launcher derived from a checked call, by layout (plus the
+    current CUDA device: a bound launch belongs to its context). Bounded:
+    emptied when full (a model has a few dozen layouts)."""
+
+    __slots__ = ("_entries", "_limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._entries: dict[tuple, Any] = {}
+        self._limit = limit
+
+    @staticmethod
+    def key(device: torch.device, parts: tuple) -> tuple:
+        """`parts` (a layout and scalars) with what else a launch depends on:
+        the current CUDA device, and the switches read when it was derived
+        (the interpreter, MRV2_PDL)."""
+        env = os.environ
+        return (current_device() if device.type == "cuda" else -1,
+                env.get("TRITON_INTERPRET"), env.get(PDL_ENV), parts)
+
+    def get(self, key: tuple) -> Any:
+        return self._entries.get(key)
+
+    def put(self, key: tuple, entry: Any) -> None:
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[key] = entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def launch_here(launch: Launch, device: torch.device, args: tuple) -> None:
+    """Launch on the current stream of `device`'s current device: bound where
+    it may be (Note [bound launch]: no Triton launch hook active), else
+    through kernel[grid]."""
+    if launch.bind and hooks_unset():
+        launch.launch(current_stream(current_device()), args)
+    else:
+        launch.normal(args)
+
+
 def current_device() -> int:
     """The current CUDA device's index (what Triton launches on)."""
     return torch._C._cuda_getDevice()
@@ -188,4 +265,5 @@ def stream_capturing() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
-__all__ = ["Launch", "current_device", "current_stream", "hooks_unset", "stream_capturing"]
+__all__ = ["Launch", "LayoutMemo", "current_device", "current_stream", "hooks_unset", "launch_here",
+           "layout", "stream_capturing"]

@@ -1,16 +1,16 @@
 """The step plan cache of unified attention's direct path: which calls may
-build a plan, how plans are keyed, and where a step's plans are kept.
+build a plan, how plans are keyed, and where they are kept.
 
 An eager piece calls `unified_attention_direct` once per layer. The first
 call of a step runs the full checks and builds a plan (`_Plan` in
 compile_backend/kernels/unified_attention.py: path, grid, KV splits, strides,
-decode scratch), kept on the step's metadata object in the field it declares
-(`PLANS_FIELD`: `AttentionMetadata.attention_plans`) and keyed by
-`plan_key`; a later call with the same key, metadata tensors and ints, on
-the same device and stream, outside captures and launch hooks, launches the
-plan's kernels through bound launchers. Anything else runs the checked path.
-Plans never outlive their step. Note [attention plans]: docs/design.md,
-section "Attention plans and bound launches".
+decode scratch), keyed by `plan_key` and kept on the step's metadata object
+in the field it declares (`PLANS_FIELD`), or, while mrv2 captures a graph, in
+that capture's own dict (`ForwardContext.capture_plans`, dropped when the
+capture ends); a later call with the same key, metadata tensors and ints, on
+the same device and stream, with no launch hook, launches the plan's kernels
+through bound launchers. Anything else runs the checked path. Note
+[attention plans]: docs/design.md, section "Attention plans and bound launches".
 """
 
 from __future__ import annotations
@@ -42,33 +42,49 @@ def aligned(query, key_cache, value_cache, output) -> bool:
                 | output.data_ptr()) & 15
 
 
-def plannable(query, key_cache, value_cache, output) -> bool:
-    """May a plan be built for this call?"""
+def plannable(query, key_cache, value_cache, output, ctx: Any = None) -> bool:
+    """May a plan be built for this call? On CUDA: no Triton launch hook, and
+    no capture but one mrv2 started (`ctx.capture_plans` set)."""
     if debug_checks_on():
         return False
     if not all(isinstance(t, torch.Tensor) for t in (query, key_cache, value_cache, output)):
         return False  # the checks name the argument
     if not aligned(query, key_cache, value_cache, output):
         return False
-    return not query.is_cuda or (not stream_capturing() and hooks_unset())
+    if not query.is_cuda:
+        return True
+    if not hooks_unset():
+        return False
+    return not stream_capturing() or getattr(ctx, "capture_plans", None) is not None
 
 
-def find_plan(meta: Any, query, key_cache, value_cache, output) -> Any | None:
-    """The plan this step's metadata keeps for these arguments' key, or None
-    (it may still not serve the call: `_Plan.ready` decides)."""
+def _store(meta: Any, ctx: Any, create: bool) -> tuple[dict | None, Any]:
+    """(where this call's plans are kept, the key prefix): the capture's own
+    dict while mrv2 captures, else the metadata's field (None if it has none,
+    or, unless `create`, no plan yet)."""
+    capture = getattr(ctx, "capture_plans", None)
+    if capture is not None:
+        return capture, id(meta)
     plans = getattr(meta, PLANS_FIELD, None)
-    if plans is None:
-        return None
-    return plans.get(plan_key(query, key_cache, value_cache, output))
-
-
-def keep_plan(meta: Any, plan: Any, query, key_cache, value_cache, output) -> None:
-    """Keep `plan` for the rest of this step, in `meta`'s declared field; a
-    metadata object without the field keeps none."""
-    if not hasattr(meta, PLANS_FIELD):
-        return
-    plans = getattr(meta, PLANS_FIELD)
-    if plans is None:
+    if plans is None and create and hasattr(meta, PLANS_FIELD):
         plans = {}
         setattr(meta, PLANS_FIELD, plans)
-    plans[plan_key(query, key_cache, value_cache, output)] = plan
+    return plans, None
+
+
+def find_plan(meta: Any, query, key_cache, value_cache, output, ctx: Any = None) -> Any | None:
+    """The plan kept for these arguments' key, or None (it may still not
+    serve the call: `_Plan.ready` decides)."""
+    plans, prefix = _store(meta, ctx, create=False)
+    if plans is None:
+        return None
+    return plans.get((prefix, plan_key(query, key_cache, value_cache, output)))
+
+
+def keep_plan(meta: Any, plan: Any, query, key_cache, value_cache, output, ctx: Any = None) -> None:
+    """Keep `plan`: for the rest of the capture while mrv2 captures (`ctx`),
+    else for the rest of this step in `meta`'s declared field (a metadata
+    object without the field keeps none)."""
+    plans, prefix = _store(meta, ctx, create=True)
+    if plans is not None:
+        plans[(prefix, plan_key(query, key_cache, value_cache, output))] = plan

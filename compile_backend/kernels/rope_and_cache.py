@@ -24,7 +24,9 @@ from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_ids, check_kv_caches,
                       check_tensor)
+from ._debug import index_checks_on
 from ._device import interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, use_triton
+from ._launch import Launch, LayoutMemo, launch_here, layout
 from ._metadata import layer_metadata
 from .reshape_and_cache import reshape_and_cache_ref
 
@@ -164,30 +166,53 @@ def rope_and_cache(
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts every slot to lie in [-1, num_blocks * block_size); any other
     slot writes outside the caches."""
+    key = layout(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out)
+    memo_key = _LAUNCHES.key(q.device, key) if key is not None else None
+    entry = _LAUNCHES.get(memo_key) if memo_key is not None else None
+    if entry is None:
+        entry = _plan(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out)
+        if memo_key is not None:
+            _LAUNCHES.put(memo_key, entry)
+    elif index_checks_on(q.device):
+        check_ids("rope_and_cache", slot_mapping=slot_mapping, cache=("key_cache", key_cache))
+    launch, shape, write_cache, ints = entry
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    if launch is not None:
+        # Without cache blocks (nothing bound yet: every slot is -1) the kernel
+        # writes only q_rot; out stands in for the empty caches' pointers.
+        kc, vc = (key_cache, value_cache) if write_cache else (out, out)
+        launch_here(launch, q.device, (q, k, v, positions, inv_freq, out, kc, vc, slot_mapping,
+                                       *ints))
+    return out
+
+
+# Checked launches by layout (Note [checked layouts] in compile_backend/kernels/_launch.py):
+# (Launch or None for no tokens, out's shape, whether the caches are written,
+# the launch's int arguments).
+_LAUNCHES = LayoutMemo()
+
+
+def _plan(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out) -> tuple:
+    """Check a call (ValueError) and derive its launch (`_LAUNCHES`' entries)."""
     T, H, KVH, D = _check_args(q, k, v, positions, inv_freq, key_cache, value_cache,
                                slot_mapping, out, device_check=True)
-    if out is None:
-        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return out
     write_cache = key_cache.numel() > 0
-    # Without cache blocks (nothing bound yet: every slot is -1) the kernel
-    # writes only q_rot; out stands in for the empty caches' pointers.
-    kc, vc = (key_cache, value_cache) if write_cache else (out, out)
+    if T == 0:
+        return None, (T, H, D), write_cache, ()
+    # out's strides: its own, or those of the contiguous [T, H, D] made for it.
+    out_strides = (out.stride(0), out.stride(1)) if out is not None else (H * D, D)
     cs = key_cache.stride()[:3] if write_cache else (0, 0, 0)
+    ints = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *out_strides, *cs)
     group = H // KVH
     half = D // 2
     block_g, block_half = next_pow2(group), next_pow2(half)
-    _rope_and_cache_kernel[(T, KVH)](
-        q, k, v, positions, inv_freq, out, kc, vc, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), *cs,
-        GROUP=group, HALF=half, BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_G=block_g, BLOCK_HALF=block_half, WRITE_CACHE=write_cache,
-        RNE_BF16=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=max(1, min(4, block_g * block_half // 256)), **pdl_meta(q.device),
-    )
-    return out
+    meta = dict(GROUP=group, HALF=half, BLOCK_SIZE=key_cache.shape[1],
+                BLOCK_G=block_g, BLOCK_HALF=block_half, WRITE_CACHE=write_cache,
+                RNE_BF16=interpreting() and q.dtype == torch.bfloat16,
+                num_warps=max(1, min(4, block_g * block_half // 256)), **pdl_meta(q.device))
+    return Launch(_rope_and_cache_kernel, (T, KVH), meta, bind=q.is_cuda), (T, H, D), write_cache, ints
 
 
 def rotary_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

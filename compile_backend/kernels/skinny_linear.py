@@ -29,6 +29,7 @@ from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
 from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
+from ._launch import Launch, LayoutMemo, launch_here, layout
 
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
@@ -237,56 +238,92 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
     [..., N_out] or None, N_out = N / 2 when gated, else N.
     Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out])."""
-    if not skinny_allowed(x, weight):
-        raise ValueError(
-            f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS} rows and unit stride along K, "
-            f"weight [N, K] of x's dtype (one of {SKINNY_DTYPES}) with unit stride along K, "
-            f"on one device; got x {tuple(x.shape)} {x.dtype} stride {tuple(x.stride())}, "
-            f"weight {tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())} "
-            "(use F.linear for these)")
-    N, K = weight.shape
-    if gated and N % 2:
-        raise ValueError(f"skinny_linear: gated needs an even N (the gate's rows, then the up "
-                         f"projection's, as many), got weight {tuple(weight.shape)}")
-    n_out = N // 2 if gated else N
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
-        raise ValueError(f"skinny_linear: bias must be [{N}] on {x.device}, got {tuple(bias.shape)}")
-    if norm_weight is not None:
-        check_norm_weight("skinny_linear", x, norm_weight, eps)
-        if norm_weight.stride(0) != 1:
-            norm_weight = norm_weight.contiguous()
-    r2 = None
-    if residual is not None:
-        if tuple(residual.shape) != (*lead, n_out) or residual.device != x.device:
+    memo_key = None
+    if config is None:  # a config (tests, benchmarks) is not remembered
+        key = layout(x, weight, bias, residual, norm_weight, out)
+        memo_key = _LAUNCHES.key(x.device, (key, float(eps), bool(gated))) if key else None
+    plan = _LAUNCHES.get(memo_key) if memo_key is not None else None
+    if plan is None:
+        plan = _SkinnyPlan(x, weight, bias, residual, config, out, norm_weight, eps, gated)
+        if memo_key is not None:
+            _LAUNCHES.put(memo_key, plan)
+    return plan.run(x, weight, bias, residual, out, norm_weight)
+
+
+# Checked launches by layout (Note [checked layouts] in compile_backend/kernels/_launch.py).
+_LAUNCHES = LayoutMemo()
+
+
+class _SkinnyPlan:
+    """One checked `skinny_linear` layout: shapes, config and the launch for
+    each split count (`split_plan` decides per call: it depends on the
+    stream's counters)."""
+
+    def __init__(self, x, weight, bias, residual, config, out, norm_weight, eps, gated) -> None:
+        """Every check of `skinny_linear` (ValueError), then what its launch needs."""
+        if not skinny_allowed(x, weight):
+            raise ValueError(
+                f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS} rows and unit stride along K, "
+                f"weight [N, K] of x's dtype (one of {SKINNY_DTYPES}) with unit stride along K, "
+                f"on one device; got x {tuple(x.shape)} {x.dtype} stride {tuple(x.stride())}, "
+                f"weight {tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())} "
+                "(use F.linear for these)")
+        N, K = weight.shape
+        if gated and N % 2:
+            raise ValueError(f"skinny_linear: gated needs an even N (the gate's rows, then the up "
+                             f"projection's, as many), got weight {tuple(weight.shape)}")
+        n_out = N // 2 if gated else N
+        lead = tuple(x.shape[:-1])
+        M = x.numel() // K if K else 0
+        if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+            raise ValueError(f"skinny_linear: bias must be [{N}] on {x.device}, got {tuple(bias.shape)}")
+        if norm_weight is not None:
+            check_norm_weight("skinny_linear", x, norm_weight, eps)
+        if residual is not None and (tuple(residual.shape) != (*lead, n_out)
+                                     or residual.device != x.device):
             raise ValueError(f"skinny_linear: residual must be {(*lead, n_out)} on {x.device}, "
                              f"got {tuple(residual.shape)} on {residual.device}")
-        r2 = residual.reshape(M, n_out)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-    if out is None:
-        out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (*lead, n_out) or not out.is_contiguous() or out.dtype != x.dtype:
-        raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
-    o2 = out.view(M, n_out)
-    cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
-    tiles = cdiv(n_out, cfg["BLOCK_N"])
-    split, k_split, parts, arrivals = split_plan(cfg, M, n_out, K, tiles, x.device,
-                                                 fused=gated or norm_weight is not None)
-    _skinny_linear_kernel[(tiles, split)](
-        x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
-        norm_weight if norm_weight is not None else weight, o2, parts, arrivals,
-        M, N, K, k_split, float(eps),
-        x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=r2 is not None,
-        NORM=norm_weight is not None, GATED=gated,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
-        UPCAST=upcast_dots(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_meta(x.device),
-    )
-    return out
+        if out is not None and (tuple(out.shape) != (*lead, n_out) or not out.is_contiguous()
+                                or out.dtype != x.dtype):
+            raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
+        self.M, self.N, self.K, self.n_out, self.lead = M, N, K, n_out, lead
+        self.eps, self.gated, self.device, self.bind = float(eps), gated, x.device, x.is_cuda
+        self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
+        self.tiles = cdiv(n_out, self.cfg["BLOCK_N"])
+        self.fused = gated or norm_weight is not None
+        self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                         NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
+                         BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
+                         UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
+                         num_stages=self.cfg["num_stages"], **pdl_meta(x.device))
+        self.launches: dict[int, Launch] = {}  # by split count
+
+    def run(self, x, weight, bias, residual, out, norm_weight) -> torch.Tensor:
+        """Launch for these tensors (of the checked layout); returns the output."""
+        M, K, n_out = self.M, self.K, self.n_out
+        x2 = x.reshape(M, K)
+        if norm_weight is not None and norm_weight.stride(0) != 1:
+            norm_weight = norm_weight.contiguous()
+        r2 = None
+        if residual is not None:
+            r2 = residual.reshape(M, n_out)
+            if r2.stride(-1) != 1:
+                r2 = r2.contiguous()
+        if out is None:
+            out = torch.empty((*self.lead, n_out), dtype=x.dtype, device=x.device)
+        o2 = out.view(M, n_out)
+        split, k_split, parts, arrivals = split_plan(self.cfg, M, n_out, K, self.tiles, self.device,
+                                                     fused=self.fused)
+        launch = self.launches.get(split)
+        if launch is None:
+            launch = self.launches[split] = Launch(_skinny_linear_kernel, (self.tiles, split),
+                                                   dict(self.meta, SPLIT_K=split), bind=self.bind)
+        launch_here(launch, self.device, (
+            x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
+            norm_weight if norm_weight is not None else weight, o2, parts, arrivals,
+            M, self.N, K, k_split, self.eps,
+            x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0)))
+        return out
 
 
 def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.device,

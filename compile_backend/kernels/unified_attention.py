@@ -469,7 +469,7 @@ class _Plan:
     one per step (Note [attention plans] in compile_backend/kernels/attention_plan.py)."""
 
     __slots__ = ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len",
-                 "device_index", "stream", "run")
+                 "device_index", "stream", "in_capture", "run")
 
     def __init__(self, query, key_cache, output, query_start_loc, seq_lens, block_table,
                  max_query_len, max_seq_len, num_splits=None, config=None, *, bind=False):
@@ -478,8 +478,9 @@ class _Plan:
         if query.is_cuda:
             self.device_index = current_device()
             self.stream = current_stream(self.device_index)
+            self.in_capture = stream_capturing()  # then only that capture may use it
         else:
-            self.device_index, self.stream = -1, 0
+            self.device_index, self.stream, self.in_capture = -1, 0, False
         T, H, D = query.shape
         KVH, block_size = key_cache.shape[2], key_cache.shape[1]
         B = query_start_loc.shape[0] - 1
@@ -525,7 +526,8 @@ class _Plan:
                       query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
                       block_table=self.block_table, cache=("key_cache", key_cache))
             return 0
-        if stream_capturing() or not hooks_unset() or current_device() != self.device_index:
+        if (stream_capturing() != self.in_capture or not hooks_unset()
+                or current_device() != self.device_index):
             return None
         stream = current_stream(self.device_index)
         return stream if stream == self.stream else None
@@ -771,7 +773,7 @@ def unified_attention_direct(
     the checked path."""
     ctx = get_forward_context()
     meta = ctx.attn_metadata.get(resolve_layer(layer_name))
-    plan = find_plan(meta, query, key_cache, value_cache, output)
+    plan = find_plan(meta, query, key_cache, value_cache, output, ctx)
     if plan is not None:
         stream = plan.ready(meta, query, key_cache, value_cache, output)
         if stream is not None:
@@ -780,14 +782,14 @@ def unified_attention_direct(
             plan.run(query, key_cache, value_cache, output, scale * LOG2E, stream)
             return
     meta = layer_metadata(layer_name, "unified_attention")  # AttentionMetadata
-    if not (use_triton(query) and plannable(query, key_cache, value_cache, output)):
+    if not (use_triton(query) and plannable(query, key_cache, value_cache, output, ctx)):
         _attend_checked(meta, query, key_cache, value_cache, output, scale)
         return
     args = (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_query_len,
             meta.max_seq_len)
     _check(query, key_cache, value_cache, output, *args)
     plan = _Plan(query, key_cache, output, *args, bind=query.is_cuda)
-    keep_plan(meta, plan, query, key_cache, value_cache, output)
+    keep_plan(meta, plan, query, key_cache, value_cache, output, ctx)
     plan.run(query, key_cache, value_cache, output, float(scale) * LOG2E, plan.stream)
 
 

@@ -329,13 +329,13 @@ class CUDAGraphWrapper:
         before = self.graphs.memory_allocated()
         t0 = time.perf_counter()
         if ctx is not None:
-            ctx.capturing = True
+            ctx.capturing, ctx.capture_plans = True, {}
         try:
             with self.graphs.capture(cuda_graph, pool, capture_args):
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
-                ctx.capturing = False
+                ctx.capturing, ctx.capture_plans = False, None
         if alone:  # `seconds` is the device's time; in a plan, the host's
             self.graphs.synchronize()
         # A CUDA graph holds its inputs' addresses: only the private buffers

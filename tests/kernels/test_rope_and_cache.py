@@ -305,3 +305,47 @@ def test_llama8b_shapes_gpu(q_lens, pad):
 def test_large_prefill_gpu():
     _check_case([512] * 4 + [1] * 32, [1024] * 4 + [3000] * 32, 13, 32, 8, 128, torch.bfloat16,
                 "cuda", stable_seed("prefill", 2048), theta=500000.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checked_layout_is_remembered(device, monkeypatch):
+    """Note [checked layouts] (compile_backend/kernels/_launch.py): a call of a
+    layout checked before skips the argument checks and the derivation, and
+    with fresh values in new tensors still equals the reference; another
+    layout is checked again; misuse raises as before (a non-tensor is never
+    remembered; on CPU a remembered layout still checks its slots)."""
+    import importlib
+
+    from compile_backend.kernels._launch import LayoutMemo
+
+    rc = importlib.import_module("compile_backend.kernels.rope_and_cache")
+    monkeypatch.setattr(rc, "_LAUNCHES", LayoutMemo())
+    checked = []
+    real = rc._check_args
+
+    def counting(*args, device_check):
+        checked.append(device_check)  # the reference's own checks pass device_check=False
+        return real(*args, device_check=device_check)
+
+    monkeypatch.setattr(rc, "_check_args", counting)
+    for seed in range(3):  # the same layout, new random values and tensors
+        _check_case([1, 1, 1], [5, 40, 17], 1, 8, 2, 16, torch.bfloat16, device,
+                    stable_seed("memo", seed))
+    assert checked.count(True) == 1 and len(rc._LAUNCHES) == 1
+    _check_case([1, 1, 1], [5, 40, 17], 1, 8, 2, 16, torch.float16, device, stable_seed("memo16"))
+    assert checked.count(True) == 2 and len(rc._LAUNCHES) == 2
+    g = gen(stable_seed("memo-misuse"))
+    batch = paged_batch([1, 1, 1], [5, 40, 17], 16, device, g, pad_tokens=1)
+    q, k, v = _qkv(batch.num_tokens, 8, 2, 16, torch.bfloat16, device, g)
+    kc = randn((batch.num_blocks, 16, 2, 16), torch.bfloat16, device, g)
+    args = (q, k, v, _positions(batch.num_tokens, g, device), _inv_freq(16, device=device), kc,
+            kc.clone())
+    with pytest.raises(ValueError, match="positions: expected a torch.Tensor"):
+        rope_and_cache(*args[:3], args[3].tolist(), *args[4:], batch.slot_mapping)
+    if device == "cpu":  # index checks run on CPU tensors, remembered layout or not
+        bad = batch.slot_mapping.clone()
+        bad[0] = batch.num_blocks * 16
+        before = kc.clone()
+        with pytest.raises(ValueError, match="slot_mapping"):
+            rope_and_cache(*args, bad)
+        assert torch.equal(kc, before)

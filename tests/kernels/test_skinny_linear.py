@@ -278,3 +278,51 @@ def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
         assert int(_arrivals(dev).abs().sum()) == 0
         with torch.cuda.stream(capture_stream()):
             assert int(_arrivals(dev).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checked_layout_is_remembered(device, monkeypatch):
+    """Note [checked layouts] (compile_backend/kernels/_launch.py): a call of a
+    layout checked before skips the checks and the derivation and, with fresh
+    values in new tensors, equals the reference; another layout is checked
+    (misuse raises as before); the split of K is still decided per call (a
+    capture on a stream without counters takes one split, counted, and the
+    next call splits again)."""
+    import importlib
+
+    from compile_backend.core import stream_buffers
+    from compile_backend.core.counters import counters
+    from compile_backend.kernels._launch import LayoutMemo
+
+    sl = importlib.import_module("compile_backend.kernels.skinny_linear")
+    monkeypatch.setattr(sl, "_LAUNCHES", LayoutMemo())
+    made = []
+    real_init = sl._SkinnyPlan.__init__
+
+    def counting(self, *args):
+        made.append(args[0].dtype)
+        real_init(self, *args)
+
+    monkeypatch.setattr(sl._SkinnyPlan, "__init__", counting)
+    dtype = torch.bfloat16
+    for seed in range(3):  # one layout (M <= 16: K split in two by default)
+        x, w, b, r = _operands(5, 40, 600, dtype, device, stable_seed("memo", seed))
+        assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, f"call {seed}")
+    assert made == [dtype] and len(sl._LAUNCHES) == 1
+    plan = next(iter(sl._LAUNCHES._entries.values()))
+    assert list(plan.launches) == [2]
+    x, w, b, r = _operands(5, 40, 600, torch.float16, device, stable_seed("memo16"))
+    assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), torch.float16, "fp16")
+    assert made == [dtype, torch.float16]
+    with pytest.raises(ValueError, match="bias must be"):
+        skinny_linear(x, w, b[:-1], r)
+    assert len(made) == 3 and len(sl._LAUNCHES) == 2  # checked, refused, not remembered
+    x, w, b, r = _operands(5, 40, 600, dtype, device, stable_seed("memo-split"))
+    real_buffer = stream_buffers.buffer
+    monkeypatch.setattr(stream_buffers, "buffer", lambda name, dev: None)
+    before = counters["skinny_split_k_fallbacks"]
+    assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, "one split")
+    assert counters["skinny_split_k_fallbacks"] == before + 1 and sorted(plan.launches) == [1, 2]
+    monkeypatch.setattr(stream_buffers, "buffer", real_buffer)
+    assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, "split again")
+    assert counters["skinny_split_k_fallbacks"] == before + 1 and len(made) == 3

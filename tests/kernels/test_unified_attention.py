@@ -300,6 +300,30 @@ def test_plans_live_in_a_declared_metadata_field():
     assert find_plan(bare, q, kc, kc, q) is None and not hasattr(bare, PLANS_FIELD)
 
 
+def test_plans_made_in_a_capture_are_the_captures_own():
+    """While mrv2 captures a graph (ForwardContext.capture_plans set by
+    runtime/cuda_graph.py), plans are kept in that capture's dict, per
+    metadata object, and never on the metadata: a plan made in a capture
+    holds the capture's scratch and stream, so no call outside it may find
+    it, and one made outside is not found inside."""
+    from compile_backend.core.forward_context import ForwardContext
+    from compile_backend.kernels.attention_plan import find_plan, keep_plan
+
+    batch = paged_batch([1, 2], [5, 9], 16, "cpu", gen(0))
+    meta, other = _meta(batch), _meta(batch)
+    q = kc = torch.zeros(3, 2, 16)
+    ctx = ForwardContext(attn_metadata={"l": meta})
+    keep_plan(meta, "step plan", q, kc, kc, q, ctx)  # no capture: the metadata's field
+    ctx.capture_plans = {}
+    assert find_plan(meta, q, kc, kc, q, ctx) is None
+    keep_plan(meta, "capture plan", q, kc, kc, q, ctx)
+    assert find_plan(meta, q, kc, kc, q, ctx) == "capture plan"
+    assert find_plan(other, q, kc, kc, q, ctx) is None  # another metadata object
+    assert list(meta.attention_plans.values()) == ["step plan"]
+    ctx.capture_plans = None  # the capture ended
+    assert find_plan(meta, q, kc, kc, q, ctx) == "step plan"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_call_checks_misuse(device):
     """The first call of a step runs the launcher's checks: a bad output
@@ -416,3 +440,57 @@ def test_direct_call_in_cuda_graph():
     out.fill_(float("nan"))
     graph.replay()
     _assert_matches_ref(out, q, kc, vc, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("seq_len", [2000, 300])
+def test_plans_inside_mrv2_captures_gpu(seq_len, monkeypatch):
+    """Inside a capture mrv2 started (ForwardContext.capture_plans, as
+    runtime/cuda_graph.py sets it, on the warmed capture stream), the first
+    layer's call checks and builds a plan that the other layers use (bound
+    launches, the plan's scratch from the graph's pool); the plan stays the
+    capture's. Replays on new lengths and queries: every layer equals the
+    reference. Several layers' launches share the decode scratch, one after
+    the other on the stream, as in eager steps."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from compile_backend.runtime import graph_pool
+
+    ua = importlib.import_module("compile_backend.kernels.unified_attention")
+    checks = []
+    real_check = ua._check
+    monkeypatch.setattr(ua, "_check", lambda *a, **k: (checks.append(1), real_check(*a, **k)))
+    g, batch, kc0, vc0, q0 = _gpu_decode(seed=13, seq_len=seq_len)
+    layers = [(kc0, vc0, q0)] + [(torch.randn_like(kc0), torch.randn_like(vc0), torch.randn_like(q0))
+                                 for _ in range(2)]
+    outs = [torch.full_like(q0, float("nan")) for _ in layers]
+    meta = _meta(batch)
+    ctx = ForwardContext(attn_metadata={f"l{i}": meta for i in range(3)})
+
+    def step():
+        for i, ((kc, vc, q), out) in enumerate(zip(layers, outs)):
+            ua.unified_attention_direct(q, kc, vc, out, f"l{i}", 0.1)
+
+    with set_forward_context(ctx):
+        step()  # eager: compiles, builds the step's plan
+        torch.cuda.synchronize()
+        graph_pool.warm_capture_stream()
+        checks.clear()
+        ctx.capturing, ctx.capture_plans = True, {}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=graph_pool.capture_stream()):
+            step()
+        assert len(checks) == 1 and len(ctx.capture_plans) == 1, (checks, ctx.capture_plans)
+        ctx.capturing, ctx.capture_plans = False, None
+    assert meta.attention_plans is not None and len(meta.attention_plans) == 1  # the eager one
+    for r in range(2):
+        lens = [max(1, seq_len - 97 * i - 13 * r) for i in range(8)]
+        batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for kc, vc, q in layers:
+            q.copy_(randn(q.shape, q.dtype, "cuda", g))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (kc, vc, q), out in zip(layers, outs):
+            _assert_matches_ref(out, q, kc, vc, batch)
