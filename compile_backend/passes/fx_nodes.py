@@ -104,16 +104,32 @@ def aten_overloads_named(name: str) -> list[torch._ops.OpOverload]:
     return _ATEN_CACHE[name]
 
 
-def op_tags(node: torch.fx.Node) -> set[str]:
+# (node.op, node.target) -> the op's tag names: a property of the op alone,
+# asked for every node by several passes (a 32-layer graph: ~4500 asks).
+_TAGS_CACHE: dict[tuple[str, Any], frozenset[str]] = {}
+
+
+def op_tags(node: torch.fx.Node) -> frozenset[str]:
     """Tag names (`cudagraph_unsafe`, `nondeterministic_seeded`, ...) of the
     op a node runs; python-level torch calls borrow the aten op's tags."""
+    key = (node.op, node.target)
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # overloads may be added later
+        key += (tuple(node.target.overloads()),)
+    try:
+        return _TAGS_CACHE[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target: asked each time
+        return _op_tags(node)
+    tags = _TAGS_CACHE[key] = _op_tags(node)
+    return tags
+
+
+def _op_tags(node: torch.fx.Node) -> frozenset[str]:
     overloads = schema_overloads(node.target)
     if not overloads and node.op in ("call_function", "call_method") and is_torch_level(node):
         overloads = aten_overloads_named(bare_name(node))
-    tags: set[str] = set()
-    for ov in overloads:
-        tags.update(str(t).rsplit(".", 1)[-1] for t in ov.tags)
-    return tags
+    return frozenset(str(t).rsplit(".", 1)[-1] for ov in overloads for t in ov.tags)
 
 
 # Modules whose callables Dynamo leaves in graphs and that run aten ops.
