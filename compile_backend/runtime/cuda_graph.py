@@ -328,14 +328,15 @@ class CUDAGraphWrapper:
             self.graphs.empty_cache()
         before = self.graphs.memory_allocated()
         t0 = time.perf_counter()
-        if ctx is not None:
+        if ctx is not None:  # restored after: a capture inside another leaves it as it was
+            outer = ctx.capturing, ctx.capture_plans
             ctx.capturing, ctx.capture_plans = True, {}
         try:
             with self.graphs.capture(cuda_graph, pool, capture_args):
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
-                ctx.capturing, ctx.capture_plans = False, None
+                ctx.capturing, ctx.capture_plans = outer
         if alone:  # `seconds` is the device's time; in a plan, the host's
             self.graphs.synchronize()
         # A CUDA graph holds its inputs' addresses: only the private buffers

@@ -263,6 +263,37 @@ def test_debug_checks_catch_a_moved_stable_input_and_copy_others():
                 w(x1, weight.clone())
 
 
+def test_a_capture_has_its_own_plan_dict_and_leaves_the_context_as_it_was():
+    """While the wrapper captures, the forward context says so and holds that
+    capture's own (empty) attention plan dict (Note [attention plans] in
+    compile_backend/kernels/attention_plan.py); afterwards it is as before,
+    also for a capture inside another's (an outer capture keeps its own dict)."""
+    seen = []
+
+    def piece(x):
+        ctx = cb.get_forward_context()
+        seen.append((ctx.capturing, ctx.capture_plans))
+        if ctx.capture_plans is not None:
+            ctx.capture_plans["made here"] = True
+        return x * 2
+
+    with use_graph_backend(StandInGraphs()):
+        w = CUDAGraphWrapper(piece, Mode.PIECEWISE, name="piece", written_inputs=())
+        ctx = cb.ForwardContext(graph=cb.StepGraph(Mode.PIECEWISE, 4, 4))
+        with cb.set_forward_context(ctx):
+            w(torch.randn(4))  # capture
+            assert (ctx.capturing, ctx.capture_plans) == (False, None)
+            outer = {"outer's": True}
+            ctx.capturing, ctx.capture_plans = True, outer
+            w2 = CUDAGraphWrapper(piece, Mode.PIECEWISE, name="inner", written_inputs=())
+            w2(torch.randn(4))
+            assert ctx.capturing is True and ctx.capture_plans is outer
+            assert outer == {"outer's": True}
+    captured = [(c, p) for c, p in seen if c]
+    assert len(captured) == 2 and all(p == {"made here": True} for _, p in captured)
+    assert captured[0][1] is not captured[1][1]
+
+
 def test_plain_torch_compile_captures_lazily_on_the_second_call():
     """No runner: the first call of a shape warms up, the second captures, the third replays."""
     import copy
