@@ -104,7 +104,7 @@ def layout_rows(batches: list[int], calls: int) -> list[tuple[str, str, str, str
         for mod in (rc, sl):
             real = mod.launch_here
             stub.callback(setattr, mod, "launch_here", real)
-            mod.launch_here = lambda launch, device, args: None
+            mod.launch_here = lambda launch, args: None
     rows = []
     with stub:
         for B in batches:

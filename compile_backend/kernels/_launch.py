@@ -241,10 +241,10 @@ class LayoutMemo:
         self._entries.clear()
 
 
-def launch_here(launch: Launch, device: torch.device, args: tuple) -> None:
-    """Launch on the current stream of `device`'s current device: bound where
-    it may be (Note [bound launch]: no Triton launch hook active), else
-    through kernel[grid]."""
+def launch_here(launch: Launch, args: tuple) -> None:
+    """Launch on the current device's current stream (where kernel[grid]
+    would): bound where it may be (Note [bound launch]: a Launch made with
+    bind=True, no Triton launch hook active), else through kernel[grid]."""
     if launch.bind and hooks_unset():
         launch.launch(current_stream(current_device()), args)
     else:

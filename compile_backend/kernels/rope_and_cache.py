@@ -182,8 +182,7 @@ def rope_and_cache(
         # Without cache blocks (nothing bound yet: every slot is -1) the kernel
         # writes only q_rot; out stands in for the empty caches' pointers.
         kc, vc = (key_cache, value_cache) if write_cache else (out, out)
-        launch_here(launch, q.device, (q, k, v, positions, inv_freq, out, kc, vc, slot_mapping,
-                                       *ints))
+        launch_here(launch, (q, k, v, positions, inv_freq, out, kc, vc, slot_mapping, *ints))
     return out
 
 

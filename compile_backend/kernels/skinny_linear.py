@@ -318,7 +318,7 @@ class _SkinnyPlan:
         if launch is None:
             launch = self.launches[split] = Launch(_skinny_linear_kernel, (self.tiles, split),
                                                    dict(self.meta, SPLIT_K=split), bind=self.bind)
-        launch_here(launch, self.device, (
+        launch_here(launch, (
             x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
             norm_weight if norm_weight is not None else weight, o2, parts, arrivals,
             M, self.N, K, k_split, self.eps,
