@@ -226,13 +226,22 @@ class LayoutMemo:
         return (current_device() if device.type == "cuda" else -1,
                 env.get("TRITON_INTERPRET"), env.get(PDL_ENV), parts)
 
-    def get(self, key: tuple) -> Any:
-        return self._entries.get(key)
-
-    def put(self, key: tuple, entry: Any) -> None:
-        if len(self._entries) >= self._limit:
-            self._entries.clear()
-        self._entries[key] = entry
+    def entry(self, device: torch.device, parts: tuple | None,
+              make: Callable[[], Any]) -> tuple[Any, bool]:
+        """(what `make` derived for `parts` on `device`, whether `make` ran
+        now: the call was checked). `make` checks the call (it raises for
+        misuse, and nothing is kept then); `parts` None (a layout with a
+        non-tensor in it) is never kept."""
+        key = self.key(device, parts) if parts is not None else None
+        found = self._entries.get(key) if key is not None else None
+        if found is not None:
+            return found, False
+        found = make()
+        if key is not None:
+            if len(self._entries) >= self._limit:
+                self._entries.clear()
+            self._entries[key] = found
+        return found, True
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -166,14 +166,10 @@ def rope_and_cache(
     and for CUDA ones under `set_debug_checks(True)`. Without them the kernel
     trusts every slot to lie in [-1, num_blocks * block_size); any other
     slot writes outside the caches."""
-    key = layout(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out)
-    memo_key = _LAUNCHES.key(q.device, key) if key is not None else None
-    entry = _LAUNCHES.get(memo_key) if memo_key is not None else None
-    if entry is None:
-        entry = _plan(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out)
-        if memo_key is not None:
-            _LAUNCHES.put(memo_key, entry)
-    elif index_checks_on(q.device):
+    entry, checked = _LAUNCHES.entry(
+        q.device, layout(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out),
+        lambda: _plan(q, k, v, positions, inv_freq, key_cache, value_cache, slot_mapping, out))
+    if not checked and index_checks_on(q.device):
         check_ids("rope_and_cache", slot_mapping=slot_mapping, cache=("key_cache", key_cache))
     launch, shape, write_cache, ints = entry
     if out is None:

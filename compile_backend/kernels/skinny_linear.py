@@ -238,15 +238,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
     [..., N_out] or None, N_out = N / 2 when gated, else N.
     Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out])."""
-    memo_key = None
-    if config is None:  # a config (tests, benchmarks) is not remembered
-        key = layout(x, weight, bias, residual, norm_weight, out)
-        memo_key = _LAUNCHES.key(x.device, (key, float(eps), bool(gated))) if key else None
-    plan = _LAUNCHES.get(memo_key) if memo_key is not None else None
-    if plan is None:
-        plan = _SkinnyPlan(x, weight, bias, residual, config, out, norm_weight, eps, gated)
-        if memo_key is not None:
-            _LAUNCHES.put(memo_key, plan)
+    key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
+    # A config (tests, benchmarks) is not remembered.
+    plan, _ = _LAUNCHES.entry(
+        x.device, (key, float(eps), bool(gated)) if key is not None else None,
+        lambda: _SkinnyPlan(x, weight, bias, residual, config, out, norm_weight, eps, gated))
     return plan.run(x, weight, bias, residual, out, norm_weight)
 
 
@@ -287,7 +283,7 @@ class _SkinnyPlan:
                                 or out.dtype != x.dtype):
             raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
         self.M, self.N, self.K, self.n_out, self.lead = M, N, K, n_out, lead
-        self.eps, self.gated, self.device, self.bind = float(eps), gated, x.device, x.is_cuda
+        self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
         self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
         self.tiles = cdiv(n_out, self.cfg["BLOCK_N"])
         self.fused = gated or norm_weight is not None
