@@ -287,8 +287,8 @@ def write_results(out, stem, title, argv, text, payload) -> None:
         json.dump(payload, f, indent=1, default=str)
 
 
-FUSED_SWEEP = {"BLOCK_N": [16, 32], "BLOCK_K": [64, 128, 256], "num_warps": [4, 8],
-               "num_stages": [2, 3, 4]}
+FUSED_SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
+               "num_stages": [3, 4]}
 
 
 def run_fused_sweep(args) -> int:

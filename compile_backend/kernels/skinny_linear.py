@@ -49,19 +49,22 @@ CONFIGS = {
     64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
 }
 # With the norm's prologue or the gate's second weight tile (compile_backend/kernels/norm_linear.py),
-# by (BLOCK_M, gated): the largest tiles that ptxas compiles for sm_90a without
-# spilling registers (Triton 3.9, checked offline: the swept plain configurations
-# above spill there once the norm's fp32 tiles join). BLOCK_N counts output
-# columns: gated, a program also reads the up projection's BLOCK_N rows.
-# Timed on the H200 (bench/results/norm_linear.md): 3-5x the unfused
-# sequence, a quarter of the plain tiles' bytes in flight (docs/design.md).
+# by (BLOCK_M, gated); BLOCK_N counts output columns (gated, a program also
+# reads the up projection's BLOCK_N rows). Picked offline from the TTGIR and
+# ptxas of the GPU machine's Triton 3.6 for sm_90a (bench/kernel_asm.py,
+# bench/results/kernel_asm.md): no register spills, every load of the main
+# loop pipelined (with some tiles Triton leaves the norm weight's a plain load,
+# one memory round trip per iteration), and 2-4x the weight bytes in flight of
+# the tiles timed 3-5x slower than the unfused sequence on the H200
+# (bench/results/norm_linear.md). Not timed yet: `bench/skinny_gemm.py --fused
+# [--sweep]`; the pass that uses them (fuse_norm_linear) stays off until then.
 FUSED_CONFIGS = {
-    (16, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    (32, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
-    (64, False): {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
-    (16, True): {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    (32, True): {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
-    (64, True): {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    (16, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (64, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    (16, True): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (32, True): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
+    (64, True): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
 }
 
 
