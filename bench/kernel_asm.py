@@ -166,7 +166,8 @@ def compile_spec(spec: Spec, dump: str | None = None) -> dict[str, Any]:
             with open(os.path.join(dump, f"{spec.name}.{ext}"), "w") as f:
                 f.write(text)
     shared = compiled.metadata.shared
-    return dict(name=spec.name, **read_ttgir(ttgir), **_ptxas(ptx), smem_kib=shared / 1024)
+    return dict(name=spec.name, **read_ttgir(ttgir), **_ptxas(ptx), smem_kib=shared / 1024,
+                l2_prefetches=ptx.count("cp.async.bulk.prefetch.L2"))
 
 
 # -- the specializations of a llama-8B decode step --------------------------------
@@ -237,6 +238,14 @@ def decode_specs() -> list[Spec]:
     ]
 
 
+def prefetch_specs() -> list[Spec]:
+    """The L2 prefetch of a weight (compile_backend/kernels/l2_prefetch.py)."""
+    from compile_backend.kernels.l2_prefetch import CHUNK, LANES, _l2_prefetch_kernel
+
+    return [Spec("l2_prefetch", _l2_prefetch_kernel, dict(base_ptr="*u8", nbytes=HIDDEN * HIDDEN * 2),
+                 dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]
+
+
 def _chunk(ua, qpk: int, splits: int) -> int:
     """The one-launch decode's merge chunk, as its launcher picks it."""
     chunk = max(1, min(ua.next_pow2(splits), ua._MERGE_ELEMS // (ua.next_pow2(qpk) * HEAD_DIM)))
@@ -249,7 +258,7 @@ def _bf16():
     return torch.bfloat16
 
 
-SPECS = {"skinny": skinny_specs, "decode": decode_specs}
+SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_specs}
 
 COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "mma"),
            ("async copies", "async_copies"), ("loop loads", "loop_loads"),

@@ -57,6 +57,8 @@ def test_the_decode_steps_kernels_compile_pipelined(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     skinny = [n for n in rows if n.startswith("skinny_")]
+    # the L2 prefetch: its one instruction in the PTX (ptxas takes it where it runs)
+    assert rows["l2_prefetch"]["l2_prefetches"] == 1 and rows["l2_prefetch"]["pre_wait_loads"] == 0
     # 5 linears x 4 row counts; the one-launch decode, its two-launch form
     assert len(skinny) == 20 and {"decode_split", "decode_reduce", "decode_one_launch"} <= set(rows)
     for name, r in rows.items():

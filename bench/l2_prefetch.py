@@ -1,0 +1,192 @@
+"""Does prefetching the o projection's weight into L2 during decode attention pay?
+
+    python bench/l2_prefetch.py [--batches 1,16,64] [--context 500] [--layers 8]
+                                [--prefetch-mib 0,8,16,32] [--out bench/results/l2_prefetch.md]
+    python bench/l2_prefetch.py --dry-run    (CPU plumbing, tiny shapes; numbers mean nothing)
+
+At decode the attention kernel of a layer reads little (a few MB of KV at
+batch 1) and waits on latency, so HBM idles for its microseconds; the o
+projection right after it then streams its 32 MB weight from HBM. Here a
+chain of `--layers` llama-8B layer tails, each `unified_attention` (32 query
+heads, 8 KV heads, head dim 128, paged, `--context` tokens per request) then
+`mrv2::linear_add` of the o projection with the residual (the skinny kernel
+at these batches), each layer with its own weight and caches so that no
+replay finds the last one's in L2, is captured in one CUDA graph and timed
+(median replay / layers). Variants: no prefetch, and `l2_prefetch` of the
+first N MiB of the layer's o weight launched just before its attention
+(compile_backend/kernels/l2_prefetch.py: the prefetch reads nothing, so the
+outputs must be bit-equal; checked). Also timed alone: the attentions, and
+the o projections. The floor: the o weight's bytes over the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+
+import report  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
+DRY = dict(HIDDEN=256, HEADS=4, KV_HEADS=2, HEAD_DIM=64)  # --dry-run's shapes
+
+
+class Chain:
+    """`layers` layer tails (attention, then the o projection with the
+    residual) at batch B, each with its own caches, weight and buffers."""
+
+    def __init__(self, B: int, ctx: int, layers: int, device: str, dims: dict, g: torch.Generator):
+        self.dims = dims
+        H, KVH, D, hid = dims["HEADS"], dims["KV_HEADS"], dims["HEAD_DIM"], dims["HIDDEN"]
+        dtype = torch.bfloat16
+        blocks = math.ceil(ctx / BLOCK)
+        self.B, self.ctx, self.layers = B, ctx, []
+        qsl = torch.arange(0, B + 1, dtype=torch.int32, device=device)
+        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        for _ in range(layers):
+            nblk = B * blocks + 1
+            table = (torch.randperm(nblk - 1, generator=g) + 1)[: B * blocks]
+            self.layers.append(dict(
+                q=torch.randn(B, H, D, generator=g).to(device, dtype),
+                kc=torch.randn(nblk, BLOCK, KVH, D, generator=g).to(device, dtype),
+                vc=torch.randn(nblk, BLOCK, KVH, D, generator=g).to(device, dtype),
+                table=table.view(B, blocks).to(torch.int32).to(device),
+                w=(torch.randn(hid, H * D, generator=g) / math.sqrt(H * D)).to(device, dtype),
+                res=torch.randn(B, hid, generator=g).to(device, dtype),
+                qsl=qsl, seq_lens=seq_lens))
+        self.scale = D ** -0.5
+
+    def attention(self, lay: dict) -> torch.Tensor:
+        from compile_backend.kernels import unified_attention, unified_attention_ref
+
+        args = (lay["q"], lay["kc"], lay["vc"], lay["qsl"], lay["seq_lens"], lay["table"], self.scale)
+        if not lay["q"].is_cuda:  # a dry run: the torch reference
+            return unified_attention_ref(*args)
+        return unified_attention(*args, 1, self.ctx)
+
+    def o_proj(self, lay: dict, attn: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mrv2.linear_add(attn.reshape(self.B, -1), lay["w"], None, lay["res"])
+
+    def run(self, prefetch_bytes: int) -> list[torch.Tensor]:
+        from compile_backend.kernels.l2_prefetch import l2_prefetch
+
+        outs = []
+        for lay in self.layers:
+            if prefetch_bytes:
+                l2_prefetch(lay["w"], min(prefetch_bytes, lay["w"].numel() * 2))
+            outs.append(self.o_proj(lay, self.attention(lay)))
+        return outs
+
+    def attentions(self) -> list[torch.Tensor]:
+        return [self.attention(lay) for lay in self.layers]
+
+    def o_projs(self, attns: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.o_proj(lay, a) for lay, a in zip(self.layers, attns)]
+
+
+def replay_us(fn, device: str, layers: int) -> float:
+    """Median µs per layer of `fn` captured in one CUDA graph (CPU: one
+    timed call, a dry run's stand-in)."""
+    if device != "cuda":
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6 / layers
+    from timing import graph_ms
+
+    return graph_ms([fn], calls=1) * 1e3 / layers
+
+
+def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
+    g = torch.Generator().manual_seed(1000 + B)
+    chain = Chain(B, args.context, args.layers, device, dims, g)
+    ref = chain.run(0)
+    attns = chain.attentions()
+    w_bytes = chain.layers[0]["w"].numel() * 2
+    rows = []
+    alone_attn = replay_us(chain.attentions, device, args.layers)
+    alone_o = replay_us(lambda: chain.o_projs(attns), device, args.layers)
+    for mib in args.prefetch_mib:
+        nbytes = min(mib << 20, w_bytes)
+        out = chain.run(nbytes)
+        equal = all(torch.equal(a, b) for a, b in zip(out, ref))
+        if not equal:
+            raise AssertionError(f"b{B} prefetch {mib} MiB: outputs differ from no prefetch "
+                                 "(a prefetch must change no value)")
+        rows.append(dict(batch=B, prefetch_mib=nbytes / (1 << 20), layer_us=replay_us(
+            lambda n=nbytes: chain.run(n), device, args.layers), attention_us=alone_attn,
+            o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
+    return rows
+
+
+def fmt(rows: list[dict], bw_text: str) -> list[str]:
+    base = {r["batch"]: r["layer_us"] for r in rows if r["prefetch_mib"] == 0}
+    out = [f"copy bandwidth {bw_text}; µs per layer (attention + o projection with its residual), "
+           "median replay of one CUDA graph of the chain / layers", ""]
+    out += report.table(
+        ["batch", "prefetch MiB", "layer µs", "vs none", "attention alone µs", "o proj alone µs",
+         "o weight floor µs", "outputs bit-equal"], "rrrrrrrl",
+        [(r["batch"], f"{r['prefetch_mib']:.3g}", f"{r['layer_us']:.2f}",
+          report.dash(r["layer_us"] / base[r["batch"]] if r["batch"] in base else None, ".3f"),
+          f"{r['attention_us']:.2f}", f"{r['o_proj_us']:.2f}", f"{r['o_floor_us']:.2f}",
+          "yes" if r["equal"] else "NO") for r in rows])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=500)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prefetch-mib", default="0,8,16,32")
+    report.add_out(ap, default=os.path.join(report.RESULTS_DIR, "l2_prefetch.md"))
+    report.add_dry_run(ap)
+    args = ap.parse_args(argv)
+    args.batches = report.comma_list(args.batches, int)
+    args.prefetch_mib = report.comma_list(args.prefetch_mib, int)
+    if 0 not in args.prefetch_mib:
+        args.prefetch_mib.insert(0, 0)  # the baseline every row is compared with
+    if args.dry_run:
+        device, dims, gpu = "cpu", dict(DRY), "CPU dry run"
+        args.layers, args.context = min(args.layers, 2), min(args.context, 40)
+        bw_samples = [1e9]
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU (or --dry-run on a CPU)")
+        from timing import copy_bandwidth
+
+        device, dims, gpu = "cuda", dict(HIDDEN=HIDDEN, HEADS=HEADS, KV_HEADS=KV_HEADS,
+                                         HEAD_DIM=HEAD_DIM), torch.cuda.get_device_name()
+        bw_samples = list(copy_bandwidth().samples)
+    import compile_backend.kernels  # noqa: F401  (registers mrv2's ops)
+
+    bw = statistics.median(bw_samples)
+    rows = []
+    for B in args.batches:
+        rows += bench_batch(B, args, device, dims, bw)
+        print(f"b{B}: " + ", ".join(f"{r['prefetch_mib']:.3g} MiB {r['layer_us']:.2f} µs"
+                                    for r in rows if r["batch"] == B), flush=True)
+    meta = report.run_meta("l2_prefetch", argv, gpu)
+    meta.update(copy_bandwidth_samples_GBps=[s / 1e9 for s in bw_samples], layers=args.layers,
+                context=args.context)
+    bw_text = f"{bw / 1e9:.0f} GB/s (median of {len(bw_samples)} rounds)"
+    text = "\n".join([report.heading("o projection weight prefetched into L2 during attention",
+                                     meta), "", f"Command: `{meta['command']}`", "",
+                      *fmt(rows, bw_text)]) + "\n"
+    print(text)
+    if args.out:
+        report.write_md_and_json(args.out, text, {"meta": meta, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
