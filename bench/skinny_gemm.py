@@ -1,8 +1,9 @@
-"""Decode linears (M <= 64 rows): the skinny Triton kernel
+"""Decode linears (M <= 64 rows; plain ones up to 512): the skinny Triton kernel
 (compile_backend/kernels/skinny_linear.py) against cuBLAS, inside CUDA graphs, on one GPU.
 
     python bench/skinny_gemm.py [--shapes llama8b,bench] [--rows 1,16,32,64]
                                 [--sweep] [--out bench/results]
+    python bench/skinny_gemm.py --shapes llama8b --only o,down --rows 128,256 [--sweep]
     python bench/skinny_gemm.py --fused [--rows 1,16,32,64] [--unfused compiled|eager]
 
 For each weight shape of a decode step (llama-8B: qkv, o, gate_up, down,
@@ -12,7 +13,9 @@ residual: what Inductor emits, a memcpy of the residual and then the GEMM,
 often with a split-K reduce), and the kernel with its default
 meta-parameters (`skinny_config`), with the residual in its epilogue where
 the step has one. `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps,
-num_stages) of a small grid and reports the best per shape.
+num_stages) of a small grid and reports the best per shape; above 64 rows
+(the 128-row tiles of Note [wide rows], docs/design.md) a grid of GEMM
+tiles and splits instead (WIDE_SWEEP).
 
 Timing: 12 calls captured in one CUDA graph, cycling through enough weight
 copies that no call finds its weight in L2, median of do_bench's replays
@@ -67,6 +70,9 @@ SHAPES = {
 }
 SWEEP = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8],
          "num_stages": [3, 4]}
+# --sweep above 64 rows: 128-row tiles (Note [wide rows] in compile_backend/kernels/skinny_linear.py).
+WIDE_SWEEP = {"BLOCK_N": [64, 128, 256], "BLOCK_K": [32, 64], "num_warps": [8],
+              "num_stages": [3, 4], "SPLIT_K": [1, 2, 4]}
 # --split-sweep: split K (Note [split K] in compile_backend/kernels/skinny_linear.py) with
 # wider column tiles (fewer re-reads of x at 64 rows).
 SPLIT_SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [128, 256], "num_warps": [4],
@@ -118,7 +124,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
-        grid = SPLIT_SWEEP if sweep == "split" else SWEEP
+        grid = SPLIT_SWEEP if sweep == "split" else WIDE_SWEEP if M > 64 else SWEEP
         block_m = default["BLOCK_M"]
         configs += [c for c in (dict(zip(grid, v), BLOCK_M=block_m)
                                 for v in itertools.product(*grid.values()))

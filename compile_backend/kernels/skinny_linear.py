@@ -1,6 +1,6 @@
-"""Linears of a few rows (decode: M <= 64 tokens) in one Triton kernel, with
-the residual add in its epilogue (`mrv2::linear_add`), and optionally an
-RMSNorm of x in its prologue and SiLU·mul in its epilogue (`mrv2::norm_linear`).
+"""Linears of a few rows (decode: M <= 64; plain ones up to 512) in one Triton
+kernel, with the residual add in its epilogue (`mrv2::linear_add`), optionally
+an RMSNorm of x in its prologue and SiLU·mul in its epilogue (`mrv2::norm_linear`).
 
     skinny_linear(x [M, K], weight [N, K], bias [N] | None, residual [M, N_out] | None,
                   norm_weight [K] | None, eps, gated)
@@ -9,9 +9,9 @@ RMSNorm of x in its prologue and SiLU·mul in its epilogue (`mrv2::norm_linear`)
         gated: y = silu(y[:, :N/2]) * y[:, N/2:]                      # [M, N_out = N/2]
         == y (+ residual)                                             # [M, N_out]
 
-Used where its grid is wide enough to beat cuBLAS (`skinny_pays`;
-`MRV2_SKINNY_GEMM=0/1` overrides). Note [skinny GEMMs], Note [split K]:
-docs/design.md, sections "The skinny GEMM" and "Split K without a reduce kernel".
+Used where its grid beats cuBLAS (`skinny_pays`; `MRV2_SKINNY_GEMM=0/1`
+overrides; 65-512 rows only with MRV2_WIDE_GEMM=1). Note [skinny GEMMs],
+[split K], [wide rows]: docs/design.md.
 """
 
 from __future__ import annotations
@@ -33,10 +33,15 @@ from ._launch import Launch, LayoutMemo, launch_here, layout
 
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
+# Note [wide rows]: the plain kernel (no norm, not gated) also takes 65..WIDE_ROWS
+# rows in 128-row tiles (b256's linear_add without torch's addmm), where
+# MRV2_WIDE_GEMM=1 asks for it: off until timed on the H200.
+WIDE_ROWS = 512
+WIDE_ENV = "MRV2_WIDE_GEMM"
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # Note [split K]: one arrival counter per column tile of a launch, per stream.
 ARRIVALS = "skinny_linear.arrivals"
-ARRIVAL_SLOTS = 8192  # column tiles a split launch may have (more: one split)
+ARRIVAL_SLOTS = 8192  # (row, column) tiles a split launch may have (more: one split)
 stream_buffers.declare(ARRIVALS, ARRIVAL_SLOTS, torch.int32)
 # Meta-parameters by row tile (BLOCK_M): the best of a sweep for the o and
 # down projections of llama-8B on the H200 (bench/results/skinny_gemm_sweep*.json).
@@ -47,6 +52,11 @@ CONFIGS = {
     16: {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     64: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    # Note [wide rows]: Hopper's usual GEMM tile (wgmma, 128 KiB of shared
+    # memory, no spills with Triton 3.6: bench/results/kernel_asm.md); split
+    # in two so that 256 rows of a 4096-column weight make 128 programs.
+    # Picked offline, not timed: bench/skinny_gemm.py --rows 128,256 --sweep.
+    128: {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "SPLIT_K": 2},
 }
 # With the norm's prologue or the gate's second weight tile (compile_backend/kernels/norm_linear.py),
 # by (BLOCK_M, gated); BLOCK_N counts output columns (gated, a program also
@@ -77,11 +87,16 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program: out[:, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or its part
-    # [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]). x [M, K]
-    # and w [N, K] have unit stride along K. The output has N_out columns: N,
-    # or N / 2 when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
-    pid_n = tl.program_id(0)
+    # One program: out[m0:m0+BLOCK_M, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or
+    # its part [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]).
+    # Tile t = program_id(0) is row tile t % tiles_m of column tile t //
+    # tiles_m: a column tile's row tiles run side by side and share its weight
+    # in L2 (one row tile up to 64 rows; Note [wide rows]). x [M, K] and w
+    # [N, K] have unit stride along K. The output has N_out columns: N, or
+    # N / 2 when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
+    tile = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid_n = tile // tiles_m
     n0 = pid_n * BLOCK_N
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
@@ -89,7 +104,7 @@ def _skinny_linear_kernel(
         N_out = N // 2
     else:
         N_out = N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
@@ -135,14 +150,14 @@ def _skinny_linear_kernel(
         parts = part_ptr + offs_m[:, None] * N_out + offs_n[None, :]  # [BM, BN] of split 0
         tl.store(parts + tl.program_id(1) * M * N_out, acc, mask=mask)
         tl.debug_barrier()  # every thread's part is stored before the arrival releases them
-        arrived = tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()  # and every thread reads the parts only after the acquire
         finish = arrived == SPLIT_K - 1
         if finish:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(parts + s * M * N_out, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrive_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # re-armed
+            tl.atomic_xchg(arrive_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-armed
     if finish:
         if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
             rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
@@ -163,8 +178,9 @@ def _skinny_linear_kernel(
 
 
 def row_tile(M: int) -> int:
-    """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16)."""
-    return max(16, next_pow2(M))
+    """The dot tile's rows for M rows: 16, 32 or 64 (tl.dot needs >= 16), and
+    128 above MAX_ROWS (Note [wide rows])."""
+    return max(16, next_pow2(M)) if M <= MAX_ROWS else 128
 
 
 def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: bool = False,
@@ -173,6 +189,9 @@ def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: boo
     overrides); BLOCK_M is the row tile. With a norm or gated: FUSED_CONFIGS
     (a gated program reads BLOCK_N gate rows and BLOCK_N up rows)."""
     block_m = row_tile(M)
+    if (gated or norm) and M > MAX_ROWS:
+        raise ValueError(f"skinny_linear: with a norm or gated, at most {MAX_ROWS} rows (got {M}): "
+                         "use norm_linear's torch path (mrv2::norm_linear chooses it)")
     table = FUSED_CONFIGS[(block_m, gated)] if (gated or norm) else CONFIGS[block_m]
     cfg = dict(table, BLOCK_M=block_m)
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
@@ -181,11 +200,14 @@ def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: boo
     return cfg
 
 
-def skinny_allowed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the kernel take these operands (dtype, rows, strides)?"""
+def skinny_allowed(x: torch.Tensor, weight: torch.Tensor, fused: bool = False) -> bool:
+    """Can the kernel take these operands (dtype, rows, strides)? `fused`:
+    with a norm or gated, which take at most MAX_ROWS rows (the plain kernel
+    WIDE_ROWS)."""
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = MAX_ROWS if fused else WIDE_ROWS
     return (x.dtype in SKINNY_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
-            and 1 <= M <= MAX_ROWS and x.shape[-1] == weight.shape[1] and weight.shape[0] > 0
+            and 1 <= M <= rows and x.shape[-1] == weight.shape[1] and weight.shape[0] > 0
             and x.stride(-1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
 
 
@@ -197,8 +219,11 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
     quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
     rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
     A split launch counts each (tile, split) as a program.
-    `MRV2_SKINNY_GEMM=0/1` overrides the rule."""
+    `MRV2_SKINNY_GEMM=0/1` overrides the rule. Above MAX_ROWS rows (Note
+    [wide rows]): only where MRV2_WIDE_GEMM=1 (and MRV2_SKINNY_GEMM is not 0)."""
     choice = os.environ.get(SKINNY_ENV, "")
+    if M > MAX_ROWS:
+        return choice != "0" and os.environ.get(WIDE_ENV, "") == "1"
     if choice in ("0", "1"):
         return choice == "1"
     n_out = N // 2 if gated else N
@@ -211,7 +236,7 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
                 norm: bool = False) -> bool:
     """Use the kernel for F.linear(x, weight) (followed by SiLU·mul when
     gated)? (module docstring)"""
-    if not (x.is_cuda and skinny_allowed(x, weight)):
+    if not (x.is_cuda and skinny_allowed(x, weight, fused=gated or norm)):
         return False
     M = x.numel() // x.shape[-1]
     return skinny_fills(M, weight.shape[0], weight.shape[1], sm_count(x.device), gated, norm)
@@ -234,8 +259,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   residual: torch.Tensor | None = None, config: dict | None = None,
                   out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
-    """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS, unit
-    stride along K; weight [N, K] with unit stride along K (a row slice of a
+    """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS (up to
+    WIDE_ROWS without norm_weight and not gated), unit stride along K; weight [N, K] with unit stride along K (a row slice of a
     packed weight is fine); bias [N] or None; norm_weight [K] or None (then
     x is RMS-normalized with `eps` first); gated: the output is
     silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
@@ -260,9 +285,11 @@ class _SkinnyPlan:
 
     def __init__(self, x, weight, bias, residual, config, out, norm_weight, eps, gated) -> None:
         """Every check of `skinny_linear` (ValueError), then what its launch needs."""
-        if not skinny_allowed(x, weight):
+        fused = gated or norm_weight is not None
+        if not skinny_allowed(x, weight, fused):
             raise ValueError(
-                f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS} rows and unit stride along K, "
+                f"skinny_linear: needs x [..., K] with 1..{MAX_ROWS if fused else WIDE_ROWS} rows "
+                f"({MAX_ROWS} with a norm or gated, {WIDE_ROWS} without) and unit stride along K, "
                 f"weight [N, K] of x's dtype (one of {SKINNY_DTYPES}) with unit stride along K, "
                 f"on one device; got x {tuple(x.shape)} {x.dtype} stride {tuple(x.stride())}, "
                 f"weight {tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())} "
@@ -288,7 +315,7 @@ class _SkinnyPlan:
         self.M, self.N, self.K, self.n_out, self.lead = M, N, K, n_out, lead
         self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
         self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
-        self.tiles = cdiv(n_out, self.cfg["BLOCK_N"])
+        self.tiles = cdiv(n_out, self.cfg["BLOCK_N"]) * cdiv(M, self.cfg["BLOCK_M"])
         self.fused = gated or norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],

@@ -59,8 +59,9 @@ def test_the_decode_steps_kernels_compile_pipelined(tmp_path):
     skinny = [n for n in rows if n.startswith("skinny_")]
     # the L2 prefetch: its one instruction in the PTX (ptxas takes it where it runs)
     assert rows["l2_prefetch"]["l2_prefetches"] == 1 and rows["l2_prefetch"]["pre_wait_loads"] == 0
-    # 5 linears x 4 row counts; the one-launch decode, its two-launch form
-    assert len(skinny) == 20 and {"decode_split", "decode_reduce", "decode_one_launch"} <= set(rows)
+    # 5 linears x 4 decode row counts, o and down at 128 and 256 rows; the
+    # one-launch decode, its two-launch form
+    assert len(skinny) == 24 and {"decode_split", "decode_reduce", "decode_one_launch"} <= set(rows)
     for name, r in rows.items():
         assert r["loop_loads"] == 0, (name, r)  # no memory round trip per iteration
         assert r["pre_wait_loads"] is not None, (name, r)  # PDL's wait is compiled in
@@ -73,6 +74,7 @@ def test_the_decode_steps_kernels_compile_pipelined(tmp_path):
         assert r["smem_kib"] <= 227, (name, r)  # sm_90's shared memory per program
     # the 64-row tiles take Hopper's wgmma, the 16-row tiles cannot (M >= 64)
     assert rows["skinny_o_m64"]["mma"] == "wgmma" and rows["skinny_o_m1"]["mma"] == "mma v2"
+    assert rows["skinny_down_m256"]["mma"] == "wgmma"
     assert md.read_text().splitlines()[2].startswith("| kernel | regs |")
     assert f"| skinny_o_m1 | " in run.stdout
 

@@ -1,22 +1,25 @@
 """The skinny linear kernel and mrv2::linear_add (compile_backend/kernels/skinny_linear.py):
 against a fp32 reference computed from the same rounded inputs, on fresh
 random inputs, for every row count 1..16, ragged N and K (masked tiles),
-strided x, a row slice of a packed weight, bias and residual; the op's
-choice between the kernel and torch; misuse errors that touch nothing.
+strided x, a row slice of a packed weight, bias and residual, 65-512 rows in
+row tiles; the op's choice between the kernel and torch; misuse errors that
+touch nothing.
 
 Tolerance: relative error ||out - ref|| / ||ref|| per dtype (kernel_cases.REL_TOL:
 one final rounding of the output)."""
 
+import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from compile_backend.core import stream_buffers
 from kernel_cases import DEVICES, assert_close_rel, gen, randn, stable_seed
 from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
-from compile_backend.kernels.skinny_linear import (MAX_ROWS, linear_add, linear_add_ref, skinny_allowed,
-                                                   skinny_config, skinny_fills, skinny_linear,
-                                                   skinny_pays)
+from compile_backend.kernels.skinny_linear import (ARRIVALS, MAX_ROWS, WIDE_ROWS, linear_add,
+                                                   linear_add_ref, skinny_allowed, skinny_config,
+                                                   skinny_fills, skinny_linear, skinny_pays)
 
 LOW = [torch.float16, torch.bfloat16]
 LOW_IDS = ["fp16", "bf16"]
@@ -89,7 +92,10 @@ def test_misuse_raises_with_the_fix_and_leaves_inputs_alone(device):
     x, w, b, r = _operands(4, 32, 48, torch.float16, device, stable_seed("misuse"))
     before = [t.clone() for t in (x, w, b, r)]
     with pytest.raises(ValueError, match="use F.linear"):
-        skinny_linear(torch.zeros(MAX_ROWS + 1, 48, dtype=x.dtype, device=device), w)
+        skinny_linear(torch.zeros(WIDE_ROWS + 1, 48, dtype=x.dtype, device=device), w)
+    with pytest.raises(ValueError, match="64 with a norm or gated"):
+        skinny_linear(torch.zeros(MAX_ROWS + 1, 48, dtype=x.dtype, device=device),
+                      torch.zeros(64, 48, dtype=x.dtype, device=device), gated=True)
     with pytest.raises(ValueError, match="use F.linear"):
         skinny_linear(x.float(), w)  # fp32: cuBLAS's
     with pytest.raises(ValueError, match="use F.linear"):
@@ -142,15 +148,74 @@ def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
     assert skinny_fills(1, 64, 64, 132)
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
     assert not skinny_fills(1, 132 * cfg16["BLOCK_N"], 4096, 132)
-    assert [skinny_config(M, 4096, 4096)["BLOCK_M"] for M in (1, 16, 17, 32, 33, 64)] == \
-        [16, 16, 32, 32, 64, 64]
+    # Note [wide rows]: 65-512 rows only where MRV2_WIDE_GEMM=1 asks (off until timed)
+    for skinny_env, wide_env, want in (("", "", False), ("1", "", False), ("", "1", True),
+                                       ("1", "1", True), ("0", "1", False)):
+        monkeypatch.setenv("MRV2_SKINNY_GEMM", skinny_env)
+        monkeypatch.setenv("MRV2_WIDE_GEMM", wide_env)
+        assert skinny_fills(256, 4096, 14336, 132) is want, (skinny_env, wide_env)
+    assert [skinny_config(M, 4096, 4096)["BLOCK_M"] for M in (1, 16, 17, 32, 33, 64, 65, 512)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128]
     x, w = torch.empty(MAX_ROWS, 64, dtype=torch.bfloat16), torch.empty(32, 64, dtype=torch.bfloat16)
-    assert skinny_allowed(x, w)
-    assert not skinny_allowed(torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    assert skinny_allowed(x, w) and skinny_allowed(x, w, fused=True)
+    assert skinny_allowed(torch.empty(WIDE_ROWS, 64, dtype=torch.bfloat16), w)
+    assert not skinny_allowed(torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16), w, fused=True)
+    assert not skinny_allowed(torch.empty(WIDE_ROWS + 1, 64, dtype=torch.bfloat16), w)
     assert not skinny_allowed(x.float(), w.float())
     x = x[:16]
     assert not skinny_allowed(x, torch.empty(64, 32, dtype=torch.bfloat16).t())
     assert not skinny_allowed(torch.empty(64, 16, dtype=torch.bfloat16).t(), w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M", [65, 100, 128, 129, 256, 300, WIDE_ROWS])
+def test_wide_rows_in_row_tiles(device, M):
+    """Note [wide rows]: 65-512 rows run in 128-row tiles, each column tile's
+    row tiles side by side, split K's parts and arrival counters per (row,
+    column) tile: every row equals the reference, with bias and residual,
+    and the stream's counters are re-armed (zero) after each launch."""
+    dtype = torch.bfloat16
+    x, w, b, r = _operands(M, 40, 96, dtype, device, stable_seed("wide", M))
+    assert skinny_config(M, 40, 96)["BLOCK_M"] == 128
+    assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, f"M={M}")
+    assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, f"M={M} bias")
+    assert_close_rel(skinny_linear(x, w), _ref(x, w), dtype, f"M={M} plain")
+    arrivals = stream_buffers.buffer(ARRIVALS, torch.device(device))
+    assert arrivals is not None and int(arrivals.abs().sum()) == 0
+
+
+def test_wide_rows_through_the_op_only_where_asked(monkeypatch):
+    """linear_add at 65-512 rows stays torch's addmm unless MRV2_WIDE_GEMM=1
+    (interpreter stand-in for a GPU: skinny_pays sees CUDA-like tensors)."""
+    skinny = importlib.import_module("compile_backend.kernels.skinny_linear")
+    calls = []
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or
+                        linear_add_ref(*a[:4]))
+    monkeypatch.setattr(skinny, "skinny_pays",
+                        lambda x, w, gated=False, norm=False: skinny.skinny_fills(
+                            x.numel() // x.shape[-1], w.shape[0], w.shape[1], 132, gated, norm))
+    x, w, b, r = _operands(256, 4096, 64, torch.bfloat16, "cpu", stable_seed("wide-op"))
+    monkeypatch.delenv("MRV2_WIDE_GEMM", raising=False)
+    linear_add(x, w, None, r)
+    assert calls == []
+    monkeypatch.setenv("MRV2_WIDE_GEMM", "1")
+    linear_add(x, w, None, r)
+    assert calls == [(256, 64)]
+
+
+def _replays_equal_the_reference(x, w, r, seed_parts) -> None:
+    """skinny_linear(x, w, None, r) captured in a CUDA graph, replayed three
+    times with new values in x and r, each against the reference."""
+    graph = torch.cuda.CUDAGraph()
+    skinny_linear(x, w, None, r)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        out = skinny_linear(x, w, None, r)
+    for i in range(3):
+        g = gen(stable_seed(*seed_parts, i))
+        x.copy_(randn(x.shape, x.dtype, x.device, g))
+        r.copy_(randn(r.shape, r.dtype, r.device, g))
+        graph.replay()
+        assert_close_rel(out, _ref(x, w, None, r), x.dtype, f"replay {i} {seed_parts}")
 
 
 @pytest.mark.gpu
@@ -167,16 +232,22 @@ def test_llama_8b_shapes_on_the_gpu_in_a_cuda_graph(dtype, N, K):
         x, w, b, r = _operands(M, N, K, dtype, dev, stable_seed("gpu", M, N, K, str(dtype)))
         assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, f"M={M}")
         assert_close_rel(skinny_linear(x, w, b), _ref(x, w, b), dtype, f"M={M} bias")
-        graph = torch.cuda.CUDAGraph()
-        skinny_linear(x, w, None, r)  # compiled before the capture
-        with torch.cuda.graph(graph):
-            out = skinny_linear(x, w, None, r)
-        for i in range(3):
-            g = gen(stable_seed("replay", i, M, N, K))
-            x.copy_(randn(x.shape, dtype, dev, g))
-            r.copy_(randn(r.shape, dtype, dev, g))
-            graph.replay()
-            assert_close_rel(out, _ref(x, w, None, r), dtype, f"replay {i} M={M}")
+        _replays_equal_the_reference(x, w, r, ("replay", M, N, K))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336), (2000, 1000)])
+def test_wide_rows_on_the_gpu_in_a_cuda_graph(N, K):
+    """Note [wide rows] at llama-8B's o and down shapes and a ragged one,
+    65-512 rows in bf16: eager, and replayed from a CUDA graph on new values
+    three times, against the reference; the op with MRV2_WIDE_GEMM=1 too."""
+    dtype, dev = torch.bfloat16, "cuda"
+    for M in (65, 128, 200, 256, 512):
+        x, w, b, r = _operands(M, N, K, dtype, dev, stable_seed("gpu-wide", M, N, K))
+        assert_close_rel(skinny_linear(x, w, None, r), _ref(x, w, None, r), dtype, f"M={M}")
+        assert_close_rel(skinny_linear(x, w, b), _ref(x, w, b), dtype, f"M={M} bias")
+        _replays_equal_the_reference(x, w, r, ("wide-replay", M, N, K))
 
 
 @pytest.mark.gpu
@@ -187,8 +258,14 @@ def test_the_op_on_the_gpu_picks_the_kernel_for_decode_and_torch_beyond(monkeypa
     assert skinny_pays(x, w)
     assert_close_rel(linear_add(x, w, None, r), _ref(x, w, None, r), torch.bfloat16, "decode")
     x2, _, _, r2 = _operands(128, 4096, 4096, torch.bfloat16, "cuda", stable_seed("op-gpu-128"), bias=False)
+    monkeypatch.delenv("MRV2_WIDE_GEMM", raising=False)
     assert not skinny_pays(x2, w)
     assert_close_rel(linear_add(x2, w, None, r2), _ref(x2, w, None, r2), torch.bfloat16, "prefill")
+    monkeypatch.setenv("MRV2_WIDE_GEMM", "1")  # Note [wide rows]: the kernel where asked
+    assert skinny_pays(x2, w)
+    assert_close_rel(linear_add(x2, w, None, r2), _ref(x2, w, None, r2), torch.bfloat16, "wide")
+    x3 = torch.zeros(WIDE_ROWS + 1, 4096, dtype=torch.bfloat16, device="cuda")
+    assert not skinny_pays(x3, w)  # past the wide rows: torch
     narrow = w[:512]  # 16 programs: an eighth of the SMs
     assert not skinny_pays(x, narrow)
 
