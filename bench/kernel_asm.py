@@ -242,8 +242,9 @@ def decode_specs() -> list[Spec]:
 
 
 def prefetch_specs() -> list[Spec]:
-    """The L2 prefetch of a weight (compile_backend/kernels/l2_prefetch.py)."""
-    from compile_backend.kernels.l2_prefetch import CHUNK, LANES, _l2_prefetch_kernel
+    """The L2 prefetch of a weight (bench/l2_prefetch.py's kernel)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from l2_prefetch import CHUNK, LANES, _l2_prefetch_kernel
 
     return [Spec("l2_prefetch", _l2_prefetch_kernel, dict(base_ptr="*u8", nbytes=HIDDEN * HIDDEN * 2),
                  dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]

@@ -1,22 +1,21 @@
 """Does prefetching the o projection's weight into L2 during decode attention pay?
 
     python bench/l2_prefetch.py [--batches 1,16,64] [--context 500] [--layers 8]
-                                [--prefetch-mib 0,8,16,32] [--out bench/results/l2_prefetch.md]
+                                [--prefetch-mib 0,8,16,32] [--programs 8] [--chunk-kib 16]
+                                [--out bench/results/l2_prefetch.md]
     python bench/l2_prefetch.py --dry-run    (CPU plumbing, tiny shapes; numbers mean nothing)
 
-At decode the attention kernel of a layer reads little (a few MB of KV at
-batch 1) and waits on latency, so HBM idles for its microseconds; the o
-projection right after it then streams its 32 MB weight from HBM. Here a
-chain of `--layers` llama-8B layer tails, each `unified_attention` (32 query
-heads, 8 KV heads, head dim 128, paged, `--context` tokens per request) then
-`mrv2::linear_add` of the o projection with the residual (the skinny kernel
-at these batches), each layer with its own weight and caches so that no
-replay finds the last one's in L2, is captured in one CUDA graph and timed
-(median replay / layers). Variants: no prefetch, and `l2_prefetch` of the
-first N MiB of the layer's o weight launched just before its attention
-(compile_backend/kernels/l2_prefetch.py: the prefetch reads nothing, so the
-outputs must be bit-equal; checked). Also timed alone: the attentions, and
-the o projections. The floor: the o weight's bytes over the copy bandwidth.
+At decode a layer's attention reads a few MB of KV at batch 1 and waits on
+latency, so HBM idles while it runs; the o projection right after it then
+streams its 32 MB weight. Here `--layers` llama-8B layer tails (paged
+`unified_attention`, 32 query and 8 KV heads of 128, `--context` tokens,
+then `mrv2::linear_add` of the o projection with its residual), each with its
+own weight and caches so no replay finds the last one's in L2, are captured
+in one CUDA graph and timed (median replay / layers). Variants: no prefetch,
+and `l2_prefetch` (below: Hopper's `cp.async.bulk.prefetch.L2.global`, which
+reads nothing, so outputs must stay bit-equal: checked) of the first N MiB of
+the layer's o weight just before its attention. Measured on an H100 it made
+every layer slower (bench/results/l2_prefetch.md), so the kernel lives here.
 """
 
 from __future__ import annotations
@@ -32,10 +31,82 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
+from compile_backend.kernels._device import interpreting, pdl_meta, pdl_release, pdl_wait  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
+
+# -- the prefetch: Hopper's cp.async.bulk.prefetch.L2.global over a tensor's bytes --
+CHUNK = 16 << 10  # bytes per prefetch instruction (a multiple of 16)
+LANES = 128  # prefetch instructions a program issues at once (one per thread at 4 warps)
+
+
+@triton.jit
+def _l2_prefetch_kernel(base_ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr,
+                        PDL: tl.constexpr):
+    # base_ptr: uint8, 16-byte aligned; nbytes a multiple of 16. Program p
+    # issues chunks p * LANES + lane, then every num_programs * LANES after.
+    # Under PDL the prefetches go out before the wait (they read nothing:
+    # Note [programmatic dependent launch] in compile_backend/kernels/_device.py),
+    # and the release comes after it, so the kernel after this one still
+    # starts only once every kernel before this one has completed.
+    lanes = tl.arange(0, LANES)
+    n_chunks = tl.cdiv(nbytes, CHUNK)
+    step = tl.num_programs(0) * LANES
+    for c0 in range(tl.program_id(0) * LANES, n_chunks, step):
+        c = c0 + lanes
+        ok = c < n_chunks
+        off = tl.where(ok, c.to(tl.int64) * CHUNK, 0)  # lanes past the end: the first 16 bytes
+        size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                                  "=r,l,r", [base_ptr + off, size], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    pdl_wait(PDL)
+    pdl_release(PDL)
+
+
+def prefetch_supported(t: torch.Tensor) -> bool:
+    """Can `l2_prefetch` issue anything for `t` (module docstring)?"""
+    if not t.is_cuda or interpreting() or torch.version.hip:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, programs: int = 8,
+                chunk: int = CHUNK) -> int:
+    """Launcher: prefetch the first `nbytes` of contiguous `t` (all of it by
+    default) into L2 on the current stream, from `programs` programs; the
+    bytes asked for (rounded down to 16, from a 16-byte aligned start), or 0
+    where nothing was issued (not supported here, or nothing to ask for)."""
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+        raise ValueError("l2_prefetch: give a contiguous tensor (its bytes are one range); got "
+                         f"{type(t).__name__}" + (f" with strides {tuple(t.stride())}"
+                                                  if isinstance(t, torch.Tensor) else ""))
+    if chunk < 16 or chunk % 16:
+        raise ValueError(f"l2_prefetch: chunk must be a multiple of 16 bytes, got {chunk}")
+    if programs < 1:
+        raise ValueError(f"l2_prefetch: programs must be >= 1, got {programs}")
+    total = t.numel() * t.element_size()
+    if nbytes is None:
+        nbytes = total
+    if not 0 <= nbytes <= total:
+        raise ValueError(f"l2_prefetch: nbytes must be in [0, {total}] (the tensor's size), got {nbytes}")
+    if not prefetch_supported(t):
+        return 0
+    skip = (-t.data_ptr()) % 16  # to the first 16-byte boundary
+    nbytes = max(0, nbytes - skip) // 16 * 16
+    if nbytes == 0:
+        return 0
+    base = t.reshape(-1).view(torch.uint8)[skip:]
+    grid = (max(1, min(programs, triton.cdiv(nbytes, chunk * LANES))),)
+    _l2_prefetch_kernel[grid](base, nbytes, CHUNK=chunk, LANES=LANES, num_warps=4,
+                              **pdl_meta(t.device))
+    return nbytes
+
 DRY = dict(HIDDEN=256, HEADS=4, KV_HEADS=2, HEAD_DIM=64)  # --dry-run's shapes
 
 
@@ -75,13 +146,12 @@ class Chain:
     def o_proj(self, lay: dict, attn: torch.Tensor) -> torch.Tensor:
         return torch.ops.mrv2.linear_add(attn.reshape(self.B, -1), lay["w"], None, lay["res"])
 
-    def run(self, prefetch_bytes: int) -> list[torch.Tensor]:
-        from compile_backend.kernels.l2_prefetch import l2_prefetch
-
+    def run(self, prefetch_bytes: int, programs: int = 8, chunk: int = CHUNK) -> list[torch.Tensor]:
         outs = []
         for lay in self.layers:
             if prefetch_bytes:
-                l2_prefetch(lay["w"], min(prefetch_bytes, lay["w"].numel() * 2))
+                l2_prefetch(lay["w"], min(prefetch_bytes, lay["w"].numel() * 2), programs,
+                            chunk)
             outs.append(self.o_proj(lay, self.attention(lay)))
         return outs
 
@@ -117,13 +187,13 @@ def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
     alone_o = replay_us(lambda: chain.o_projs(attns), device, args.layers)
     for mib in args.prefetch_mib:
         nbytes = min(mib << 20, w_bytes)
-        out = chain.run(nbytes)
+        out = chain.run(nbytes, args.programs, args.chunk_kib << 10)
         equal = all(torch.equal(a, b) for a, b in zip(out, ref))
         if not equal:
             raise AssertionError(f"b{B} prefetch {mib} MiB: outputs differ from no prefetch "
                                  "(a prefetch must change no value)")
         rows.append(dict(batch=B, prefetch_mib=nbytes / (1 << 20), layer_us=replay_us(
-            lambda n=nbytes: chain.run(n), device, args.layers), attention_us=alone_attn,
+            lambda n=nbytes: chain.run(n, args.programs, args.chunk_kib << 10), device, args.layers), attention_us=alone_attn,
             o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
     return rows
 
@@ -148,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prefetch-mib", default="0,8,16,32")
+    ap.add_argument("--programs", type=int, default=8, help="programs of the prefetch kernel (at most)")
+    ap.add_argument("--chunk-kib", type=int, default=CHUNK >> 10, help="KiB per prefetch instruction")
     report.add_out(ap, default=os.path.join(report.RESULTS_DIR, "l2_prefetch.md"))
     report.add_dry_run(ap)
     args = ap.parse_args(argv)
@@ -177,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                     for r in rows if r["batch"] == B), flush=True)
     meta = report.run_meta("l2_prefetch", argv, gpu)
     meta.update(copy_bandwidth_samples_GBps=[s / 1e9 for s in bw_samples], layers=args.layers,
-                context=args.context)
+                context=args.context, programs=args.programs,
+                chunk_kib=args.chunk_kib)
     bw_text = f"{bw / 1e9:.0f} GB/s (median of {len(bw_samples)} rounds)"
     text = "\n".join([report.heading("o projection weight prefetched into L2 during attention",
                                      meta), "", f"Command: `{meta['command']}`", "",

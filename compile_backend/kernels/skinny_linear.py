@@ -55,7 +55,8 @@ CONFIGS = {
     # Note [wide rows]: Hopper's usual GEMM tile (wgmma, 128 KiB of shared
     # memory, no spills with Triton 3.6: bench/results/kernel_asm.md); split
     # in two so that 256 rows of a 4096-column weight make 128 programs.
-    # Picked offline, not timed: bench/skinny_gemm.py --rows 128,256 --sweep.
+    # Picked offline; 1.6-1.9x slower than cuBLAS's addmm on an H100
+    # (bench/results/skinny_gemm_wide.md), so off: bench/skinny_gemm.py --rows 128,256 --sweep.
     128: {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "SPLIT_K": 2},
 }
 # With the norm's prologue or the gate's second weight tile (compile_backend/kernels/norm_linear.py),

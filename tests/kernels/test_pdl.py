@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from kernel_cases import gen, paged_batch, randn, stable_seed
+from compile_backend.core.counters import counters
 from compile_backend.kernels import _device
 from compile_backend.kernels._device import pdl_meta
 from compile_backend.kernels.rope_and_cache import rope_and_cache
 from compile_backend.kernels.skinny_linear import skinny_linear
 from compile_backend.kernels.unified_attention import unified_attention
+from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
 
 
 ON = {"PDL": True, "launch_pdl": True}
@@ -109,10 +111,17 @@ def test_a_graph_of_pdl_kernels_equals_the_same_kernels_without_pdl(B, two_launc
     assert pdl_meta(torch.device("cuda")) == ON
     chain = _DecodeChain(B, two_launch, stable_seed("pdl", B, two_launch))
     chain.fresh_inputs()
-    chain.forward()  # compiles the PDL variants and allocates the ticket buffer outside the capture
+    chain.forward()  # compiles the PDL variants outside the capture
+    # mrv2's capture stream with its per-stream buffers (the decode's tickets,
+    # split K's arrival counters), as every mrv2 capture runs: on torch's own
+    # capture stream the one-launch decode and split K would fall back to
+    # their one-buffer-free forms, which sum in another order than eager.
+    warm_capture_stream()
+    before = (counters["decode_two_launch_fallbacks"], counters["skinny_split_k_fallbacks"])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream()):
         out = chain.forward()
+    assert (counters["decode_two_launch_fallbacks"], counters["skinny_split_k_fallbacks"]) == before
     for call in range(3):
         chain.fresh_inputs()
         x0, kc0, vc0 = chain.x.clone(), chain.kc.clone(), chain.vc.clone()
