@@ -64,13 +64,13 @@ CONFIGS = {
 # reads the up projection's BLOCK_N rows). Picked offline from the TTGIR and
 # ptxas of the GPU machine's Triton 3.6 for sm_90a (bench/kernel_asm.py,
 # bench/results/kernel_asm.md): no register spills, every load of the main
-# loop pipelined (with some tiles Triton leaves the norm weight's a plain load,
-# one memory round trip per iteration), and 2-4x the weight bytes in flight of
-# the tiles timed 3-5x slower than the unfused sequence on the H200
-# (bench/results/norm_linear.md). Not timed yet: `bench/skinny_gemm.py --fused
-# [--sweep]`; the pass that uses them (fuse_norm_linear) stays off until then.
+# loop pipelined, 2-4x the weight bytes in flight of the tiles before. The
+# 16-row plain tile is the best of an H100 sweep (qkv at one row: 30.9 µs,
+# against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md);
+# the others are not timed. Still slower than the unfused sequence, so the
+# pass that uses them (fuse_norm_linear) stays off.
 FUSED_CONFIGS = {
-    (16, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (64, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
     (16, True): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
