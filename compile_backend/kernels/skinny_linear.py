@@ -35,7 +35,7 @@ SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inpu
 MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-row tile
 # Note [wide rows]: the plain kernel (no norm, not gated) also takes 65..WIDE_ROWS
 # rows in 128-row tiles (b256's linear_add without torch's addmm), where
-# MRV2_WIDE_GEMM=1 asks for it: off until timed on the H200.
+# MRV2_WIDE_GEMM=1 asks for it: off, measured slower than cuBLAS's addmm.
 WIDE_ROWS = 512
 WIDE_ENV = "MRV2_WIDE_GEMM"
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -261,9 +261,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS (up to
-    WIDE_ROWS without norm_weight and not gated), unit stride along K; weight [N, K] with unit stride along K (a row slice of a
-    packed weight is fine); bias [N] or None; norm_weight [K] or None (then
-    x is RMS-normalized with `eps` first); gated: the output is
+    WIDE_ROWS without norm_weight and not gated), unit stride along K;
+    weight [N, K] with unit stride along K (a row slice of a packed weight
+    is fine); bias [N] or None; norm_weight [K] or None (then x is
+    RMS-normalized with `eps` first); gated: the output is
     silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
     [..., N_out] or None, N_out = N / 2 when gated, else N.
     Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out])."""
@@ -317,7 +318,7 @@ class _SkinnyPlan:
         self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
         self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
         self.tiles = cdiv(n_out, self.cfg["BLOCK_N"]) * cdiv(M, self.cfg["BLOCK_M"])
-        self.fused = gated or norm_weight is not None
+        self.fused = fused
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
