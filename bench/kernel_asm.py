@@ -191,7 +191,7 @@ def skinny_specs() -> list[Spec]:
             if rows > 64 and (norm or gated):  # Note [wide rows]: the plain kernel only
                 continue
             cfg = skinny_config(rows, N, K, gated=gated, norm=norm)
-            split = 1 if (norm or gated) else min(cfg.get("SPLIT_K", 1), cdiv(K, cfg["BLOCK_K"]))
+            split = 1 if gated else min(cfg.get("SPLIT_K", 1), cdiv(K, cfg["BLOCK_K"]))
             n_out = N // 2 if gated else N
             args = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16",
                         out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32",

@@ -66,11 +66,13 @@ CONFIGS = {
 # bench/results/kernel_asm.md): no register spills, every load of the main
 # loop pipelined, 2-4x the weight bytes in flight of the tiles before. The
 # 16-row plain tile is the best of an H100 sweep (qkv at one row: 30.9 µs,
-# against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md);
-# the others are not timed. Still slower than the unfused sequence, so the
-# pass that uses them (fuse_norm_linear) stays off.
+# against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md),
+# split in two since (as the plain 16-row tile: 192 programs for qkv where
+# it had 96; the split not timed with the norm); the others are not timed.
+# Still slower than the unfused sequence, so the pass that uses them
+# (fuse_norm_linear) stays off.
 FUSED_CONFIGS = {
-    (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (64, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
     (16, True): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
@@ -146,10 +148,15 @@ def _skinny_linear_kernel(
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
+    if NORM:
+        ss_row = tl.sum(ss, 1)  # [BM]: sum of x^2 over this program's run of K
     finish = True  # this program writes its tile (SPLIT_K == 1: every program)
     if SPLIT_K > 1:  # Note [split K]: the last of the tile's programs to arrive finishes it
         parts = part_ptr + offs_m[:, None] * N_out + offs_n[None, :]  # [BM, BN] of split 0
         tl.store(parts + tl.program_id(1) * M * N_out, acc, mask=mask)
+        if NORM:  # each (split, tile)'s row sums [BM], after the parts: no two programs share one
+            ss_parts = part_ptr + SPLIT_K * M * N_out + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(ss_parts + tl.program_id(1) * tl.num_programs(0) * BLOCK_M, ss_row)
         tl.debug_barrier()  # every thread's part is stored before the arrival releases them
         arrived = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()  # and every thread reads the parts only after the acquire
@@ -158,10 +165,14 @@ def _skinny_linear_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # in split order: the sum does not depend on who came last
                 acc += tl.load(parts + s * M * N_out, mask=mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                ss_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    ss_row += tl.load(ss_parts + s * tl.num_programs(0) * BLOCK_M, cache_modifier=".cg")
             tl.atomic_xchg(arrive_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-armed
     if finish:
         if NORM:  # rstd[m] = 1 / sqrt(mean_k x[m, k]^2 + eps); padded rows have acc 0 and are not stored
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BM]
+            rstd = 1.0 / tl.sqrt(ss_row / K + eps)  # [BM]
             acc = acc * rstd[:, None]
             if GATED:
                 acc_u = acc_u * rstd[:, None]
@@ -229,7 +240,7 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
         return choice == "1"
     n_out = N // 2 if gated else N
     cfg = skinny_config(M, N, K, gated=gated, norm=norm)
-    programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated or norm else cfg.get("SPLIT_K", 1))
+    programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated else cfg.get("SPLIT_K", 1))
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 
@@ -318,7 +329,7 @@ class _SkinnyPlan:
         self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
         self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
         self.tiles = cdiv(n_out, self.cfg["BLOCK_N"]) * cdiv(M, self.cfg["BLOCK_M"])
-        self.fused = fused
+        self.gated, self.norm = bool(gated), norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
@@ -341,7 +352,7 @@ class _SkinnyPlan:
             out = torch.empty((*self.lead, n_out), dtype=x.dtype, device=x.device)
         o2 = out.view(M, n_out)
         split, k_split, parts, arrivals = split_plan(self.cfg, M, n_out, K, self.tiles, self.device,
-                                                     fused=self.fused)
+                                                     gated=self.gated, norm=self.norm)
         launch = self.launches.get(split)
         if launch is None:
             launch = self.launches[split] = Launch(_skinny_linear_kernel, (self.tiles, split),
@@ -355,18 +366,20 @@ class _SkinnyPlan:
 
 
 def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.device,
-               fused: bool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """Note [split K]: (splits, K per split, the fp32 parts [splits, M, n_out],
-    the arrival counters) for a launch of `tiles` column tiles. One split
-    (and placeholders for the two buffers) where cfg asks for one, for the
-    norm and gate variants (their epilogues need all of K in one program),
-    or where no counters are at hand: inside a capture on a stream without
-    them, or more tiles than ARRIVAL_SLOTS (counted: `skinny_split_k_fallbacks`).
-    The placeholders are one-element tensors the kernel never reads."""
+               gated: bool, norm: bool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """Note [split K]: (splits, K per split, the fp32 parts, the arrival
+    counters) for a launch of `tiles` (row, column) tiles. The parts: [splits,
+    M, n_out], then with a norm each (split, tile)'s row sums of x^2 [splits,
+    tiles, BLOCK_M] (the epilogue's rstd needs all of K). One split (and
+    placeholders for the two buffers) where cfg asks for one, or where no
+    counters are at hand: inside a capture on a stream without them, or more
+    tiles than ARRIVAL_SLOTS (counted: `skinny_split_k_fallbacks`). The gated
+    variant never splits (its gate needs both products' whole sums). The
+    placeholders are one-element tensors the kernel never reads."""
     split = int(cfg.get("SPLIT_K", 1))
-    if split > 1 and fused:
-        raise ValueError("skinny_linear: SPLIT_K > 1 needs the plain kernel (no norm_weight, "
-                         "not gated): their epilogues read all of K in one program")
+    if split > 1 and gated:
+        raise ValueError("skinny_linear: SPLIT_K > 1 is not for the gated kernel: its epilogue "
+                         "reads all of K in one program")
     split = max(1, min(split, cdiv(K, cfg["BLOCK_K"])))  # no split without a K tile of its own
     arrivals = stream_buffers.buffer(ARRIVALS, device) if split > 1 and tiles <= ARRIVAL_SLOTS \
         else None
@@ -377,7 +390,8 @@ def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.
         return 1, K, dummy, dummy
     k_split = cdiv(cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(K, k_split)  # every split has a K tile (ragged K may need fewer)
-    parts = torch.empty((split, M, n_out), dtype=torch.float32, device=device)
+    rows = split * tiles * cfg["BLOCK_M"] if norm else 0
+    parts = torch.empty(split * M * n_out + rows, dtype=torch.float32, device=device)
     return split, k_split, parts, arrivals
 
 

@@ -112,6 +112,30 @@ def test_norm_and_gate_in_the_kernel_equal_the_reference(dtype, M, N, K):
 
 
 @INTERPRETED
+@pytest.mark.parametrize("M,K,split", [(1, 200, 2), (5, 200, 4), (17, 100, 3), (64, 72, 2)])
+def test_the_norm_splits_k_like_the_plain_kernel(M, K, split):
+    """Note [split K] with the norm: each split's row sums of x^2 beside its
+    part, summed in split order by the last program to arrive: equal to the
+    reference, bit-equal on a second call, the stream's counters re-armed.
+    The default 16-row tile splits too (FUSED_CONFIGS)."""
+    from compile_backend.core import stream_buffers
+    from compile_backend.kernels.skinny_linear import ARRIVALS
+
+    dtype = torch.bfloat16
+    for bias, residual in ((False, False), (True, True)):
+        x, nw, ws, bs, r = _operands(M, 104, K, dtype, "cpu",
+                                     stable_seed("norm-split", M, K, split, bias), False, bias, residual)
+        weight, b = packed_view(ws), packed_view(bs) if bs else None
+        cfg = {"SPLIT_K": split, "BLOCK_N": 16, "BLOCK_K": 32}
+        out = skinny_linear(x, weight, b, r, norm_weight=nw, eps=EPS, config=cfg)
+        _check(out, x, nw, ws, bs, r, False, f"M={M} K={K} split={split} bias={bias}")
+        again = skinny_linear(x, weight, b, r, norm_weight=nw, eps=EPS, config=cfg)
+        assert torch.equal(again, out)
+        assert int(stream_buffers.buffer(ARRIVALS, x.device).abs().sum()) == 0
+    assert skinny_config(1, 6144, 4096, norm=True).get("SPLIT_K") == 2
+
+
+@INTERPRETED
 def test_leading_dims_strided_x_and_the_out_parameter():
     """x [B, T, K] and a column slice of a wider tensor (row stride > K);
     a non-contiguous norm weight; `out` filled with NaN beforehand."""

@@ -296,14 +296,11 @@ def test_split_k_equals_the_reference_the_same_every_time_and_rearms(device, dty
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_k_is_refused_for_the_fused_variants_and_falls_back_without_counters(device, monkeypatch):
+def test_split_k_is_refused_for_the_gated_kernel_and_falls_back_without_counters(device, monkeypatch):
     from compile_backend.core import stream_buffers
     from compile_backend.core.counters import counters
     x, w, _, r = _operands(4, 32, 96, torch.bfloat16, device, stable_seed("split-misuse"), False)
-    nw = randn((96,), torch.bfloat16, device, gen(1))
-    with pytest.raises(ValueError, match="SPLIT_K > 1 needs the plain kernel"):
-        skinny_linear(x, w, norm_weight=nw, config={"SPLIT_K": 2})
-    with pytest.raises(ValueError, match="SPLIT_K > 1 needs the plain kernel"):
+    with pytest.raises(ValueError, match="SPLIT_K > 1 is not for the gated kernel"):
         skinny_linear(x, w, gated=True, config={"SPLIT_K": 2})
     # inside a capture on a stream that has no counters: one split, counted
     monkeypatch.setattr(stream_buffers, "buffer", lambda name, dev: None)
