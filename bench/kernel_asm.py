@@ -32,11 +32,14 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
+
+import report  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +213,7 @@ def decode_specs() -> list[Spec]:
     import importlib
 
     ua = importlib.import_module("compile_backend.kernels.unified_attention")
-    tiles = ua._tiles(HEAD_DIM, _bf16())
+    tiles = ua._tiles(HEAD_DIM, torch.bfloat16)
     qpk = HEADS // KV_HEADS
     common = dict(QUERIES_PER_KV=qpk, BLOCK_H=ua._dot_dim(qpk), HEAD_DIM=HEAD_DIM,
                   BLOCK_D=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, TILE_N=tiles["TILE_N"], UPCAST=False,
@@ -237,29 +240,17 @@ def decode_specs() -> list[Spec]:
                   SEARCH=ua.SEARCH, PDL=True), 4, s),
         Spec("decode_one_launch", ua._decode_kernel, pick(ua._decode_kernel),
              dict(common, BLOCK_HM=ua.next_pow2(qpk), NUM_SPLITS=splits, BLOCK_S=splits,
-                  CHUNK=_chunk(ua, qpk, splits), SEARCH=ua.SEARCH), w, s),
+                  CHUNK=ua.merge_chunk(ua.next_pow2(qpk), HEAD_DIM, ua.next_pow2(splits)),
+                  SEARCH=ua.SEARCH), w, s),
     ]
 
 
 def prefetch_specs() -> list[Spec]:
     """The L2 prefetch of a weight (bench/l2_prefetch.py's kernel)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from l2_prefetch import CHUNK, LANES, _l2_prefetch_kernel
 
     return [Spec("l2_prefetch", _l2_prefetch_kernel, dict(base_ptr="*u8", nbytes=HIDDEN * HIDDEN * 2),
                  dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]
-
-
-def _chunk(ua, qpk: int, splits: int) -> int:
-    """The one-launch decode's merge chunk, as its launcher picks it."""
-    chunk = max(1, min(ua.next_pow2(splits), ua._MERGE_ELEMS // (ua.next_pow2(qpk) * HEAD_DIM)))
-    return 1 << (chunk.bit_length() - 1)
-
-
-def _bf16():
-    import torch
-
-    return torch.bfloat16
 
 
 SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_specs}
@@ -271,12 +262,10 @@ COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "
 
 def table(rows: list[dict]) -> list[str]:
     def cell(v):
-        return "-" if v is None else f"{v:.0f}" if isinstance(v, float) else str(v)
+        return report.dash(v, ".0f") if v is None or isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(c for c, _ in COLUMNS) + " |",
-             "|---|" + "---:|" * (len(COLUMNS) - 1)]
-    lines += ["| " + " | ".join(cell(r[k]) for _, k in COLUMNS) + " |" for r in rows]
-    return lines
+    return report.table([c for c, _ in COLUMNS], "l" + "r" * (len(COLUMNS) - 1),
+                        [[cell(r[k]) for _, k in COLUMNS] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -586,6 +586,14 @@ def _no_tickets(B: int, KVH: int) -> None:
                        "(Note [decode tickets] in compile_backend/kernels/unified_attention.py)", why)
 
 
+def merge_chunk(block_hm: int, block_d: int, block_s: int) -> int:
+    """The one-launch decode's merge chunk (CHUNK): splits merged per step of
+    its merge loop, a power of two with a [block_hm, chunk, block_d] tile of
+    at most _MERGE_ELEMS elements (at least one split)."""
+    chunk = max(1, min(block_s, _MERGE_ELEMS // (block_hm * block_d)))
+    return 1 << (chunk.bit_length() - 1)
+
+
 def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
                 common, S, min_split, two_launch, bind):
     """The decode launch (Note [one-launch decode]), with its scratch: [B, H,
@@ -617,10 +625,8 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
         tickets = scratch[4:].view(torch.int32)
         part_strides = (0,) * 5
     block_hm = next_pow2(qpk)
-    block_d = common["BLOCK_D"]
     block_s = next_pow2(S)
-    chunk = max(1, min(block_s, _MERGE_ELEMS // (block_hm * block_d)))
-    chunk = 1 << (chunk.bit_length() - 1)  # a power of two
+    chunk = merge_chunk(block_hm, common["BLOCK_D"], block_s)
     kernel = Launch(_decode_kernel, (request_grid(T, B, 1, True), KVH, S),
                     dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), BLOCK_HM=block_hm,
                          NUM_SPLITS=S, BLOCK_S=block_s, CHUNK=chunk, SEARCH=SEARCH, **common,
