@@ -16,6 +16,9 @@ TTGIR and, where the bundled ptxas takes the PTX, from `ptxas -v`:
                       pipelined: each costs a memory round trip per iteration
     pre-wait loads    global loads before `griddepcontrol.wait` (Note
                       [programmatic dependent launch], compile_backend/kernels/_device.py)
+    unswizzled        2-D shared-memory buffers without a swizzle (vec = 1): a dot
+                      operand read from one has bank conflicts (Note [norm sums on
+                      the tensor cores], docs/design.md)
     smem KiB          shared memory per program
 Structure only: a row says how a loop is built, not how fast it runs.
 """
@@ -106,6 +109,9 @@ def _loop_bodies(ttgir: str) -> list[str]:
 
 
 _GLOBAL_LOAD = re.compile(r"= tt\.load ")
+# A 2-D shared layout with no swizzle, and the buffers allocated with it.
+_UNSWIZZLED = re.compile(r"^(#shared\d*) = #ttg\.swizzled_shared<\{vec = 1, perPhase = 1, "
+                         r"maxPhase = 1, order = \[\d+, \d+\]", re.M)
 
 
 def read_ttgir(ttgir: str) -> dict[str, Any]:
@@ -122,8 +128,12 @@ def read_ttgir(ttgir: str) -> dict[str, Any]:
         loop_loads += len(_GLOBAL_LOAD.findall(body))
     mma = ("wgmma" if "warp_group_dot" in ttgir
            else "mma v2" if "versionMajor = 2" in ttgir else "none")
+    flat = {f"{name}," for name in _UNSWIZZLED.findall(ttgir)}
+    unswizzled = sum(1 for line in ttgir.splitlines()
+                     if "ttg.local_alloc" in line and any(n in line for n in flat))
     return dict(mma=mma, async_copies=ttgir.count("async_copy_global_to_local"),
-                tma=ttgir.count("async_tma_copy"), loop_loads=loop_loads, pre_wait_loads=pre_wait)
+                tma=ttgir.count("async_tma_copy"), loop_loads=loop_loads, pre_wait_loads=pre_wait,
+                unswizzled=unswizzled)
 
 
 def _ptxas(ptx: str) -> dict[str, Any]:
@@ -257,7 +267,8 @@ SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_sp
 
 COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "mma"),
            ("async copies", "async_copies"), ("loop loads", "loop_loads"),
-           ("pre-wait loads", "pre_wait_loads"), ("smem KiB", "smem_kib")]
+           ("pre-wait loads", "pre_wait_loads"), ("unswizzled", "unswizzled"),
+           ("smem KiB", "smem_kib")]
 
 
 def table(rows: list[dict]) -> list[str]:

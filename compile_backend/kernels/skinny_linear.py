@@ -118,8 +118,8 @@ def _skinny_linear_kernel(
     if GATED:  # the up projection's rows N/2 + n, beside the gate's rows n
         u_rows = w_ptr + (N_out + offs_n)[:, None] * stride_wn  # [BN, 1]
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if NORM:  # x[m, k]^2 in fp32, summed over the tiles elementwise; over k once, after the loop
-        ss = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if NORM:  # sum_k x[m, k]^2 on the diagonal of x x^T: Note [norm sums on the tensor cores]
+        gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     # Note [programmatic dependent launch]: nothing is read before the wait,
     # not even the weight (the kernel just before may compute it: a dequant).
     pdl_wait(PDL)
@@ -135,9 +135,11 @@ def _skinny_linear_kernel(
             ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         if NORM:  # the dot takes x * nw rounded to x's dtype; rstd scales the sum after the loop
             nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            xf = xt.to(tl.float32)
-            ss += xf * xf  # no cross-warp sum (a barrier) per tile
-            xt = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+            xs = xt
+            if UPCAST:  # Note [interpreter bf16 dots]
+                xs = xs.to(tl.float32)
+            gram = tl.dot(xs, tl.trans(xs), gram)  # [BM, BM]
+            xt = (xt.to(tl.float32) * nw[None, :]).to(x_ptr.dtype.element_ty)
         if UPCAST:  # Note [interpreter bf16 dots]
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
@@ -148,8 +150,9 @@ def _skinny_linear_kernel(
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
-    if NORM:
-        ss_row = tl.sum(ss, 1)  # [BM]: sum of x^2 over this program's run of K
+    if NORM:  # [BM]: sum of x^2 over this program's run of K, the Gram matrix's diagonal
+        diag = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+        ss_row = tl.sum(tl.where(diag, gram, 0.0), 1)
     finish = True  # this program writes its tile (SPLIT_K == 1: every program)
     if SPLIT_K > 1:  # Note [split K]: the last of the tile's programs to arrive finishes it
         parts = part_ptr + offs_m[:, None] * N_out + offs_n[None, :]  # [BM, BN] of split 0

@@ -15,6 +15,10 @@ import sys
 from bench_scripts import BENCH, load_bench_script
 
 LOOP = """\
+#shared = #ttg.swizzled_shared<{vec = 8, perPhase = 1, maxPhase = 8, order = [1, 0]}>
+#shared1 = #ttg.swizzled_shared<{vec = 1, perPhase = 1, maxPhase = 1, order = [0]}>
+    %buf = ttg.local_alloc : () -> !ttg.memdesc<3x16x16xbf16, #shared, #smem, mutable>
+    %vec = ttg.local_alloc : () -> !ttg.memdesc<3x16xbf16, #shared1, #smem, mutable>
     %a = tt.load %p : tensor<16x!tt.ptr<bf16>>
     tt.grid_dependency_wait
     %r:2 = scf.for %i = %c0 to %n step %c1 iter_args(%acc = %z) -> (tensor<16x16xf32>) : i32 {
@@ -34,12 +38,15 @@ def test_the_reader_counts_main_loop_loads_and_loads_before_the_wait(monkeypatch
     asm = load_bench_script("kernel_asm", monkeypatch)
     facts = asm.read_ttgir(LOOP)
     # the load in the dot's loop counts, the epilogue loop's (no dot) does not
-    assert facts == dict(mma="wgmma", async_copies=1, tma=0, loop_loads=1, pre_wait_loads=1)
+    assert facts == dict(mma="wgmma", async_copies=1, tma=0, loop_loads=1, pre_wait_loads=1,
+                         unswizzled=0)  # a 1-D buffer without a swizzle does not count
     v2 = LOOP.replace("tt.grid_dependency_wait", 'tt.elementwise_inline_asm "griddepcontrol.wait"')
     v2 = v2.replace("ttng.warp_group_dot", "tt.dot").replace(
         "tensor<16x16xf32>) : i32", "tensor<16x16xf32, #ttg.nvidia_mma<{versionMajor = 2}>>) : i32")
     assert asm.read_ttgir(v2) == dict(mma="mma v2", async_copies=1, tma=0, loop_loads=1,
-                                      pre_wait_loads=1)
+                                      pre_wait_loads=1, unswizzled=0)
+    flat = LOOP.replace("{vec = 8, perPhase = 1, maxPhase = 8", "{vec = 1, perPhase = 1, maxPhase = 1")
+    assert asm.read_ttgir(flat)["unswizzled"] == 1  # the 2-D tile's buffer
     no_pdl = asm.read_ttgir(LOOP.replace("tt.grid_dependency_wait", ""))
     assert no_pdl["pre_wait_loads"] is None
 
@@ -72,6 +79,7 @@ def test_the_decode_steps_kernels_compile_pipelined(tmp_path):
         assert r["mma"] in ("wgmma", "mma v2") and r["async_copies"] > 0, (name, r)
         assert r["pre_wait_loads"] == 0, (name, r)  # nothing read before the wait
         assert r["smem_kib"] <= 227, (name, r)  # sm_90's shared memory per program
+        assert r["unswizzled"] == 0, (name, r)  # no bank conflicts on a tile (the norm's x was)
     # the 64-row tiles take Hopper's wgmma, the 16-row tiles cannot (M >= 64)
     assert rows["skinny_o_m64"]["mma"] == "wgmma" and rows["skinny_o_m1"]["mma"] == "mma v2"
     assert rows["skinny_down_m256"]["mma"] == "wgmma"
