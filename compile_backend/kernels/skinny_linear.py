@@ -68,9 +68,10 @@ CONFIGS = {
 # 16-row plain tile is the best of an H100 sweep (qkv at one row: 30.9 µs,
 # against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md),
 # split in two since (as the plain 16-row tile: 192 programs for qkv where
-# it had 96; the split not timed with the norm); the others are not timed.
-# Still slower than the unfused sequence, so the pass that uses them
-# (fuse_norm_linear) stays off.
+# it had 96). With the split and Note [norm sums on the tensor cores], qkv at
+# 1-16 rows beats the unfused sequence (21.4 µs against 23.6 on an H100);
+# the gated and 64-row tiles do not, so the pass that uses them
+# (fuse_norm_linear) stays off (bench/results/norm_linear_h100.md).
 FUSED_CONFIGS = {
     (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
