@@ -33,7 +33,7 @@ from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
-from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile, triton_cache_key
+from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -118,9 +118,6 @@ class ModelRunner:
         self.config = config or CompilationConfig()
         self.kv_cache_config = kv_cache_config
         self.device = check_device(device)  # a missing GPU: a clear error, not torch's
-        # Triton's cache key, hashed on a thread while the rest is built and
-        # the first step loads (runtime/triton_cache_key.py); on CUDA only.
-        self._triton_key = triton_cache_key.start() if self.device.type == "cuda" else None
         self.progress = progress
         self.model = model
         self.model_state = ModelState.for_model(model, kv_cache_config, self.device)
@@ -164,8 +161,7 @@ class ModelRunner:
         # the first step and the plan asked for), graphs_waited, compile_wait_s
         # (host seconds the plan waited for them), kernels_unsaved; and the
         # GEMMs: gemms_recorded and gemm_record_s (a start without a saved
-        # list), gemm_warmup_calls, _s, _wait_s, _error (one with it); and
-        # triton_key_s, the thread's hash of Triton's cache key (or _error).
+        # list), gemm_warmup_calls, _s, _wait_s, _error (one with it).
         self.capture_stats: dict[str, Any] = {}
         # Records the Triton kernels the first step and the plan compile (the
         # list saved beside the warm-start entry) and compiles ahead for
@@ -396,8 +392,6 @@ class ModelRunner:
             if gemms is not None:
                 gemms.join()  # done before any capture
                 self.capture_stats.update(gemms.stats())
-            if first and self._triton_key is not None:
-                self.capture_stats.update(self._triton_key.stats())
         if gemms is None and entry is not None:
             self._record_gemms(num_tokens)
 
