@@ -69,14 +69,17 @@ CONFIGS = {
 # against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md),
 # split in two since (as the plain 16-row tile: 192 programs for qkv where
 # it had 96). With the split and Note [norm sums on the tensor cores], qkv at
-# 1-16 rows beats the unfused sequence (21.4 µs against 23.6 on an H100);
-# the gated and 64-row tiles do not, so the pass that uses them
-# (fuse_norm_linear) stays off (bench/results/norm_linear_h100.md).
+# 1-16 rows beats the unfused sequence (21.4 µs against 23.6 on an H100).
+# The 16-row gated tile is from an H100 sweep at one row: 83.5 µs, 1% from
+# its best (32 x 256, which spills 8 bytes without the norm under Triton
+# 3.6's ptxas), against 90.4 for the 16-column tile before and 87.1 unfused. The 64-row tiles lose
+# (2.1x for qkv), so the pass that uses them (fuse_norm_linear) stays off
+# (bench/results/norm_linear_h100.md).
 FUSED_CONFIGS = {
     (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (64, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
-    (16, True): {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    (16, True): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
     (32, True): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
     (64, True): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
 }
