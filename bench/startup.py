@@ -163,6 +163,7 @@ def child(spec: dict) -> dict:
         "capture_profile": capture_profile(runner.captures),
         "capture_stats": dict(getattr(runner, "capture_stats", {})),
         "first_call_phases": dict(getattr(runner.compiled, "phases", {})),
+        "first_call_load_parts": dict(getattr(runner.compiled, "load_parts", {})),
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
@@ -357,6 +358,18 @@ def tables(meta: dict, rows: list[dict]) -> str:
         L += table(["model", "preset", "mode", "phase", *names], "llll" + "r" * len(names),
                    [[r["model"], r["preset"], r["mode"], r["phase"],
                      *[dash(r["first_call_phases"].get(n), ".2f") for n in names]] for r in with_phases])
+    with_parts = [r for r in ok if r.get("first_call_load_parts")]
+    if with_parts:
+        L += ["", "A load's deserialize by part, host seconds (GuardFreeModel.load_parts: dynamo: "
+              "Dynamo's code and guards, and the imports they make; step graph: mrv2's split graph "
+              "unpickled and its code generated; step pieces: the pieces' Inductor artifacts, and "
+              "the imports they make).", ""]
+        L += table(["model", "preset", "mode", "phase", "deserialize", "dynamo", "step graph",
+                    "step pieces"], "llll" + "r" * 4,
+                   [[r["model"], r["preset"], r["mode"], r["phase"],
+                     dash(r["first_call_phases"].get("deserialize"), ".2f"),
+                     *[dash(r["first_call_load_parts"].get(k), ".2f")
+                       for k in ("dynamo", "step_graph", "step_pieces")]] for r in with_parts])
     with_gemms = [r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))]
     if with_gemms:
         L += ["", "cuBLAS's first calls (runtime/gemm_warmup.py), inside compile s: a start without "

@@ -48,6 +48,10 @@ class GuardFreeModel:
         # artifacts), "guard_check", "compile" (a cold start's trace and
         # pieces), "save", "first_run" (the first step through the new code).
         self.phases: dict[str, float] = {}
+        # A load's "deserialize" by part (host seconds): "step_graph" and
+        # "step_pieces" (mrv2's step: compile/step_artifacts.py,
+        # last_load_seconds), "dynamo" (the rest: Dynamo's code and guards).
+        self.load_parts: dict[str, float] = {}
         self._header: tuple[Any, dict | None, str | None] | None = None  # entry_for's, by inputs
 
     def entry_for(self, args: tuple) -> str | None:
@@ -189,7 +193,8 @@ class GuardFreeModel:
     def summary(self) -> dict[str, Any]:
         """For the debug dump's runtime section."""
         return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3),
-                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "load_parts": {k: round(v, 3) for k, v in self.load_parts.items()}}
 
     def _guarded(self, reason: str) -> None:
         """The fallback: Dynamo with guards, graph breaks allowed (as before
@@ -216,8 +221,15 @@ class GuardFreeModel:
             from torch._dynamo.aot_compile import AOTCompiledFunction
 
             t = self._phase("read", t)
+            from compile_backend.compile import step_artifacts
+
+            step_artifacts.last_load_seconds.clear()
             aot = AOTCompiledFunction.deserialize(data)
             t = self._phase("deserialize", t)
+            parts = dict(step_artifacts.last_load_seconds)
+            if parts:
+                self.load_parts = {"step_graph": parts["graph"], "step_pieces": parts["pieces"],
+                                   "dynamo": max(0.0, self.phases["deserialize"] - sum(parts.values()))}
             # Once, at load: the saved guards accept this model and these inputs.
             failed = _failed_guards(aot, self.model, args)
             self._phase("guard_check", t)

@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -177,6 +178,13 @@ def _dumps(payload: dict[str, Any], options: Options) -> bytes:
         return GraphPickler.dumps(payload, options)
 
 
+# Host seconds of this process's last `load_step` by part: "graph" (the
+# split graph unpickled and its code generated), "pieces" (the pieces'
+# Inductor artifacts loaded). compile/guard_free.py reports them beside its
+# "deserialize" phase, which holds them and Dynamo's own load.
+last_load_seconds: dict[str, float] = {}
+
+
 def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the CompiledStep's fields, each piece's callable) from `serialize_step`'s
     bytes; CompiledStep.deserialize_compile_artifacts builds and assembles
@@ -188,6 +196,7 @@ def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
 
     import compile_backend.kernels  # noqa: F401  (the mrv2 ops the graphs call, sibling_linear too)
 
+    t0 = time.perf_counter()
     payload = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
     if payload.get("format") != FORMAT:
         raise RuntimeError(f"saved step format {payload.get('format')} is not {FORMAT}")
@@ -201,11 +210,15 @@ def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
         p.graph_module = getattr(split_gm, p.name)
         if "forward" not in vars(type(p.graph_module)):  # a torch whose recompile left it
             p.graph_module.recompile()
+    t1 = time.perf_counter()
+    for p in pieces:
         if not p.captured:
             fns[p.name] = p.graph_module
         elif p.compiled_as is None:
             data = payload["artifacts"][p.name]
             fns[p.name] = p.graph_module if data is None else load_artifact(p.graph_module, data)
+    last_load_seconds.clear()
+    last_load_seconds.update(graph=t1 - t0, pieces=time.perf_counter() - t1)
     for p in pieces:
         if p.captured and p.compiled_as is not None:
             base = fns[p.compiled_as]

@@ -379,6 +379,12 @@ def test_a_loaded_step_writes_its_debug_dump_where_this_runner_says(tmp_path):
     assert list(second["runtime"]["step"]["phases"]) == \
         ["wrap", "key", "read", "deserialize", "guard_check", "first_run"]
     assert all(v >= 0 for v in second["runtime"]["step"]["phases"].values())
+    # The load's deserialize by part: mrv2's graph and pieces, Dynamo's rest;
+    # the parts are inside that phase. A compile has none.
+    parts = second["runtime"]["step"]["load_parts"]
+    assert set(parts) == {"step_graph", "step_pieces", "dynamo"} and parts["step_graph"] > 0
+    assert sum(parts.values()) <= second["runtime"]["step"]["phases"]["deserialize"] + 3e-3  # rounding
+    assert first["runtime"]["step"]["load_parts"] == {}
     assert len(second["graphs"]) == 1
     assert [p["captured"] for p in second["graphs"][0]["pieces"]] == \
         [p["captured"] for p in first["graphs"][0]["pieces"]]
