@@ -348,41 +348,33 @@ def tables(meta: dict, rows: list[dict]) -> str:
     with_phases = [r for r in ok if r.get("first_call_phases")]
     if with_phases:
         names = [n for n in FIRST_CALL_PHASES if any(n in r["first_call_phases"] for r in with_phases)]
-        L += ["", "The first call (compile s above) by phase, host seconds (GuardFreeModel.phases: "
-              "wrap: torch.compile and the imports it makes; key: the entry's header; read; "
-              "deserialize: Dynamo's code and guards, mrv2's step and its pieces' artifacts; "
-              "guard_check; compile: a cold start's trace and pieces; save; first_run: the first "
-              "step through the new code). Dynamo's import comes before them (the runner marks the "
-              "token dimension first); it and the runner's own first-step work (its dry run, the "
-              "inputs) are the rest of compile s.", ""]
-        L += table(["model", "preset", "mode", "phase", *names], "llll" + "r" * len(names),
-                   [[r["model"], r["preset"], r["mode"], r["phase"],
-                     *[dash(r["first_call_phases"].get(n), ".2f") for n in names]] for r in with_phases])
-    with_parts = [r for r in ok if r.get("first_call_load_parts")]
-    if with_parts:
-        L += ["", "A load's deserialize by part, host seconds (GuardFreeModel.load_parts: dynamo: "
-              "Dynamo's code and guards, and the imports they make; step graph: mrv2's split graph "
-              "unpickled and its code generated; step pieces: the pieces' Inductor artifacts, and "
-              "the imports they make).", ""]
-        L += table(["model", "preset", "mode", "phase", "deserialize", "dynamo", "step graph",
-                    "step pieces"], "llll" + "r" * 4,
-                   [[r["model"], r["preset"], r["mode"], r["phase"],
-                     dash(r["first_call_phases"].get("deserialize"), ".2f"),
-                     *[dash(r["first_call_load_parts"].get(k), ".2f")
-                       for k in ("dynamo", "step_graph", "step_pieces")]] for r in with_parts])
-    with_gemms = [r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))]
-    if with_gemms:
-        L += ["", "cuBLAS's first calls (runtime/gemm_warmup.py), inside compile s: a start without "
-              "a saved GEMM list records one more eager step's GEMMs (recorded, record s); one with "
-              "it runs each at every capture size on a thread while its first step loads (calls, "
-              "thread s, and the first step's wait for it at the join).", ""]
-        L += table(["model", "preset", "mode", "phase", "recorded", "record s", "calls",
-                    "thread s", "join wait s"], "llll" + "r" * 5,
-                   [[r["model"], r["preset"], r["mode"], r["phase"],
-                     *[dash(r["capture_stats"].get(k), f) for k, f in (
-                         ("gemms_recorded", "d"), ("gemm_record_s", ".2f"), ("gemm_warmup_calls", "d"),
-                         ("gemm_warmup_s", ".2f"), ("gemm_warmup_wait_s", ".2f"))]]
-                    for r in with_gemms])
+        L += run_table(with_phases, "The first call (compile s above) by phase, host seconds "
+                       "(GuardFreeModel.phases: wrap: torch.compile and the imports it makes; key: "
+                       "the entry's header; read; deserialize: Dynamo's code and guards, mrv2's step "
+                       "and its pieces' artifacts; guard_check; compile: a cold start's trace and "
+                       "pieces; save; first_run: the first step through the new code). Dynamo's "
+                       "import comes before them (the runner marks the token dimension first); it "
+                       "and the runner's own first-step work (its dry run, the inputs) are the rest "
+                       "of compile s.", names,
+                       lambda r: [dash(r["first_call_phases"].get(n), ".2f") for n in names])
+    parts = ("dynamo", "step_graph", "step_pieces")
+    L += run_table([r for r in ok if r.get("first_call_load_parts")],
+                   "A load's deserialize by part, host seconds (GuardFreeModel.load_parts: dynamo: "
+                   "Dynamo's code and guards, and the imports they make; step graph: mrv2's split "
+                   "graph unpickled and its code generated; step pieces: the pieces' Inductor "
+                   "artifacts, and the imports they make).",
+                   ["deserialize", "dynamo", "step graph", "step pieces"],
+                   lambda r: [dash(r["first_call_phases"].get("deserialize"), ".2f"),
+                              *[dash(r["first_call_load_parts"].get(k), ".2f") for k in parts]])
+    gemms = (("gemms_recorded", "d"), ("gemm_record_s", ".2f"), ("gemm_warmup_calls", "d"),
+             ("gemm_warmup_s", ".2f"), ("gemm_warmup_wait_s", ".2f"))
+    L += run_table([r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))],
+                   "cuBLAS's first calls (runtime/gemm_warmup.py), inside compile s: a start without "
+                   "a saved GEMM list records one more eager step's GEMMs (recorded, record s); one "
+                   "with it runs each at every capture size on a thread while its first step loads "
+                   "(calls, thread s, and the first step's wait for it at the join).",
+                   ["recorded", "record s", "calls", "thread s", "join wait s"],
+                   lambda r: [dash(r["capture_stats"].get(k), f) for k, f in gemms])
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)
     odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]
@@ -395,6 +387,17 @@ def tables(meta: dict, rows: list[dict]) -> str:
         L += ["", f"{r['model']} {r['preset']} {r['mode']} {r['phase']} failed ({r['error']}):",
               "", "```", r.get("stderr_tail", "").rstrip(), "```"]
     return "\n".join(L) + "\n"
+
+
+def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[str]:
+    """A paragraph and a table of one row per run (model, preset, mode,
+    phase, then `cells(row)`); nothing without rows."""
+    if not rows:
+        return []
+    return ["", intro, "", *table(["model", "preset", "mode", "phase", *columns],
+                                  "llll" + "r" * len(columns),
+                                  [[r["model"], r["preset"], r["mode"], r["phase"], *cells(r)]
+                                   for r in rows])]
 
 
 FIRST_CALL_PHASES = ("wrap", "key", "read", "deserialize", "guard_check", "compile", "save",
