@@ -88,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{a.kernels} kernels, {os.cpu_count()} cores; main round alone {alone * 1e3:.0f} ms", "",
              *report.table(["compiles", "main round / alone", "compiles done s", "main rounds"],
                            "lrrr", rows)]
-    print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    report.print_and_write(lines, a.out)
     return 0
 
 

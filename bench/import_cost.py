@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
              "on top of the ones above it", "",
              *report.table(["module", "median s", "runs"], "lrl", rows), "",
              f"After mrv2's runner (what a warm load imports): {sum(after_mrv2):.2f} s (sum of medians)"]
-    print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    report.print_and_write(lines, a.out)
     return 0
 
 

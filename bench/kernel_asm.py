@@ -301,10 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ptxas = sorted({r["ptxas"] for r in rows})
     lines = [f"Triton {triton.__version__}, capability 9.0 (sm_90a); registers from: "
              f"{'; '.join(ptxas)}", "", *table(rows)]
-    print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    report.print_and_write(lines, a.out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)

@@ -85,6 +85,14 @@ def run_line(gpu: str, command: str) -> str:
     return f"{stamp}, {gpu}, torch {torch.__version__}, command: `{command}`"
 
 
+def print_and_write(lines: Sequence[str], out: str | None) -> None:
+    """Print `lines`, and write them to `out` (markdown) when one is given."""
+    print("\n".join(lines))
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def write_md_and_json(md_path: str, text: str, data: Any,
                       default: Callable[[Any], Any] | None = None) -> str:
     """`text` to md_path and `data` as JSON beside it (same name, .json);
