@@ -192,7 +192,7 @@ def skinny_specs() -> list[Spec]:
     """The skinny GEMM as linear_add (o, down; also at 128 and 256 rows) and
     norm_linear (qkv, gate_up) launch it."""
     from compile_backend.kernels._device import cdiv
-    from compile_backend.kernels.skinny_linear import _skinny_linear_kernel, skinny_config
+    from compile_backend.kernels.skinny_linear import MAX_ROWS, _skinny_linear_kernel, skinny_config
 
     out = []
     cases = [("o", HIDDEN, HIDDEN, False, False, True), ("down", HIDDEN, INTER, False, False, True),
@@ -201,7 +201,7 @@ def skinny_specs() -> list[Spec]:
              ("gate_up+norm+gate", 2 * INTER, HIDDEN, True, True, False)]
     for rows in (1, 16, 32, 64, 128, 256):
         for label, N, K, norm, gated, residual in cases:
-            if rows > 64 and (norm or gated):  # Note [wide rows]: the plain kernel only
+            if rows > MAX_ROWS and (norm or gated):  # Note [wide rows]: the plain kernel only
                 continue
             cfg = skinny_config(rows, N, K, gated=gated, norm=norm)
             split = 1 if gated else min(cfg.get("SPLIT_K", 1), cdiv(K, cfg["BLOCK_K"]))

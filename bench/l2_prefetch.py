@@ -187,14 +187,18 @@ def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
     alone_o = replay_us(lambda: chain.o_projs(attns), device, args.layers)
     for mib in args.prefetch_mib:
         nbytes = min(mib << 20, w_bytes)
-        out = chain.run(nbytes, args.programs, args.chunk_kib << 10)
+
+        def step(n=nbytes):  # the chain with this size's prefetches, the run timed below
+            return chain.run(n, args.programs, args.chunk_kib << 10)
+
+        out = step()
         equal = all(torch.equal(a, b) for a, b in zip(out, ref))
         if not equal:
             raise AssertionError(f"b{B} prefetch {mib} MiB: outputs differ from no prefetch "
                                  "(a prefetch must change no value)")
-        rows.append(dict(batch=B, prefetch_mib=nbytes / (1 << 20), layer_us=replay_us(
-            lambda n=nbytes: chain.run(n, args.programs, args.chunk_kib << 10), device, args.layers), attention_us=alone_attn,
-            o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
+        rows.append(dict(batch=B, prefetch_mib=nbytes / (1 << 20),
+                         layer_us=replay_us(step, device, args.layers), attention_us=alone_attn,
+                         o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
     return rows
 
 

@@ -54,7 +54,8 @@ from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
 
 from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: E402
 from compile_backend.kernels.norm_linear import norm_linear_ref, rms_norm_ref  # noqa: E402
-from compile_backend.kernels.skinny_linear import skinny_config, skinny_linear, skinny_pays  # noqa: E402
+from compile_backend.kernels.skinny_linear import (  # noqa: E402
+    MAX_ROWS, skinny_config, skinny_linear, skinny_pays)
 
 BF16 = torch.bfloat16
 L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
@@ -124,7 +125,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
-        grid = SPLIT_SWEEP if sweep == "split" else WIDE_SWEEP if M > 64 else SWEEP
+        grid = SPLIT_SWEEP if sweep == "split" else WIDE_SWEEP if M > MAX_ROWS else SWEEP
         block_m = default["BLOCK_M"]
         configs += [c for c in (dict(zip(grid, v), BLOCK_M=block_m)
                                 for v in itertools.product(*grid.values()))
