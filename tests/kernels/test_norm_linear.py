@@ -324,7 +324,13 @@ LLAMA_8B = {"qkv": ([4096, 1024, 1024], False), "gate_up": ([14336, 14336], True
 def test_llama_8b_on_the_gpu_eager_and_in_a_cuda_graph(monkeypatch, shape, M):
     """RMSNorm + qkv and RMSNorm + gate/up + SiLU·mul at llama-8B's shapes
     in bf16 through the op, with the kernel forced (MRV2_SKINNY_GEMM=1):
-    eager, then captured once and replayed with new inputs three times."""
+    eager, then captured once on mrv2's capture stream (its split-K arrival
+    counters: the 16-row norm tile splits K there, and would fall back to one
+    split on torch's own capture stream) and replayed with new inputs three
+    times."""
+    from compile_backend.core.counters import counters
+    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
     dtype, dev, K = torch.bfloat16, "cuda", 4096
     sizes, gated = LLAMA_8B[shape]
@@ -338,8 +344,11 @@ def test_llama_8b_on_the_gpu_eager_and_in_a_cuda_graph(monkeypatch, shape, M):
     _check(op(x, nw, EPS, ws, [], gated), x, nw, ws, [], None, gated, f"{shape} M={M} eager")
     graph = torch.cuda.CUDAGraph()
     op(x, nw, EPS, ws, [], gated)  # compiled before the capture
-    with torch.cuda.graph(graph):
+    warm_capture_stream()
+    before = counters["skinny_split_k_fallbacks"]
+    with torch.cuda.graph(graph, stream=capture_stream()):
         out = op(x, nw, EPS, ws, [], gated)
+    assert counters["skinny_split_k_fallbacks"] == before
     for i in range(3):
         x.copy_(randn(x.shape, dtype, dev, gen(stable_seed("nl-replay", shape, M, i))))
         graph.replay()
