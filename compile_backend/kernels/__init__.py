@@ -19,7 +19,8 @@ from .all_reduce import all_reduce
 from .kv_compress import kv_compress, kv_compress_ref
 from .layers import KVCompressor, PagedAttention, ShortConv
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
-from .norm_linear import norm_linear, norm_linear_ref, rms_norm_ref
+from .norm_linear import norm_linear, norm_linear_ref
+from .rms_norm import rms_norm_ref
 from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear

@@ -115,6 +115,23 @@ def pdl_release(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# Note [interpreter bf16 rounding]: Triton 3.9's interpreter converts fp32 to
+# bf16 by truncation; the GPU (and torch) round to nearest even. When
+# interpreting a bf16 kernel, `round_to` rounds the fp32 value to nearest
+# even in its bits first (a constexpr switch), so the truncation is exact and
+# the interpreter computes what the GPU does.
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 x -> dtype, rounded to nearest even (Note [interpreter bf16 rounding])."""
+    if RNE_BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 dots rather than tf32 (what the caller asked for)."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -6,12 +6,14 @@
         gated:  g, u = y.chunk(2, -1);  y = silu(g) * u                  # [..., N / 2]
         == y
 
-At decode on CUDA, with the weights packed back to back (`packed_view`) and
-where `skinny_pays`, the skinny kernel (compile_backend/kernels/skinny_linear.py)
-does it in one launch, within bf16 tolerances; otherwise the reference runs,
-which is the eager computation. Measured slower than the unfused kernels, so
-compile_backend/passes/fuse_norm_linear.py is off by default. Note [norm and
-gate in the GEMM]: docs/design.md, section "RMSNorm, projection and gate".
+On CUDA with the weights packed back to back (`packed_view`): where
+`skinny_pays` (decode, up to 16 rows), the skinny kernel
+(compile_backend/kernels/skinny_linear.py) does it in one launch; with more
+rows, the norm (rms_norm.py), the packed linear (the skinny kernel or
+cuBLAS) and the gate (silu_mul.py) as three launches, the unfused sequence's
+count. Elsewhere the reference, the eager computation. Within bf16
+tolerances of it. Note [norm and gate in the GEMM]: docs/design.md, section
+"RMSNorm, projection and gate".
 """
 
 from __future__ import annotations
@@ -22,15 +24,10 @@ import torch.nn.functional as F
 from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
+from .rms_norm import rms_norm, rms_norm_ref
 from .sibling_linear import packed_weight_and_bias, sibling_linear_ref
-from .skinny_linear import check_norm_weight, skinny_linear, skinny_pays
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the Llama family computes it: fp32 statistics, the
-    normalized x rounded to x's dtype, then times the weight."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+from .silu_mul import silu_mul
+from .skinny_linear import check_norm_weight, skinny_allowed, skinny_linear, skinny_pays
 
 
 def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -82,7 +79,27 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     packed = packed_weight_and_bias(weights, biases)
     if packed is not None and skinny_pays(x, packed[0], gated, norm=norm_weight is not None):
         return skinny_linear(x, *packed, norm_weight=norm_weight, eps=eps, gated=gated)
+    if packed is not None and _unfused_kernels_here(x):
+        return _unfused(x, norm_weight, eps, *packed, gated)
     return norm_linear_ref(x, norm_weight, eps, weights, biases, gated).contiguous()
+
+
+def _unfused_kernels_here(x: torch.Tensor) -> bool:
+    """Run the three-launch form (norm, linear, gate) for x? On CUDA: the
+    reference's op-by-op norm and gate would launch a kernel per op."""
+    return x.is_cuda and x.stride(-1) == 1
+
+
+def _unfused(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+             weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    """The norm, the packed linear (the skinny kernel where it pays, else
+    F.linear) and the gate as separate launches, with the reference's roundings."""
+    h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    if skinny_allowed(h, weight) and skinny_pays(h, weight):
+        y = skinny_linear(h, weight, bias)
+    else:
+        y = F.linear(h, weight, bias)
+    return silu_mul(y) if gated else y.contiguous()
 
 
 register_op("mrv2::norm_linear", capture_safe=True)

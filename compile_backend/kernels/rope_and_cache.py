@@ -25,27 +25,10 @@ from compile_backend.core.op_registry import OpRole, register_op
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_ids, check_kv_caches,
                       check_tensor)
 from ._debug import index_checks_on
-from ._device import interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, use_triton
+from ._device import interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, round_to, use_triton
 from ._launch import Launch, LayoutMemo, launch_here, layout
 from ._metadata import layer_metadata
 from .reshape_and_cache import reshape_and_cache_ref
-
-
-# Note [interpreter bf16 rounding]: Triton 3.9's interpreter converts fp32 to
-# bf16 by truncation; the GPU (and torch) round to nearest even. When
-# interpreting a bf16 kernel, `_round_to` rounds the fp32 value to nearest
-# even in its bits first (a constexpr switch), so the truncation is exact and
-# the interpreter computes what the GPU does.
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-    """fp32 x -> dtype, rounded to nearest even (Note [interpreter bf16 rounding])."""
-    if RNE_BF16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -89,8 +72,8 @@ def _rope_and_cache_kernel(
     c2, s2 = cos[None, :], sin[None, :]
     dst = out_ptr + t64 * stride_o_t + qh[:, None] * stride_o_h + j[None, :]
     qty: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(dst, _round_to(x1 * c2 - x2 * s2, qty, RNE_BF16), mask=q_mask)
-    tl.store(dst + HALF, _round_to(x2 * c2 + x1 * s2, qty, RNE_BF16), mask=q_mask)
+    tl.store(dst, round_to(x1 * c2 - x2 * s2, qty, RNE_BF16), mask=q_mask)
+    tl.store(dst + HALF, round_to(x2 * c2 + x1 * s2, qty, RNE_BF16), mask=q_mask)
 
     if WRITE_CACHE:
         # Scalar conditions enter masks as bounds (Note [scalar masks] in _device.py).
@@ -105,8 +88,8 @@ def _rope_and_cache_kernel(
         v2 = tl.load(vsrc + HALF, mask=kv_mask)
         cdst = blk * stride_c_blk + off * stride_c_off + g * stride_c_h + j
         kty: tl.constexpr = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + cdst, _round_to(k1 * cos - k2 * sin, kty, RNE_BF16), mask=kv_mask)
-        tl.store(key_cache_ptr + cdst + HALF, _round_to(k2 * cos + k1 * sin, kty, RNE_BF16),
+        tl.store(key_cache_ptr + cdst, round_to(k1 * cos - k2 * sin, kty, RNE_BF16), mask=kv_mask)
+        tl.store(key_cache_ptr + cdst + HALF, round_to(k2 * cos + k1 * sin, kty, RNE_BF16),
                  mask=kv_mask)
         tl.store(value_cache_ptr + cdst, v1, mask=kv_mask)
         tl.store(value_cache_ptr + cdst + HALF, v2, mask=kv_mask)

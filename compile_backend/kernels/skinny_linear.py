@@ -36,6 +36,10 @@ MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-r
 # Note [wide rows]: the plain kernel (no norm, not gated) also takes 65..WIDE_ROWS
 # rows in 128-row tiles (b256's linear_add without torch's addmm), where
 # MRV2_WIDE_GEMM=1 asks for it: off, measured slower than cuBLAS's addmm.
+# With the norm or the gate inside, up to FUSED_ROWS rows: the 32- and 64-row
+# fused tiles lose to the three-launch form (llama8b FULL decode on an H100,
+# fuse_norm_linear on: b32 10.49 ms against 7.09 off; norm_linear.py).
+FUSED_ROWS = 16
 WIDE_ROWS = 512
 WIDE_ENV = "MRV2_WIDE_GEMM"
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
@@ -237,7 +241,8 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
     Measured (bench/results/skinny_gemm.md): up to 16 rows a grid of a
     quarter of the SMs wins (64 programs on 132 SMs: 0.81-0.85x); with more
     rows it takes nine tenths (128 programs: 0.78-0.95x; 64: 0.92-1.19x).
-    A split launch counts each (tile, split) as a program.
+    A split launch counts each (tile, split) as a program. With the norm or
+    the gate inside, only up to FUSED_ROWS rows.
     `MRV2_SKINNY_GEMM=0/1` overrides the rule. Above MAX_ROWS rows (Note
     [wide rows]): only where MRV2_WIDE_GEMM=1 (and MRV2_SKINNY_GEMM is not 0)."""
     choice = os.environ.get(SKINNY_ENV, "")
@@ -245,6 +250,8 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
         return choice != "0" and os.environ.get(WIDE_ENV, "") == "1"
     if choice in ("0", "1"):
         return choice == "1"
+    if (gated or norm) and M > FUSED_ROWS:
+        return False
     n_out = N // 2 if gated else N
     cfg = skinny_config(M, N, K, gated=gated, norm=norm)
     programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated else cfg.get("SPLIT_K", 1))

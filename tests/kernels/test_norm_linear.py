@@ -25,7 +25,7 @@ import torch
 from kernel_cases import assert_close_rel, gen, randn, rel_err, stable_seed
 from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
 from compile_backend.kernels.norm_linear import norm_linear_ref  # registers mrv2::norm_linear
-from compile_backend.kernels.skinny_linear import (CONFIGS, FUSED_CONFIGS, skinny_config,
+from compile_backend.kernels.skinny_linear import (CONFIGS, FUSED_CONFIGS, FUSED_ROWS, skinny_config,
                                                    skinny_fills, skinny_linear, skinny_pays)
 from compile_backend.core.packed_weights import pack_siblings, packed_view
 
@@ -215,10 +215,13 @@ def test_gated_programs_count_the_output_columns(monkeypatch):
     bn = skinny_config(1, 4096, 4096, gated=True)["BLOCK_N"]
     assert skinny_fills(1, 2 * 33 * bn, 4096, 132, gated=True)  # 33 programs: a quarter of 132
     assert not skinny_fills(1, 2 * 32 * bn, 4096, 132, gated=True)
-    bn = skinny_config(33, 4096, 4096, gated=True)["BLOCK_N"]
-    assert skinny_fills(33, 2 * 119 * bn, 4096, 132, gated=True)
-    assert not skinny_fills(33, 2 * 118 * bn, 4096, 132, gated=True)
+    # above FUSED_ROWS the three-launch form, however wide the grid
+    for M in (FUSED_ROWS + 1, 33, 64):
+        for gated, norm in ((True, False), (True, True), (False, True)):
+            assert not skinny_fills(M, 2 * 28672, 4096, 132, gated=gated, norm=norm)
+        assert skinny_fills(M, 28672, 4096, 132)  # the plain kernel still takes them
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    assert skinny_fills(33, 2 * 28672, 4096, 132, gated=True, norm=True)
     assert skinny_fills(1, 64, 64, 132, gated=True)
     x, w = torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
     assert not skinny_pays(x, w, gated=True)  # CPU tensors: never
@@ -263,6 +266,40 @@ def test_the_op_on_cpu_tensors_is_the_reference(dtype, packed):
                 if dtype == torch.float32:
                     torch.testing.assert_close(out, _fp32_formula(x, nw, EPS, ws, bs, gated),
                                                rtol=1e-5, atol=1e-5)
+
+
+@INTERPRETED
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+def test_the_three_launch_form_equals_the_reference(monkeypatch, dtype):
+    """Above FUSED_ROWS on a GPU the op runs the norm, the packed linear and
+    the gate as three launches (rms_norm.py, F.linear, silu_mul.py); here
+    forced on interpreted CPU tensors, where the linear is F.linear."""
+    nl = importlib.import_module("compile_backend.kernels.norm_linear")
+    calls = []
+    monkeypatch.setattr(nl, "_unfused_kernels_here", lambda x: calls.append(x.shape) or True)
+    for norm in (False, True):
+        for gated in (False, True):
+            for bias in (False, True):
+                g = gen(stable_seed("nl-3", str(dtype), norm, gated, bias))
+                x = randn((2, 17, 72), dtype, "cpu", g)
+                nw = (1.0 + 0.5 * torch.randn(72, generator=g)).to(dtype) if norm else None
+                ws = [randn((n, 72), dtype, "cpu", g, scale=72 ** -0.5) for n in _siblings(104, gated)]
+                bs = [randn((n,), dtype, "cpu", g) for n in _siblings(104, gated)] if bias else []
+                pack_siblings(ws)
+                if bs:
+                    pack_siblings(bs)
+                out = torch.ops.mrv2.norm_linear(x, nw, EPS, ws, bs, gated)
+                ref = norm_linear_ref(x, nw, EPS, ws, bs, gated)
+                assert out.shape == ref.shape and out.is_contiguous()
+                err = rel_err(out, ref)
+                assert err <= REF_TOL[dtype] / 4, f"norm={norm} gated={gated} bias={bias}: {err:.3g}"
+    assert len(calls) == 8
+    # unpacked siblings: the reference, never the three launches
+    ws = [randn((n, 72), dtype, "cpu", gen(stable_seed("nl-3-unpacked", n))) for n in (8, 8)]
+    x = randn((3, 72), dtype, "cpu", gen(stable_seed("nl-3-x")))
+    assert torch.equal(torch.ops.mrv2.norm_linear(x, None, EPS, ws, [], True),
+                       norm_linear_ref(x, None, EPS, ws, [], True))
+    assert len(calls) == 8
 
 
 def test_the_op_misuse_raises_and_touches_nothing():
@@ -351,6 +388,37 @@ def test_llama_8b_on_the_gpu_eager_and_in_a_cuda_graph(monkeypatch, shape, M):
     assert counters["skinny_split_k_fallbacks"] == before
     for i in range(3):
         x.copy_(randn(x.shape, dtype, dev, gen(stable_seed("nl-replay", shape, M, i))))
+        graph.replay()
+        _check(out, x, nw, ws, [], None, gated, f"{shape} M={M} replay {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+@pytest.mark.parametrize("M", [FUSED_ROWS + 1, 32, 64, 200])
+def test_above_the_fused_rows_three_launches_on_the_gpu(monkeypatch, shape, M):
+    """Above FUSED_ROWS (skinny_fills) the op runs the norm, the packed linear
+    and the gate as three launches: eager and replayed from a CUDA graph on
+    new inputs three times, against the reference; 200 rows: cuBLAS's linear."""
+    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    dtype, dev, K = torch.bfloat16, "cuda", 4096
+    sizes, gated = LLAMA_8B[shape]
+    g = gen(stable_seed("nl-3-gpu", shape, M))
+    x = randn((M, K), dtype, dev, g)
+    nw = (1.0 + 0.5 * torch.randn(K, generator=g)).to(dtype=dtype, device=dev)
+    ws = [randn((n, K), dtype, dev, g, scale=K ** -0.5) for n in sizes]
+    assert pack_siblings(ws) == "packed"
+    assert not skinny_pays(x, packed_view(ws), gated, norm=True)
+    op = torch.ops.mrv2.norm_linear
+    _check(op(x, nw, EPS, ws, [], gated), x, nw, ws, [], None, gated, f"{shape} M={M} eager")
+    warm_capture_stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream()):
+        out = op(x, nw, EPS, ws, [], gated)
+    for i in range(3):
+        x.copy_(randn(x.shape, dtype, dev, gen(stable_seed("nl-3-replay", shape, M, i))))
         graph.replay()
         _check(out, x, nw, ws, [], None, gated, f"{shape} M={M} replay {i}")
 

@@ -1,0 +1,68 @@
+"""compile_backend/kernels/rms_norm.py and silu_mul.py: the norm and the gate of
+`mrv2::norm_linear`'s three-launch form, against their references (which
+round as the eager model rounds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import DEVICES, DTYPE_IDS, DTYPES, gen, randn, stable_seed
+from compile_backend.kernels.rms_norm import MAX_BLOCK_K, rms_norm, rms_norm_ref
+from compile_backend.kernels.silu_mul import BLOCK, silu_mul, silu_mul_ref
+
+# One rounding step of the dtype: the kernels and the references may differ
+# by one where an fp32 intermediate sits next to a rounding boundary.
+ULP = {torch.float32: 1e-6, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+
+
+def _close(out, ref, dtype, what):
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    err = ((out.float() - ref.float()).abs() / ref.float().abs().clamp_min(1.0)).max().item()
+    assert err <= 2 * ULP[dtype], f"{what}: max relative error {err:.3g}"
+    if dtype != torch.float32:  # after the rounding, nearly every element is the reference's own
+        assert (out != ref).float().mean().item() <= 0.01, what
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 5, 48), (7, MAX_BLOCK_K + 904)])
+def test_rms_norm_equals_the_reference(device, dtype, shape):
+    """Rows of one and of several tiles (K past MAX_BLOCK_K loops), leading
+    dims, a ragged K; weights around 1 as trained norms have."""
+    g = gen(stable_seed("rms", str(dtype), shape))
+    x = randn(shape, dtype, device, g, scale=3.0)
+    w = (1.0 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype=dtype, device=device)
+    for eps in (1e-6, 1e-5):
+        _close(rms_norm(x, w, eps), rms_norm_ref(x, w, eps), dtype, f"{shape} eps={eps}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_takes_strided_rows_and_no_rows(device):
+    dtype = torch.bfloat16
+    g = gen(stable_seed("rms-strided"))
+    base = randn((6, 160), dtype, device, g)
+    x = base[::2, :96]  # rows 320 elements apart
+    w = randn((96,), dtype, device, g)
+    _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype, "strided")
+    empty = rms_norm(base[:0], randn((160,), dtype, device, g), 1e-6)
+    assert empty.shape == (0, 160)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 96), (2, 3, 2 * BLOCK + 10)])
+def test_silu_mul_equals_the_reference(device, dtype, shape):
+    g = gen(stable_seed("silu", str(dtype), shape))
+    y = randn(shape, dtype, device, g, scale=4.0)
+    _close(silu_mul(y), silu_mul_ref(y), dtype, f"{shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_takes_strided_rows_and_refuses_an_odd_width(device):
+    g = gen(stable_seed("silu-strided"))
+    base = randn((4, 300), torch.bfloat16, device, g)
+    y = base[:, :200]
+    _close(silu_mul(y), silu_mul_ref(y), torch.bfloat16, "strided")
+    with pytest.raises(AssertionError, match="even N"):
+        silu_mul(base[:, :7])
