@@ -36,7 +36,7 @@ def test_order_is_capture_safety_then_all_reduce_then_fusions_then_segments():
     assert m.passes[0].strict is False and m.passes[6].reorder is True
     assert m.passes[5].enabled is True  # growing_caches_eager
     assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True and m.passes[3].enabled is True
-    assert m.passes[4].enabled is False  # fuse_norm_linear: off by default
+    assert m.passes[4].enabled is True  # fuse_norm_linear: on by default
     m = manager(strict_capture=True, reorder_for_fewer_pieces=False, fuse_sibling_linears=False,
                 fuse_linear_residual=False, fuse_norm_linear=False, tp_all_reduce="auto",
                 tp_all_reduce_threshold=4096, growing_caches_eager=False)
@@ -51,7 +51,7 @@ def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() != manager(strict_capture=True).uuid()
     assert manager().uuid() != manager(fuse_sibling_linears=False).uuid()
     assert manager().uuid() != manager(fuse_linear_residual=False).uuid()
-    assert manager().uuid() != manager(fuse_norm_linear=True).uuid()
+    assert manager().uuid() != manager(fuse_norm_linear=False).uuid()
     assert manager().uuid() != manager(tp_all_reduce="auto").uuid()
     assert manager().uuid() != manager(growing_caches_eager=False).uuid()
     assert manager().uuid() != manager(attention_like_ops=[]).uuid()
