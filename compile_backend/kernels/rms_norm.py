@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._device import interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, round_to
+from ._launch import Launch, LayoutMemo, launch_here, layout
 
 MAX_BLOCK_K = 4096  # columns a program holds at once (K = 4096: one pass each)
 
@@ -56,19 +57,34 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Launcher (module docstring). x [..., K] with unit stride along K, on a
     GPU or under the interpreter; weight [K] of x's dtype; eps >= 0. The
-    caller checks the operands (norm_linear's checks)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    M = x2.shape[0]
-    if M == 0:
+    caller checks the operands (norm_linear's checks). A layout seen before
+    launches through its bound launch (Note [checked layouts] in _launch.py)."""
+    if weight.stride(0) != 1:
+        weight = weight.contiguous()
+    plan, _ = _LAUNCHES.entry(x.device, (layout(x, weight), float(eps)), lambda: _NormPlan(x, eps))
+    return plan.run(x, weight)
+
+
+_LAUNCHES = LayoutMemo()
+
+
+class _NormPlan:
+    """One layout's launch: x's rows M, K, and the bound launch."""
+
+    def __init__(self, x: torch.Tensor, eps: float) -> None:
+        K = x.shape[-1]
+        self.K, self.M, self.shape, self.eps = K, x.numel() // K if K else 0, x.shape, float(eps)
+        block_k = min(MAX_BLOCK_K, next_pow2(K))
+        meta = dict(BLOCK_K=block_k, RNE_BF16=interpreting() and x.dtype == torch.bfloat16,
+                    num_warps=4 if block_k <= 2048 else 8, **pdl_meta(x.device))
+        self.launch = Launch(_rms_norm_kernel, (self.M,), meta, bind=x.is_cuda)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        if self.M == 0:
+            return out
+        x2 = x.reshape(self.M, self.K)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        launch_here(self.launch, (x2, weight, out, self.K, x2.stride(0), self.K, self.eps))
         return out
-    block_k = min(MAX_BLOCK_K, next_pow2(K))
-    _rms_norm_kernel[(M,)](
-        x2, weight, out, K, x2.stride(0), K, float(eps), BLOCK_K=block_k,
-        RNE_BF16=interpreting() and x.dtype == torch.bfloat16,
-        num_warps=4 if block_k <= 2048 else 8, **pdl_meta(x.device))
-    return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._device import cdiv, interpreting, pdl_meta, pdl_release, pdl_wait, round_to
+from ._launch import Launch, LayoutMemo, launch_here, layout
 
 BLOCK = 1024  # output columns a program writes
 
@@ -44,18 +45,34 @@ def _silu_mul_kernel(y_ptr, out_ptr, N_OUT, stride_ym, stride_om,
 
 def silu_mul(y: torch.Tensor) -> torch.Tensor:
     """Launcher (module docstring). y [..., N] with N even and unit stride
-    along N, on a GPU or under the interpreter."""
+    along N, on a GPU or under the interpreter. A layout seen before
+    launches through its bound launch (Note [checked layouts] in _launch.py)."""
     N = y.shape[-1]
     assert N % 2 == 0, f"silu_mul: the gate's and the up projection's halves need an even N, got {N}"
-    y2 = y.reshape(-1, N)
-    if y2.stride(-1) != 1:
-        y2 = y2.contiguous()
-    n_out = N // 2
-    out = torch.empty((*y.shape[:-1], n_out), dtype=y.dtype, device=y.device)
-    M = y2.shape[0]
-    if M == 0 or n_out == 0:
+    plan, _ = _LAUNCHES.entry(y.device, (layout(y),), lambda: _GatePlan(y))
+    return plan.run(y)
+
+
+_LAUNCHES = LayoutMemo()
+
+
+class _GatePlan:
+    """One layout's launch: y's rows M, N, and the bound launch."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        N = y.shape[-1]
+        self.N, self.M, self.n_out = N, y.numel() // N if N else 0, N // 2
+        self.shape = (*y.shape[:-1], self.n_out)
+        meta = dict(BLOCK=BLOCK, RNE_BF16=interpreting() and y.dtype == torch.bfloat16,
+                    num_warps=4, **pdl_meta(y.device))
+        self.launch = Launch(_silu_mul_kernel, (self.M, cdiv(self.n_out, BLOCK)), meta, bind=y.is_cuda)
+
+    def run(self, y: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=y.dtype, device=y.device)
+        if self.M == 0 or self.n_out == 0:
+            return out
+        y2 = y.reshape(self.M, self.N)
+        if y2.stride(-1) != 1:
+            y2 = y2.contiguous()
+        launch_here(self.launch, (y2, out, self.n_out, y2.stride(0), self.n_out))
         return out
-    _silu_mul_kernel[(M, cdiv(n_out, BLOCK))](
-        y2, out, n_out, y2.stride(0), n_out, BLOCK=BLOCK,
-        RNE_BF16=interpreting() and y.dtype == torch.bfloat16, num_warps=4, **pdl_meta(y.device))
-    return out

@@ -66,3 +66,25 @@ def test_silu_mul_takes_strided_rows_and_refuses_an_odd_width(device):
     _close(silu_mul(y), silu_mul_ref(y), torch.bfloat16, "strided")
     with pytest.raises(AssertionError, match="even N"):
         silu_mul(base[:, :7])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layout_is_checked_once_then_launched_from_its_plan(device):
+    """Note [checked layouts]: the second call of a layout reuses the first
+    call's plan (a capture of 35 sizes x 64 norms would otherwise pay
+    kernel[grid]'s host time at every call), with new values each time."""
+    import compile_backend.kernels.rms_norm as rn
+    import compile_backend.kernels.silu_mul as sm
+    rn._LAUNCHES.clear()
+    sm._LAUNCHES.clear()
+    dtype = torch.bfloat16
+    w = randn((96,), dtype, device, gen(stable_seed("memo-w")))
+    for seed in range(3):
+        x = randn((5, 96), dtype, device, gen(stable_seed("memo-x", seed)))
+        _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype, f"norm call {seed}")
+        _close(silu_mul(x), silu_mul_ref(x), dtype, f"gate call {seed}")
+    assert len(rn._LAUNCHES) == 1 and len(sm._LAUNCHES) == 1
+    x = randn((7, 96), dtype, device, gen(stable_seed("memo-x7")))
+    _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype, "another row count")
+    _close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), dtype, "another eps")
+    assert len(rn._LAUNCHES) == 3
