@@ -354,6 +354,19 @@ def test_the_fake_has_the_output_shape_and_checks_too():
 LLAMA_8B = {"qkv": ([4096, 1024, 1024], False), "gate_up": ([14336, 14336], True)}
 
 
+def _llama_8b_operands(shape, M, seed):
+    """bf16 on the GPU: x [M, 4096], a norm weight around 1, and `shape`'s
+    sibling weights packed (LLAMA_8B); and whether it is gated."""
+    dtype, dev, K = torch.bfloat16, "cuda", 4096
+    sizes, gated = LLAMA_8B[shape]
+    g = gen(stable_seed(seed, shape, M))
+    x = randn((M, K), dtype, dev, g)
+    nw = (1.0 + 0.5 * torch.randn(K, generator=g)).to(dtype=dtype, device=dev)
+    ws = [randn((n, K), dtype, dev, g, scale=K ** -0.5) for n in sizes]
+    assert pack_siblings(ws) == "packed"
+    return x, nw, ws, gated
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
@@ -369,13 +382,8 @@ def test_llama_8b_on_the_gpu_eager_and_in_a_cuda_graph(monkeypatch, shape, M):
     from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
 
     monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
-    dtype, dev, K = torch.bfloat16, "cuda", 4096
-    sizes, gated = LLAMA_8B[shape]
-    g = gen(stable_seed("nl-gpu", shape, M))
-    x = randn((M, K), dtype, dev, g)
-    nw = (1.0 + 0.5 * torch.randn(K, generator=g)).to(dtype=dtype, device=dev)
-    ws = [randn((n, K), dtype, dev, g, scale=K ** -0.5) for n in sizes]
-    assert pack_siblings(ws) == "packed"
+    x, nw, ws, gated = _llama_8b_operands(shape, M, "nl-gpu")
+    dtype, dev = x.dtype, x.device
     assert skinny_pays(x, packed_view(ws), gated)
     op = torch.ops.mrv2.norm_linear
     _check(op(x, nw, EPS, ws, [], gated), x, nw, ws, [], None, gated, f"{shape} M={M} eager")
@@ -404,13 +412,8 @@ def test_above_the_fused_rows_three_launches_on_the_gpu(monkeypatch, shape, M):
     from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
 
     monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
-    dtype, dev, K = torch.bfloat16, "cuda", 4096
-    sizes, gated = LLAMA_8B[shape]
-    g = gen(stable_seed("nl-3-gpu", shape, M))
-    x = randn((M, K), dtype, dev, g)
-    nw = (1.0 + 0.5 * torch.randn(K, generator=g)).to(dtype=dtype, device=dev)
-    ws = [randn((n, K), dtype, dev, g, scale=K ** -0.5) for n in sizes]
-    assert pack_siblings(ws) == "packed"
+    x, nw, ws, gated = _llama_8b_operands(shape, M, "nl-3-gpu")
+    dtype, dev = x.dtype, x.device
     assert not skinny_pays(x, packed_view(ws), gated, norm=True)
     op = torch.ops.mrv2.norm_linear
     _check(op(x, nw, EPS, ws, [], gated), x, nw, ws, [], None, gated, f"{shape} M={M} eager")
