@@ -20,9 +20,9 @@ nothing, defined with `torch.library.custom_op` and with mrv2's `define_op`
 (HF generate) and inference_mode.
 
 --layouts times the launchers that remember a checked call's layout (Note
-[checked layouts] in compile_backend/kernels/_launch.py): rope_and_cache and
-the skinny GEMM at llama-8B decode shapes, a layout seen before against a
-new one each call (any device; on the CPU the launch itself is left out: the
+[checked layouts] in compile_backend/kernels/_launch.py): rope_and_cache, the
+skinny GEMM and norm_linear's norm and gate kernels at llama-8B decode
+shapes, a layout seen before against a new one each call (any device; on the CPU the launch itself is left out: the
 interpreter's would dwarf the host work).
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
@@ -85,10 +85,11 @@ def prepare_rows(batches: list[int], context: int, calls: int) -> list[tuple[str
 
 
 def layout_rows(batches: list[int], calls: int) -> list[tuple[str, str, str, str]]:
-    """Host us per call of rope_and_cache and of the skinny GEMM with the
-    residual (o projection: 4096 x 4096) at llama-8B decode shapes (32 heads,
-    8 KV heads, head dim 128, bf16): the layout remembered, and a new one
-    each call (the memo emptied first: the checks and the derivation run)."""
+    """Host us per call of rope_and_cache, of the skinny GEMM with the
+    residual (o projection: 4096 x 4096), and of norm_linear's norm and gate
+    kernels, at llama-8B decode shapes (32 heads, 8 KV heads, head dim 128,
+    bf16): the layout remembered, and a new one each call (the memo emptied
+    first: the checks and the derivation run)."""
     import contextlib
     import importlib
 
@@ -97,11 +98,13 @@ def layout_rows(batches: list[int], calls: int) -> list[tuple[str, str, str, str
         os.environ.setdefault("TRITON_INTERPRET", "1")
     rc = importlib.import_module("compile_backend.kernels.rope_and_cache")
     sl = importlib.import_module("compile_backend.kernels.skinny_linear")
+    rn = importlib.import_module("compile_backend.kernels.rms_norm")
+    sm = importlib.import_module("compile_backend.kernels.silu_mul")
     dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
     H, KVH, D = 32, 8, 128
     stub = contextlib.ExitStack()
     if not cuda:  # host work only: the interpreter's launch is not what is timed
-        for mod in (rc, sl):
+        for mod in (rc, sl, rn, sm):
             real = mod.launch_here
             stub.callback(setattr, mod, "launch_here", real)
             mod.launch_here = lambda launch, args: None
@@ -123,6 +126,10 @@ def layout_rows(batches: list[int], calls: int) -> list[tuple[str, str, str, str
             if B <= sl.MAX_ROWS:
                 cases.append(("skinny GEMM + residual (o proj)", lambda: sl.skinny_linear(x, w, None, r),
                               sl._LAUNCHES))
+            nw = torch.rand(H * D, device=dev, dtype=dt) + 0.5
+            gu = torch.randn(B, 2 * 14336, device=dev, dtype=dt)
+            cases += [("RMSNorm (norm_linear above 16 rows)", lambda: rn.rms_norm(x, nw, 1e-5), rn._LAUNCHES),
+                      ("SiLU·mul (norm_linear above 16 rows)", lambda: sm.silu_mul(gu), sm._LAUNCHES)]
             for name, fn, memo in cases:
                 for _ in range(20):
                     fn()
