@@ -22,8 +22,9 @@ nothing, defined with `torch.library.custom_op` and with mrv2's `define_op`
 --layouts times the launchers that remember a checked call's layout (Note
 [checked layouts] in compile_backend/kernels/_launch.py): rope_and_cache, the
 skinny GEMM and norm_linear's norm and gate kernels at llama-8B decode
-shapes, a layout seen before against a new one each call (any device; on the CPU the launch itself is left out: the
-interpreter's would dwarf the host work).
+shapes, a layout seen before against a new one each call (any device; on
+the CPU the launch itself is left out: the interpreter's would dwarf the
+host work).
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
 the persistent buffers and block tables, build metadata): the host work in

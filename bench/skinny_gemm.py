@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
 
 from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: E402
-from compile_backend.kernels.norm_linear import norm_linear_ref, rms_norm_ref  # noqa: E402
+from compile_backend.kernels.norm_linear import norm_linear_ref  # noqa: E402
+from compile_backend.kernels.rms_norm import rms_norm_ref  # noqa: E402
 from compile_backend.kernels.skinny_linear import (  # noqa: E402
     MAX_ROWS, skinny_config, skinny_linear, skinny_pays)
 

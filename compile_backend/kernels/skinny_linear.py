@@ -77,8 +77,9 @@ CONFIGS = {
 # The 16-row gated tile is from an H100 sweep at one row: 83.5 µs, 1% from
 # its best (32 x 256, which spills 8 bytes without the norm under Triton
 # 3.6's ptxas), against 90.4 for the 16-column tile before and 87.1
-# unfused. The 64-row tiles lose (2.1x for qkv), so the pass that uses them
-# (fuse_norm_linear) stays off (bench/results/norm_linear_h100.md).
+# unfused. The 32- and 64-row tiles lose (2.1x for qkv at 64), so the op
+# takes them only where MRV2_SKINNY_GEMM=1 forces the kernel (FUSED_ROWS;
+# bench/results/norm_linear_h100.md).
 FUSED_CONFIGS = {
     (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},

@@ -11,7 +11,7 @@ Fires only when every intermediate is used inside the pattern, dtypes and
 devices agree, nothing is marked eager and no `motion_barrier` (effects.py)
 lies between the norm and the linear; the report says why for each norm or
 gate not taken. The pattern, every condition and the measurements (the
-option is off by default): docs/design.md, "RMSNorm, projection and gate".
+option is on by default): docs/design.md, "RMSNorm, projection and gate".
 """
 
 from __future__ import annotations
