@@ -430,16 +430,24 @@ def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_hf_llama_bf16_inductor_norm_linear_equals_eager_on_the_gpu(mode, monkeypatch):
+@pytest.mark.parametrize("forced", [True, False], ids=["kernel-forced", "by-rows"])
+def test_hf_llama_bf16_inductor_norm_linear_equals_eager_on_the_gpu(mode, forced, monkeypatch):
     """FULL and PIECEWISE replays of an unmodified HF Llama in bf16 (Inductor
     pieces), its norms, q/k/v, gate/up and SiLU·mul in mrv2::norm_linear,
-    against eager over several calls. MRV2_SKINNY_GEMM=1: the Triton kernel
-    runs at decode even where it would not fill the GPU."""
-    monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    against eager over several calls. kernel-forced (MRV2_SKINNY_GEMM=1): the
+    fused kernel runs at every row count, even where it would not fill the
+    GPU; by-rows: the op's own rule, with prompts of 20-24 tokens too, which
+    take the three launches (norm kernel, cuBLAS, gate kernel) above 16 rows."""
+    if forced:
+        monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    else:
+        monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
     model = small_hf_llama(2, device="cuda", dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 256, (1, t), generator=g).cuda() for t in (8, 8, 8, 1, 1, 1, 1)]
     ids += [torch.randint(0, 256, (3, 1), generator=g).cuda() for _ in range(3)]
+    if not forced:
+        ids += [torch.randint(0, 256, shape, generator=g).cuda() for shape in ((1, 24), (2, 20), (1, 24))]
     calls = [lambda m, i=i: m(i, use_cache=False).logits for i in ids]
     check_against_eager(model, calls, modes=(mode,), atol=3e-2, rtol=3e-2,
                         options={"piece_compiler": "inductor", "fuse_norm_linear": True})
