@@ -42,7 +42,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import report  # noqa: E402
 
 
 
@@ -192,10 +196,7 @@ def main(argv=None) -> int:
                 + _markdown("Dispatch of an empty op (host us per call)",
                             ["grad mode", "defined with", "pure us", "mutating us"],
                             dispatch_rows(args.calls)))
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        report.print_and_write([text], args.out)
         return 0
     if args.layouts:
         where = (torch.cuda.get_device_name() if torch.cuda.is_available()
@@ -204,10 +205,7 @@ def main(argv=None) -> int:
                 + _markdown("Launchers by layout (host us per call)",
                             ["batch", "call", "layout remembered us", "layout checked us"],
                             layout_rows([int(b) for b in args.batches.split(",")], args.calls)))
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        report.print_and_write([text], args.out)
         return 0
     if args.prepare:
         rows = prepare_rows([int(b) for b in args.batches.split(",")], args.context,
@@ -232,10 +230,7 @@ def main(argv=None) -> int:
     tables.append(("One layer's eager region in PIECEWISE: the attention call (host and device us "
                    "per layer)", ["batch", "call", "host us", "device us"], rows))
     text = f"{head}\n\n" + "\n\n".join(_markdown(*t) for t in tables)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report.print_and_write([text], args.out)
     return 0
 
 
