@@ -168,7 +168,10 @@ def floor_times(row: dict, bw: float, peak: float | None) -> tuple[float, float 
 
 @torch.no_grad()
 def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
-          max_reqs: int, max_tokens: int, num_blocks: int, max_model_len: int | None = None):
+          max_reqs: int, max_tokens: int, num_blocks: int, max_model_len: int | None = None,
+          capture_context: Any = None):
+    """The variant's runner, compiled and captured; `capture_context` (a
+    context manager, e.g. bench/op_timer.OpTimer) is entered around the capture."""
     spec = VARIANTS[variant]
     if "torch._dynamo" in sys.modules:  # not imported yet: nothing to reset (startup times its import)
         torch._dynamo.reset()
@@ -214,8 +217,9 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     mem0, res0 = allocated(setup), reserved(setup)
     settle_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    runner.capture()
-    sync(setup)
+    with capture_context if capture_context is not None else contextlib.nullcontext():
+        runner.capture()
+        sync(setup)
     startup = {"model_s": model_s, "runner_s": runner_s,
                "compile_s": compile_s, "capture_s": time.perf_counter() - t0, "settle_s": settle_s,
                "pool_bytes": allocated(setup) - mem0, "pool_reserved_bytes": reserved(setup) - res0}

@@ -5,6 +5,7 @@
     python bench/host_overhead.py --prepare [--batches 1,64,256]   (any device)
     python bench/host_overhead.py --dispatch                       (any device)
     python bench/host_overhead.py --layouts [--batches 1,64]       (any device)
+    python bench/host_overhead.py --ops [--batches 8,64,128,256]   (CUDA)
 
 Each line: microseconds of host time per call (perf_counter over `--calls`
 calls, device work left queued; the device work of each call is a few
@@ -25,6 +26,11 @@ skinny GEMM and norm_linear's norm and gate kernels at llama-8B decode
 shapes, a layout seen before against a new one each call (any device; on
 the CPU the launch itself is left out: the interpreter's would dwarf the
 host work).
+
+--ops times the ops a llama-8B layer's Inductor piece calls (norm_linear,
+linear_add, through the dispatcher as the piece's code calls them) and
+torch's own calls beside them, eager and inside a CUDA graph capture: the
+host work a warm capture repeats for every graph (issue #36).
 
 --prepare times `ModelRunner.prepare_step` instead (pad a decode batch, write
 the persistent buffers and block tables, build metadata): the host work in
@@ -186,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dispatch", action="store_true", help="time an empty op's dispatch (any device)")
     ap.add_argument("--layouts", action="store_true",
                     help="time the launchers' remembered layouts (any device)")
+    ap.add_argument("--ops", action="store_true",
+                    help="time the llama-8B layer's ops, eager and under capture (CUDA)")
     ap.add_argument("--batches", default="1,64,256",
                     help="decode batches (eager region, --prepare, --layouts)")
     ap.add_argument("--prefill", type=int, default=4, help="requests of 128 tokens in the prefill row")
@@ -205,6 +213,17 @@ def main(argv=None) -> int:
                 + _markdown("Launchers by layout (host us per call)",
                             ["batch", "call", "layout remembered us", "layout checked us"],
                             layout_rows([int(b) for b in args.batches.split(",")], args.calls)))
+        report.print_and_write([text], args.out)
+        return 0
+    if args.ops:
+        if not torch.cuda.is_available():
+            ap.error("--ops needs a CUDA device")
+        batches = [int(b) for b in args.batches.split(",")]
+        text = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, llama-8B widths, bf16, "
+                f"{OPS_CALLS} calls a round (3 rounds under capture, 5 eager), median\n\n"
+                + _markdown("A layer's ops, eager (device work queued) and inside a capture "
+                            "(host us per call)", ["rows", "call", "eager us", "under capture us"],
+                            op_rows(batches)))
         report.print_and_write([text], args.out)
         return 0
     if args.prepare:
@@ -232,6 +251,72 @@ def main(argv=None) -> int:
     text = f"{head}\n\n" + "\n\n".join(_markdown(*t) for t in tables)
     report.print_and_write([text], args.out)
     return 0
+
+
+OPS_CALLS = 32
+
+
+def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
+    """--ops: host us per call of each of a llama-8B layer's projection ops
+    (packed qkv and gate_up weights, as fuse_norm_linear leaves them) at each
+    row count, eager and while a CUDA graph records."""
+    import torch.nn.functional as F
+
+    import compile_backend.kernels  # noqa: F401  (registers the ops)
+
+    dev, dt, K, inter = "cuda", torch.bfloat16, 4096, 14336
+    gen = torch.Generator(device=dev).manual_seed(36)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=gen) * 0.02
+
+    w_qkv, w_gu, w_o, w_down = rand(6144, K), rand(2 * inter, K), rand(K, K), rand(K, inter)
+    norm_w = rand(K) + 1
+    qkv, gate_up = [w_qkv[:4096], w_qkv[4096:5120], w_qkv[5120:]], [w_gu[:inter], w_gu[inter:]]
+    ops = torch.ops.mrv2
+
+    def eager_us(fn) -> float:
+        rounds = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(OPS_CALLS):
+                fn()
+            rounds.append((time.perf_counter() - t0) / OPS_CALLS * 1e6)
+        return statistics.median(rounds)
+
+    stream = torch.cuda.Stream()  # one capture stream, as a runner's (its cuBLAS workspace once)
+
+    def capture_us(fn) -> float:
+        rounds = []
+        for _ in range(3):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                t0 = time.perf_counter()
+                for _ in range(OPS_CALLS):
+                    fn()
+                rounds.append((time.perf_counter() - t0) / OPS_CALLS * 1e6)
+            del graph
+        return statistics.median(rounds)
+
+    rows = []
+    for M in batches:
+        x, x_inter, res = rand(M, K), rand(M, inter), rand(M, K)
+        calls = {
+            "norm_linear qkv": lambda: ops.norm_linear.default(x, norm_w, 1e-5, qkv, [], False),
+            "norm_linear gate_up": lambda: ops.norm_linear.default(x, norm_w, 1e-5, gate_up, [], True),
+            "linear_add o": lambda: ops.linear_add.default(x, w_o, None, res),
+            "linear_add down": lambda: ops.linear_add.default(x_inter, w_down, None, res),
+            "F.linear (qkv weight)": lambda: F.linear(x, w_qkv),
+            "torch.addmm (o weight)": lambda: torch.addmm(res, x, w_o.t()),
+            "torch.empty": lambda: torch.empty(M, K, device=dev, dtype=dt),
+        }
+        for name, fn in calls.items():
+            fn()
+            fn()  # first calls: compiles, cuBLAS's first call of the problem
+            torch.cuda.synchronize()
+            rows.append((str(M), name, f"{eager_us(fn):.1f}", f"{capture_us(fn):.1f}"))
+    return rows
 
 
 def _markdown(title: str, columns: list[str], rows: list[tuple]) -> str:

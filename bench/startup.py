@@ -133,8 +133,13 @@ def child(spec: dict) -> dict:
     blocks = max_reqs * (math.ceil((setup.context + 1) / 16) + 2) + 2  # as decode.run_decode
     with setup.scope():
         t = time.perf_counter()
+        timer = None
+        if spec.get("by_op"):
+            from op_timer import OpTimer
+
+            timer = OpTimer()
         runner, model, kv, s = build(spec["model"], f"mrv2-{spec['mode']}", setup, sizes,
-                                     max_reqs, max(sizes), blocks)
+                                     max_reqs, max(sizes), blocks, capture_context=timer)
         build_total_s = time.perf_counter() - t
         batch = decode_batch(min(spec["batch"], max_reqs), setup.context, kv, model.cfg.vocab_size)
         t = time.perf_counter()
@@ -161,6 +166,7 @@ def child(spec: dict) -> dict:
         + first_step_s,
         "settle_s": s["settle_s"],
         "capture_profile": capture_profile(runner.captures),
+        "capture_by_op": timer.rows() if timer is not None else None,
         "capture_stats": dict(getattr(runner, "capture_stats", {})),
         "first_call_phases": dict(getattr(runner.compiled, "phases", {})),
         "first_call_load_parts": dict(getattr(runner.compiled, "load_parts", {})),
@@ -375,6 +381,7 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "(calls, thread s, and the first step's wait for it at the join).",
                    ["recorded", "record s", "calls", "thread s", "join wait s"],
                    lambda r: [dash(r["capture_stats"].get(k), f) for k, f in gemms])
+    L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)
     odd = [r for r in ok if not r["first_step_finite"] or r["first_step_ran_as"] != r["mode"]]
@@ -387,6 +394,25 @@ def tables(meta: dict, rows: list[dict]) -> str:
         L += ["", f"{r['model']} {r['preset']} {r['mode']} {r['phase']} failed ({r['error']}):",
               "", "```", r.get("stderr_tail", "").rstrip(), "```"]
     return "\n".join(L) + "\n"
+
+
+def by_op_tables(ok: list[dict]) -> list[str]:
+    """--by-op: one table per row, runner.capture()'s host seconds by callee."""
+    L = []
+    for r in ok:
+        if not r.get("capture_by_op"):
+            continue
+        L += ["", f"runner.capture() by callee, {r['model']} {r['preset']} {r['mode']} "
+              f"{r['phase']} ({r['capture_s']:.2f} s, unprofiled, bench/op_timer.py): self host "
+              "seconds of each mrv2 op (the default overload, as the pieces call it), of the "
+              "loaded Inductor pieces' own code (piece: their wrappers, Inductor's launches, the "
+              "allocations they make), of the compiled step's own code (step: its split graph, the "
+              "eager pieces between graphs, attention in them) and of the rest (outside: the "
+              "runner's capture loop, warm-ups' and replays' own Python, capture_end).", ""]
+        L += table(["callee", "calls", "self s", "µs a call"], "lrrr",
+                   [[n, c or "-", f"{s:.3f}", f"{1e6 * s / c:.1f}" if c else "-"]
+                    for n, c, s in r["capture_by_op"]])
+    return L
 
 
 def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[str]:
@@ -480,6 +506,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile each child into DIR (<model>-<preset>-<mode>-<phase>.prof and "
                          "a .txt of the top functions by cumulative time)")
+    ap.add_argument("--by-op", action="store_true",
+                    help="time runner.capture() by callee, unprofiled (bench/op_timer.py): each "
+                    "mrv2 op and the loaded Inductor pieces' own code, as self seconds")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     add_dry_run(ap, flag="--smoke", help="quick CPU check (tiny, eager pieces, "
                 "graph stand-in; numbers mean nothing)")
@@ -499,6 +528,7 @@ def child_base(args, cuda: bool) -> dict:
             "sizes": sizes, "batch": min(args.batch, max(sizes)),
             "capture_warmup": args.capture_warmup, "compile_workers": args.compile_workers,
             "profile": os.path.abspath(args.profile) if args.profile else None,
+            "by_op": args.by_op,
             "context": args.context if args.context is not None else (500 if cuda else 40)}
 
 

@@ -102,7 +102,11 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
     assert ("| llama | llama8b | piecewise | warm | on_demand | piecewise | 35 | 2 | 1.50 | 0.20 "
             "| 0.60 | 0.50 | 0.20 | 42.9 |") in text
     assert "| 2.0 / 0.0 / 0.0 |" in text  # cache folders, MiB
-    assert "not as expected" not in text
+    assert "not as expected" not in text and "by callee" not in text  # no --by-op rows
+    timed = startup.tables(meta, [_startup_row("warm", capture_by_op=[
+        ["norm_linear", 4550, 0.776], ["step", 70, 0.253], ["outside", 0, 0.628]])])
+    assert "runner.capture() by callee, llama llama8b piecewise warm (1.50 s" in timed
+    assert "| norm_linear | 4550 | 0.776 | 170.5 |" in timed and "| outside | - | 0.628 | - |" in timed
     odd = startup.tables(meta, [_startup_row("cold", first_step_ran_as="none")])
     assert "First step not as expected" in odd and "ran as none" in odd
 

@@ -1,0 +1,97 @@
+"""Host seconds of a region by callee, unprofiled: each custom op of a
+namespace (its default overload, as Inductor's generated code and the split
+graph call it) and each loaded Inductor piece, timed with perf_counter and
+kept as self time (a piece's figure leaves out the ops it called).
+
+    with OpTimer() as t:
+        runner.capture()
+    t.rows()  # [(name, calls, self s)], biggest first
+    # "piece": the loaded Inductor pieces' own code; "step": the compiled
+    # step's own (its split graph, the eager pieces between graphs)
+
+For measurement only (bench/startup.py --by-op): it swaps the packets'
+`default` attributes and the loaded pieces' `__call__` while active, and
+puts them back after. Costs about 1 µs a timed call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+
+class _Timed:
+    """An op overload whose calls are timed; everything else (its name,
+    schema, what a dispatch mode asks of it) is the overload's."""
+
+    def __init__(self, overload: Any, timed: Callable[..., Any]) -> None:
+        self._overload, self._call = overload, timed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._overload, name)
+
+
+class OpTimer:
+    def __init__(self, namespaces: tuple[str, ...] = ("mrv2",)) -> None:
+        self.namespaces = namespaces
+        self.calls: dict[str, int] = {}
+        self.self_s: dict[str, float] = {}
+        self.total_s = 0.0
+        self._stack: list[float] = []  # children's seconds of each open call
+        self._undo: list[Callable[[], None]] = []
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        stack, calls, self_s = self._stack, self.calls, self.self_s
+        clock = time.perf_counter
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            stack.append(0.0)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = clock() - t0
+                children = stack.pop()
+                if stack:
+                    stack[-1] += took
+                calls[name] = calls.get(name, 0) + 1
+                self_s[name] = self_s.get(name, 0.0) + took - children
+        return call
+
+    def __enter__(self) -> "OpTimer":
+        for qualname in torch._C._dispatch_get_all_op_names():
+            ns, _, rest = qualname.partition("::")
+            if ns not in self.namespaces or "." in rest:
+                continue
+            packet = getattr(getattr(torch.ops, ns), rest)
+            overload = packet.default
+            packet.default = _Timed(overload, self._timed(rest, overload))
+            self._undo.append(lambda p=packet, o=overload: setattr(p, "default", o))
+        from compile_backend.compile.compiled_step import CompiledStep
+        from compile_backend.compile.step_artifacts import _Loaded
+
+        for cls, name in ((_Loaded, "piece"), (CompiledStep, "step")):
+            original = cls.__call__
+            timed = self._timed(name, original)
+            cls.__call__ = lambda obj, *args, _t=timed: _t(obj, *args)
+            self._undo.append(lambda c=cls, o=original: setattr(c, "__call__", o))
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.total_s = time.perf_counter() - self._t0
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def rows(self) -> list[tuple[str, int, float]]:
+        """(callee, calls, self seconds), biggest first, then "outside":
+        the region's seconds that no timed callee holds."""
+        rows = sorted(((n, self.calls[n], self.self_s[n]) for n in self.calls),
+                      key=lambda r: -r[2])
+        return rows + [("outside", 0, self.total_s - sum(r[2] for r in rows))]

@@ -1,0 +1,38 @@
+"""bench/op_timer.py (startup.py --by-op): the ops a region calls are counted
+with their self time (a caller's figure leaves out its timed callees), and
+everything it swapped is back after the region."""
+
+import torch
+
+from bench_scripts import load_bench_script
+
+
+def test_op_timer_counts_self_time_and_puts_the_ops_back(monkeypatch):
+    op_timer = load_bench_script("op_timer", monkeypatch)
+    import compile_backend.kernels  # noqa: F401  (registers mrv2's ops)
+    from compile_backend.compile.compiled_step import CompiledStep
+    from compile_backend.compile.step_artifacts import _Loaded
+
+    packet = torch.ops.mrv2.linear_add
+    overload, piece_call, step_call = packet.default, _Loaded.__call__, CompiledStep.__call__
+    gen = torch.Generator().manual_seed(36)
+    x, w, res = (torch.randn(*s, generator=gen) for s in ((3, 8), (5, 8), (3, 5)))
+    with op_timer.OpTimer() as timer:
+        out = torch.ops.mrv2.linear_add.default(x, w, None, res)
+        torch.ops.mrv2.linear_add.default(x, w, None, res)
+    torch.testing.assert_close(out, res + x @ w.T)  # the timed call is the op's
+    rows = {name: (calls, s) for name, calls, s in timer.rows()}
+    assert rows["linear_add"][0] == 2 and rows["linear_add"][1] > 0
+    assert abs(sum(s for _, s in rows.values()) - timer.total_s) < 1e-9  # outside: the rest
+    assert packet.default is overload  # swapped back
+    assert _Loaded.__call__ is piece_call and CompiledStep.__call__ is step_call
+
+
+def test_nested_calls_count_only_their_own_time(monkeypatch):
+    op_timer = load_bench_script("op_timer", monkeypatch)
+    timer = op_timer.OpTimer()
+    inner = timer._timed("inner", lambda: sum(range(20000)))
+    outer = timer._timed("outer", lambda: inner() + inner())
+    outer()
+    assert timer.calls == {"inner": 2, "outer": 1}
+    assert 0 < timer.self_s["outer"] and 0 < timer.self_s["inner"]
