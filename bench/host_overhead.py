@@ -263,6 +263,11 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
     import torch.nn.functional as F
 
     import compile_backend.kernels  # noqa: F401  (registers the ops)
+    # the modules (the package exports functions of the same names)
+    nl = sys.modules["compile_backend.kernels.norm_linear"]
+    sk = sys.modules["compile_backend.kernels.skinny_linear"]
+    from compile_backend.kernels.rms_norm import rms_norm
+    from compile_backend.kernels.silu_mul import silu_mul
 
     dev, dt, K, inter = "cuda", torch.bfloat16, 4096, 14336
     gen = torch.Generator(device=dev).manual_seed(36)
@@ -301,7 +306,7 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
 
     rows = []
     for M in batches:
-        x, x_inter, res = rand(M, K), rand(M, inter), rand(M, K)
+        x, x_inter, res, y_gu = rand(M, K), rand(M, inter), rand(M, K), rand(M, 2 * inter)
         calls = {
             "norm_linear qkv": lambda: ops.norm_linear.default(x, norm_w, 1e-5, qkv, [], False),
             "norm_linear gate_up": lambda: ops.norm_linear.default(x, norm_w, 1e-5, gate_up, [], True),
@@ -310,6 +315,19 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
             "F.linear (qkv weight)": lambda: F.linear(x, w_qkv),
             "torch.addmm (o weight)": lambda: torch.addmm(res, x, w_o.t()),
             "torch.empty": lambda: torch.empty(M, K, device=dev, dtype=dt),
+            # norm_linear gate_up's parts, each alone (which of them the op's Python is)
+            "  its checks (_check)": lambda: nl._check(x, norm_w, 1e-5, gate_up, [], True),
+            "  its packed view": lambda: nl.packed_weight_and_bias(gate_up, []),
+            "  its kernel-or-cuBLAS rule": lambda: nl.skinny_pays(x, w_gu, True, norm=True),
+            "  rms_norm": lambda: rms_norm(x, norm_w, 1e-5),
+            "  F.linear (gate_up weight)": lambda: F.linear(x, w_gu),
+            "  silu_mul": lambda: silu_mul(y_gu),
+            # linear_add o's parts
+            "  linear_add's checks": lambda: sk._check_linear_add(x, w_o, None, res),
+            "  linear_add's rule": lambda: sk.skinny_pays(x, w_o),
+            "  linear_add's launch or addmm": (
+                (lambda: sk.skinny_linear(x, w_o, None, res)) if sk.skinny_pays(x, w_o)
+                else (lambda: sk.linear_add_ref(x, w_o, None, res))),
         }
         for name, fn in calls.items():
             fn()

@@ -16,12 +16,11 @@ launches by their arguments' layout (Note [checked layouts] below). Note
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable
 
 import torch
 
-from ._device import PDL_ENV
+from ._device import PDL_ENV, env
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +221,8 @@ class LayoutMemo:
         """`parts` (a layout and scalars) with what else a launch depends on:
         the current CUDA device, and the switches read when it was derived
         (the interpreter, MRV2_PDL)."""
-        env = os.environ
         return (current_device() if device.type == "cuda" else -1,
-                env.get("TRITON_INTERPRET"), env.get(PDL_ENV), parts)
+                env("TRITON_INTERPRET"), env(PDL_ENV), parts)
 
     def entry(self, device: torch.device, parts: tuple | None,
               make: Callable[[], Any]) -> tuple[Any, bool]:

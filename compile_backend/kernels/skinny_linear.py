@@ -16,7 +16,7 @@ overrides; 65-512 rows only with MRV2_WIDE_GEMM=1). Note [skinny GEMMs],
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ from compile_backend.core.counters import counters
 from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
-from ._device import cdiv, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots
+from ._device import (cdiv, env, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait, sm_count,
+                      upcast_dots)
 from ._launch import Launch, LayoutMemo, launch_here, layout
 
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
@@ -246,13 +247,21 @@ def skinny_fills(M: int, N: int, K: int, num_sms: int, gated: bool = False,
     the gate inside, only up to FUSED_ROWS rows.
     `MRV2_SKINNY_GEMM=0/1` overrides the rule. Above MAX_ROWS rows (Note
     [wide rows]): only where MRV2_WIDE_GEMM=1 (and MRV2_SKINNY_GEMM is not 0)."""
-    choice = os.environ.get(SKINNY_ENV, "")
+    choice = env(SKINNY_ENV)
     if M > MAX_ROWS:
-        return choice != "0" and os.environ.get(WIDE_ENV, "") == "1"
+        return choice != "0" and env(WIDE_ENV) == "1"
     if choice in ("0", "1"):
         return choice == "1"
     if (gated or norm) and M > FUSED_ROWS:
         return False
+    return _grid_fills(M, N, K, num_sms, gated, norm, interpreting())
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_fills(M: int, N: int, K: int, num_sms: int, gated: bool, norm: bool,
+                interpreter: bool) -> bool:
+    """skinny_fills' rule without the switches (a function of its arguments
+    and the config tables: kept, as every layer of a step asks again)."""
     n_out = N // 2 if gated else N
     cfg = skinny_config(M, N, K, gated=gated, norm=norm)
     programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated else cfg.get("SPLIT_K", 1))

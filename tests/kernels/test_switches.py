@@ -1,0 +1,70 @@
+"""The environment switches a launch reads at every call (TRITON_INTERPRET,
+MRV2_PDL, MRV2_SKINNY_GEMM, MRV2_WIDE_GEMM) are read through `_device.env`,
+which skips os.environ's own lookup: it must see every change os.environ
+sees, between any two calls, and the kernel-or-cuBLAS rule's kept part must
+not hide a switch flipped after it was kept."""
+
+import os
+
+import pytest
+import torch
+
+from compile_backend.kernels._device import env
+from compile_backend.kernels._launch import LayoutMemo
+from compile_backend.kernels.skinny_linear import skinny_fills
+
+NAME = "MRV2_TEST_SWITCH"
+
+
+def test_env_sees_every_write_os_environ_sees(monkeypatch):
+    monkeypatch.delenv(NAME, raising=False)
+    assert env(NAME) == "" and env(NAME, "0") == "0" and env(NAME, None) is None
+    monkeypatch.setenv(NAME, "1")
+    assert env(NAME) == "1" == os.environ.get(NAME)
+    os.environ[NAME] = "wörd"  # non-ASCII values round-trip as os.environ gives them
+    assert env(NAME) == os.environ[NAME] == "wörd"
+    del os.environ[NAME]
+    assert env(NAME, "gone") == "gone"
+    os.environ.update({NAME: "0"})
+    assert env(NAME) == "0"
+    os.environ.pop(NAME)
+    assert env(NAME) == ""
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_the_kept_rule_still_follows_the_skinny_switch(rows, monkeypatch):
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    sms = 132
+    by_rule = skinny_fills(rows, 4096, 4096, sms)
+    assert skinny_fills(rows, 4096, 4096, sms) == by_rule  # kept: the same answer
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
+    assert skinny_fills(rows, 4096, 4096, sms) is False
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    assert skinny_fills(rows, 4096, 4096, sms) is True
+    monkeypatch.delenv("MRV2_SKINNY_GEMM")
+    assert skinny_fills(rows, 4096, 4096, sms) == by_rule
+
+
+def test_wide_rows_follow_their_switch(monkeypatch):
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    monkeypatch.delenv("MRV2_WIDE_GEMM", raising=False)
+    assert skinny_fills(128, 4096, 4096, 132) is False
+    monkeypatch.setenv("MRV2_WIDE_GEMM", "1")
+    assert skinny_fills(128, 4096, 4096, 132) is True
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "0")
+    assert skinny_fills(128, 4096, 4096, 132) is False
+
+
+def test_a_remembered_layout_is_keyed_by_the_switches_of_its_launch(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MRV2_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    plain = LayoutMemo.key(cpu, ("layout",))
+    monkeypatch.setenv("MRV2_PDL", "0")
+    no_pdl = LayoutMemo.key(cpu, ("layout",))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = LayoutMemo.key(cpu, ("layout",))
+    assert len({plain, no_pdl, interpreted}) == 3
+    monkeypatch.delenv("MRV2_PDL")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert LayoutMemo.key(cpu, ("layout",)) == plain
