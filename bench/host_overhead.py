@@ -219,8 +219,11 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             ap.error("--ops needs a CUDA device")
         batches = [int(b) for b in args.batches.split(",")]
+        from timing import host_speed
+
         text = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, llama-8B widths, bf16, "
-                f"{OPS_CALLS} calls a round (3 rounds under capture, 5 eager), median\n\n"
+                f"{OPS_CALLS} calls a round (3 rounds under capture, 5 eager), median; host speed "
+                f"(bench/timing.host_speed): {host_speed().text()}\n\n"
                 + _markdown("A layer's ops, eager (device work queued) and inside a capture "
                             "(host us per call)", ["rows", "call", "eager us", "under capture us"],
                             op_rows(batches)))

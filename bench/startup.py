@@ -33,6 +33,7 @@ _T0 = time.perf_counter()
 _WALL0 = time.time()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -50,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (decode
 from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
 from report import (  # noqa: E402
     add_dry_run, add_out, comma_list, command_line, dash, heading, table, utc_now, write_md_and_json)
+from timing import host_speed  # noqa: E402
 from workload import decode_batch  # noqa: E402
 from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
@@ -167,6 +169,7 @@ def child(spec: dict) -> dict:
         "settle_s": s["settle_s"],
         "capture_profile": capture_profile(runner.captures),
         "capture_by_op": timer.rows() if timer is not None else None,
+        "host_speed": dataclasses.asdict(host_speed()),
         "capture_stats": dict(getattr(runner, "capture_stats", {})),
         "first_call_phases": dict(getattr(runner.compiled, "phases", {})),
         "first_call_load_parts": dict(getattr(runner.compiled, "load_parts", {})),
@@ -381,6 +384,13 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "(calls, thread s, and the first step's wait for it at the join).",
                    ["recorded", "record s", "calls", "thread s", "join wait s"],
                    lambda r: [dash(r["capture_stats"].get(k), f) for k, f in gemms])
+    L += run_table([r for r in ok if r.get("host_speed")],
+                   "The host's speed in each process, after its first step (bench/timing.host_speed: "
+                   "a fixed pure-Python loop, and torch's dispatch of a small CPU op). Hosts of one "
+                   "kind differ by up to 2x; the host-bound figures above (load, capture) move with "
+                   "them.", ["Python µs", "dispatch µs"],
+                   lambda r: [f"{r['host_speed']['python_us']:.0f}",
+                              f"{r['host_speed']['dispatch_us']:.2f}"])
     L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)

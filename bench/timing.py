@@ -10,6 +10,10 @@ bench/skinny_gemm.py, bench/decode.py), so that none imports another.
                                + written), in rounds: a Bandwidth, its median
                                and its spread (min-max) over the rounds
     kernel_profile, kernel_table   the kernels of one call (torch.profiler)
+    host_speed()               the host's speed at Python and at torch's
+                               dispatch (fixed work, µs): hosts of one kind
+                               differ by up to 2x, and host-bound figures
+                               (capture, load) move with them
 """
 
 from __future__ import annotations
@@ -103,6 +107,46 @@ def copy_bandwidth(rounds: int = 5, copies: int = 20, device: str = "cuda") -> B
                     for _ in range(rounds))
     del src, dst
     return Bandwidth(samples)
+
+
+@dataclasses.dataclass
+class HostSpeed:
+    python_us: float  # µs of a fixed pure-Python loop (median of rounds)
+    dispatch_us: float  # µs a call of torch.empty_like on a small CPU tensor (median of rounds)
+
+    def text(self) -> str:
+        return f"Python {self.python_us:.0f} µs, torch dispatch {self.dispatch_us:.2f} µs a call"
+
+
+def host_speed(rounds: int = 15) -> HostSpeed:
+    """How fast this host runs the kind of work a capture or a load is
+    made of: a fixed pure-Python loop (dicts, tuples, attribute reads, calls)
+    and torch's dispatch of a small CPU op. Figures from hosts with other
+    speeds compare only through these."""
+
+    class Box:
+        def __init__(self, v):
+            self.v = v
+
+    def python_work() -> int:
+        total, seen = 0, {}
+        for i in range(2000):
+            key = (i & 63, i % 7)
+            seen[key] = Box(i)
+            total += seen[key].v + len(key)
+        return total
+
+    small = torch.empty(4)
+    python, dispatch = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        python_work()
+        python.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            torch.empty_like(small)
+        dispatch.append((time.perf_counter() - t0) / 200 * 1e6)
+    return HostSpeed(statistics.median(python), statistics.median(dispatch))
 
 
 def kernel_profile(fn: Callable[[], object]) -> list[tuple[str, int, float]]:

@@ -107,6 +107,10 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
         ["norm_linear", 4550, 0.776], ["step", 70, 0.253], ["outside", 0, 0.628]])])
     assert "runner.capture() by callee, llama llama8b piecewise warm (1.50 s" in timed
     assert "| norm_linear | 4550 | 0.776 | 170.5 |" in timed and "| outside | - | 0.628 | - |" in timed
+    fast = startup.tables(meta, [_startup_row("warm", host_speed={"python_us": 590.4,
+                                                                   "dispatch_us": 0.764})])
+    assert "| llama | llama8b | piecewise | warm | 590 | 0.76 |" in fast
+    assert "The host's speed" not in text  # rows without it (older runs): no table
     odd = startup.tables(meta, [_startup_row("cold", first_step_ran_as="none")])
     assert "First step not as expected" in odd and "ran as none" in odd
 
