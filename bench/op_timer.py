@@ -7,7 +7,9 @@ kept as self time (a piece's figure leaves out the ops it called).
         runner.capture()
     t.rows()  # [(name, calls, self s)], biggest first
     # "piece": the loaded Inductor pieces' own code; "step": the compiled
-    # step's own (its split graph, the eager pieces between graphs)
+    # step's own (its split graph, the eager pieces between graphs);
+    # "replay": a CUDA graph's replay call; "capture inputs": the runner's
+    # inputs and metadata for each graph of the plan
 
 For measurement only (bench/startup.py --by-op): it swaps the packets'
 `default` attributes and the loaded pieces' `__call__` while active, and
@@ -74,14 +76,23 @@ class OpTimer:
             self._undo.append(lambda p=packet, o=overload: setattr(p, "default", o))
         from compile_backend.compile.compiled_step import CompiledStep
         from compile_backend.compile.step_artifacts import _Loaded
+        from compile_backend.runner import model_runner
+        from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
 
-        for cls, name in ((_Loaded, "piece"), (CompiledStep, "step")):
-            original = cls.__call__
-            timed = self._timed(name, original)
-            cls.__call__ = lambda obj, *args, _t=timed: _t(obj, *args)
-            self._undo.append(lambda c=cls, o=original: setattr(c, "__call__", o))
+        for owner, attr, name in ((_Loaded, "__call__", "piece"), (CompiledStep, "__call__", "step"),
+                                  (CUDAGraphWrapper, "_replay", "replay"),
+                                  (model_runner, "prepare_inputs_to_capture", "capture inputs")):
+            self._swap(owner, attr, name)
         self._t0 = time.perf_counter()
         return self
+
+    def _swap(self, owner: Any, attr: str, name: str) -> None:
+        """Time `owner.attr` (a class's method or a module's function) as `name`."""
+        original = owner.__dict__[attr]
+        timed = self._timed(name, original)
+        setattr(owner, attr, (lambda obj, *args, _t=timed: _t(obj, *args)) if isinstance(owner, type)
+                else timed)
+        self._undo.append(lambda: setattr(owner, attr, original))
 
     def __exit__(self, *exc: Any) -> None:
         self.total_s = time.perf_counter() - self._t0

@@ -417,8 +417,10 @@ def by_op_tables(ok: list[dict]) -> list[str]:
               "seconds of each mrv2 op (the default overload, as the pieces call it), of the "
               "loaded Inductor pieces' own code (piece: their wrappers, Inductor's launches, the "
               "allocations they make), of the compiled step's own code (step: its split graph, the "
-              "eager pieces between graphs, attention in them) and of the rest (outside: the "
-              "runner's capture loop, warm-ups' and replays' own Python, capture_end).", ""]
+              "eager pieces between graphs, attention in them), of the replay after each capture "
+              "(replay), of each graph's inputs and metadata (capture inputs) and of the rest "
+              "(outside: the runner's capture loop, capture_begin and capture_end, the "
+              "wrappers' own Python).", ""]
         L += table(["callee", "calls", "self s", "µs a call"], "lrrr",
                    [[n, c or "-", f"{s:.3f}", f"{1e6 * s / c:.1f}" if c else "-"]
                     for n, c, s in r["capture_by_op"]])

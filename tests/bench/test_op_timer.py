@@ -12,9 +12,12 @@ def test_op_timer_counts_self_time_and_puts_the_ops_back(monkeypatch):
     import compile_backend.kernels  # noqa: F401  (registers mrv2's ops)
     from compile_backend.compile.compiled_step import CompiledStep
     from compile_backend.compile.step_artifacts import _Loaded
+    from compile_backend.runner import model_runner
+    from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
 
     packet = torch.ops.mrv2.linear_add
     overload, piece_call, step_call = packet.default, _Loaded.__call__, CompiledStep.__call__
+    replay, inputs = CUDAGraphWrapper._replay, model_runner.prepare_inputs_to_capture
     gen = torch.Generator().manual_seed(36)
     x, w, res = (torch.randn(*s, generator=gen) for s in ((3, 8), (5, 8), (3, 5)))
     with op_timer.OpTimer() as timer:
@@ -26,6 +29,7 @@ def test_op_timer_counts_self_time_and_puts_the_ops_back(monkeypatch):
     assert abs(sum(s for _, s in rows.values()) - timer.total_s) < 1e-9  # outside: the rest
     assert packet.default is overload  # swapped back
     assert _Loaded.__call__ is piece_call and CompiledStep.__call__ is step_call
+    assert CUDAGraphWrapper._replay is replay and model_runner.prepare_inputs_to_capture is inputs
 
 
 def test_nested_calls_count_only_their_own_time(monkeypatch):
