@@ -31,7 +31,7 @@ def env(name: str, default: str = "") -> str:
     if type(data) is not dict:
         return os.environ.get(name, default)
     value = data.get(name.encode())
-    return default if value is None else value.decode()
+    return default if value is None else os.fsdecode(value)  # as os.environ decodes
 
 
 def interpreting() -> bool:

@@ -23,6 +23,8 @@ def test_env_sees_every_write_os_environ_sees(monkeypatch):
     assert env(NAME) == "1" == os.environ.get(NAME)
     os.environ[NAME] = "wörd"  # non-ASCII values round-trip as os.environ gives them
     assert env(NAME) == os.environ[NAME] == "wörd"
+    os.environ[NAME] = os.fsdecode(b"\xff\xfe")  # not UTF-8: decoded as os.environ does
+    assert env(NAME) == os.environ[NAME]
     del os.environ[NAME]
     assert env(NAME, "gone") == "gone"
     os.environ.update({NAME: "0"})
