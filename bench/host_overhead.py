@@ -283,16 +283,6 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
     qkv, gate_up = [w_qkv[:4096], w_qkv[4096:5120], w_qkv[5120:]], [w_gu[:inter], w_gu[inter:]]
     ops = torch.ops.mrv2
 
-    def eager_us(fn) -> float:
-        rounds = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(OPS_CALLS):
-                fn()
-            rounds.append((time.perf_counter() - t0) / OPS_CALLS * 1e6)
-        return statistics.median(rounds)
-
     stream = torch.cuda.Stream()  # one capture stream, as a runner's (its cuBLAS workspace once)
 
     def capture_us(fn) -> float:
@@ -336,7 +326,7 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
             fn()
             fn()  # first calls: compiles, cuBLAS's first call of the problem
             torch.cuda.synchronize()
-            rows.append((str(M), name, f"{eager_us(fn):.1f}", f"{capture_us(fn):.1f}"))
+            rows.append((str(M), name, f"{per_call_us(fn, OPS_CALLS):.1f}", f"{capture_us(fn):.1f}"))
     return rows
 
 

@@ -23,7 +23,7 @@ from compile_backend.core.op_registry import register_op
 
 from .rms_norm import rms_norm, rms_norm_ref
 from .sibling_linear import packed_weight_and_bias, sibling_linear_ref
-from .silu_mul import silu_mul
+from .silu_mul import silu_mul, silu_mul_ref
 from .skinny_linear import SKINNY_DTYPES, check_norm_weight, skinny_linear, skinny_pays
 
 
@@ -33,10 +33,7 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: floa
     """Plain torch, op by op as eager runs it (module docstring)."""
     h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
     y = sibling_linear_ref(h, weights, biases)
-    if gated:
-        g, u = y.chunk(2, dim=-1)
-        y = F.silu(g) * u
-    return y
+    return silu_mul_ref(y) if gated else y
 
 
 def out_features(weights: list[torch.Tensor], gated: bool) -> int:
