@@ -162,8 +162,9 @@ def child(spec: dict) -> dict:
         # What mrv2 costs a start: its import, the runner, the compile (or
         # the load), the capture and the first step; not the interpreter,
         # torch, CUDA's context, the weights or the bench's own settling
-        # between compile and capture (a full gc.collect, empty_cache: for
-        # its memory readings; no user pays it).
+        # before the build and between compile and capture (full
+        # gc.collects, empty_cache: for its memory readings, and for the
+        # variants the decode bench builds one after another; no user pays it).
         "mrv2_share_s": (_T_IMPORTED - _T_TORCH) + (build_total_s - s["model_s"] - s["settle_s"])
         + first_step_s,
         "settle_s": s["settle_s"],

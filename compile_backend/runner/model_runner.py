@@ -29,6 +29,7 @@ from compile_backend.compile.guard_free import GuardFreeModel
 from compile_backend.runner.capture import prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
+from compile_backend.core.frozen_gc import frozen_gc
 from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
@@ -190,15 +191,20 @@ class ModelRunner:
         if getattr(self.compiled, "ready", False):  # compiled: no Dynamo from here on
             with torch.no_grad():
                 return self.compiled(input_ids, positions)
-        mark_token_dim(input_ids)
-        mark_token_dim(positions)
-        # The first step's Triton kernels are recorded (not every step of the
+        # The first step imports Dynamo (mark_token_dim) and compiles or loads:
+        # the collector stays frozen for all of it (core/frozen_gc.py), or
+        # Dynamo's import alone sets off full collections over every object of
+        # the process (two, 0.23 s, in a warm start of the tiny model on the
+        # CPU machine). Its Triton kernels are recorded (not every step of the
         # guarded fallback, which comes here at every call).
-        recording = (self._precompiler.active()
-                     if self._precompiler is not None and not self._stepped
-                     else contextlib.nullcontext())
-        with symbolic_tokens(), torch.no_grad(), recording:  # a runner serves inference only
-            out = self.compiled(input_ids, positions)
+        first = not self._stepped
+        with frozen_gc() if first else contextlib.nullcontext():
+            mark_token_dim(input_ids)
+            mark_token_dim(positions)
+            recording = (self._precompiler.active() if self._precompiler is not None and first
+                         else contextlib.nullcontext())
+            with symbolic_tokens(), torch.no_grad(), recording:  # a runner serves inference only
+                out = self.compiled(input_ids, positions)
         self._stepped = True  # compiled or loaded
         return out
 

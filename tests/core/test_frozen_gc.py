@@ -42,3 +42,49 @@ def test_a_callers_freeze_stays():
     finally:
         gc.unfreeze()
     assert _collected(keep)
+
+
+def _collections_by_generation(fn) -> list[int]:
+    """How many collections of each generation start while `fn` runs."""
+    seen = [0, 0, 0]
+
+    def count(phase, info):
+        if phase == "start":
+            seen[info["generation"]] += 1
+
+    gc.callbacks.append(count)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(count)
+    return seen
+
+
+def _churn():
+    """Objects that live past young collections, as an import's do: more than
+    a quarter of what the collector tracks, which sets off a full collection
+    (CPython's rule), as young collections promote them."""
+    kept = [[] for _ in range(len(gc.get_objects()) // 2 + 100_000)]
+    del kept
+
+
+def test_no_full_collection_starts_by_itself_inside_and_thresholds_come_back():
+    before = gc.get_threshold()
+    outside = _collections_by_generation(_churn)
+    assert outside[2] > 0  # without the scope, the churn sets off full collections
+
+    def inside():
+        with frozen_gc():
+            assert gc.get_threshold()[:2] == before[:2]
+            _churn()
+    seen = _collections_by_generation(inside)
+    assert seen[2] == 0 and seen[0] > 0, seen  # young ones go on
+    assert gc.get_threshold() == before
+
+    def explicit():
+        with frozen_gc():
+            gc.collect()
+    assert _collections_by_generation(explicit)[2] == 1  # gc.collect() still collects
+    with pytest.raises(RuntimeError), frozen_gc():
+        raise RuntimeError("inside")
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
