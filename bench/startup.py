@@ -52,7 +52,7 @@ from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
 from report import (  # noqa: E402
     add_dry_run, add_out, comma_list, command_line, dash, heading, table, utc_now, write_md_and_json)
 from timing import host_speed  # noqa: E402
-from workload import decode_batch  # noqa: E402
+from workload import config_options, decode_batch  # noqa: E402
 from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
 
@@ -123,6 +123,7 @@ def child(spec: dict) -> dict:
                   context=spec["context"], graphs=None if cuda else StandInGraphs(),
                   options={"capture_warmup": spec.get("capture_warmup", "on_demand"),
                            "compile_workers": spec.get("compile_workers"),
+                           **spec.get("config", {}),
                            # warm-nogemms: a warm start that leaves the saved GEMM list unused
                            "warm_gemms": spec.get("phase") != "warm-nogemms"})
     t = time.perf_counter()
@@ -516,6 +517,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="CompilationConfig.compile_workers (default: its own, one per two cores "
                     "beside the process's, at most 3; 0: Inductor's pieces one after another)")
+    ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="more CompilationConfig fields for every child, as bench/decode.py's")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile each child into DIR (<model>-<preset>-<mode>-<phase>.prof and "
                          "a .txt of the top functions by cumulative time)")
@@ -540,6 +543,7 @@ def child_base(args, cuda: bool) -> dict:
             "piece_compiler": args.piece_compiler or ("inductor" if cuda else "eager"),
             "sizes": sizes, "batch": min(args.batch, max(sizes)),
             "capture_warmup": args.capture_warmup, "compile_workers": args.compile_workers,
+            "config": args.config_options,
             "profile": os.path.abspath(args.profile) if args.profile else None,
             "by_op": args.by_op,
             "context": args.context if args.context is not None else (500 if cuda else 40)}
@@ -610,6 +614,7 @@ def main(argv=None) -> int:
                  f"warm_gemms=False), each any number of times; not {args.phases}")
     if args.smoke and not args.preset:
         models, presets = ["llama"], ["tiny"]
+    args.config_options = config_options(ap, args.config)
     base = child_base(args, cuda)
     meta = startup_meta(argv, base)
     rows: list[dict] = []

@@ -187,7 +187,14 @@ class Mrv2Backend:
         fixed_shape_inputs = {FULL_GRAPH: _fixed_shapes(placeholders),
                               **{name: _fixed_shapes(calls[name].args) for name in captured}}
         fns, written = compile_pieces(split_gm, pieces, example_inputs, config.piece_compiler,
-                                      serializable=config.serializable, workers=workers)
+                                      serializable=config.serializable, workers=workers,
+                                      min_fusible=config.inductor_min_fusible_ops)
+        as_traced = [p.name for p in pieces if p.captured and p.compiled_with != config.piece_compiler]
+        if as_traced:
+            logger.info("mrv2: %d of %d captured pieces run as traced, without Inductor: each "
+                        "holds fewer than %d ops it could fuse (inductor_min_fusible_ops)",
+                        len(as_traced), sum(p.captured for p in pieces),
+                        config.inductor_min_fusible_ops)
         step = CompiledStep(
             config=config,
             roles=roles,

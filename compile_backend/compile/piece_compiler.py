@@ -1,5 +1,8 @@
 """Compile each piece of a split graph: Inductor (default) or eager.
 
+With Inductor, a piece holding fewer ops it could fuse than
+`inductor_min_fusible_ops` runs as traced instead (compile/fusible.py).
+
 The token dimension is symbolic, so one compile per distinct piece serves all
 batch sizes. Identical pieces (same code, same symbolic input specs: the
 transformer layers of a model) share one compiled artifact: with Dynamo's
@@ -24,6 +27,7 @@ from compile_backend.core.progress import progress
 from compile_backend.compile.layer_sharing import (AsLayer, assume_for, assumed_since,
                                                   layer_alias_for, piece_key, piece_symbols,
                                                   shape_env_mark)
+from compile_backend.compile.fusible import fusible_ops
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 from compile_backend.compile.worker_compile import loaded_from_worker, send_to_worker
@@ -79,10 +83,11 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
     (compile/compile_workers.py); `decide` then picks every piece's callable
     in order."""
 
-    def __init__(self, split_gm, pieces, compiler, serializable, workers, bar):
+    def __init__(self, split_gm, pieces, compiler, serializable, workers, bar, min_fusible):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.compiler = compiler
+        self.min_fusible = min_fusible
         self.serializable = serializable
         self.workers = workers
         self.bar = bar
@@ -100,22 +105,27 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         if not piece.captured:
             self.compiled[target] = submod  # breakpoints (and capture fallbacks) run eagerly
             return out
+        piece.fusible_ops = fusible_ops(submod)
+        piece.compiled_with = self.compiler
+        if self.compiler == "inductor" and len(piece.fusible_ops) < self.min_fusible:
+            piece.compiled_with = "eager"  # the same launches without Inductor (fusible.py)
+            counters["pieces_without_inductor"] += 1
         key, names = piece_key(submod, args)
         self.met.append(_Met(piece, submod, tuple(args), key, names))
         sent_as = key or piece.name
         # A collective compiles here: a worker has no process group to resolve its group by.
-        if (self.workers is not None and self.compiler == "inductor" and not piece.collectives
+        if (self.workers is not None and piece.compiled_with == "inductor" and not piece.collectives
                 and sent_as not in self.sent):
             # None: it could not be sent, compiled here (the others of its key are not tried)
             self.sent[sent_as] = send_to_worker(self.workers, submod, args,
-                                                self._here(submod, args))
+                                                self._here(piece, submod, args))
         return out
 
-    def _here(self, submod, args):
+    def _here(self, piece, submod, args):
         """This process's compile of a piece, and what it assumed of its symbols."""
         def compile_here():
             mark = shape_env_mark(args)
-            fn = compile_piece(submod, args, self.compiler, self.serializable)
+            fn = compile_piece(submod, args, piece.compiled_with, self.serializable)
             return fn, assumed_since(mark, piece_symbols(args))
         return compile_here
 
@@ -170,7 +180,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
                 logger.warning("mrv2: piece %s compiled in a worker assumed %s of its sizes, "
                                "which does not hold here; compiling it here", met.piece.name,
                                assumed)
-        return self._here(met.submod, met.args)()
+        return self._here(met.piece, met.submod, met.args)()
 
 
 def compile_pieces(
@@ -180,13 +190,16 @@ def compile_pieces(
     compiler: str,
     serializable: bool = False,
     workers: Any = None,
+    min_fusible: int = 0,
 ) -> tuple[dict[str, Callable[..., Any]], frozenset[int]]:
     """Compile every piece of `split_gm` (each piece's `written_inputs`,
     `compiled_as` and `layer_alias` set on the way); returns the callables by
     piece name and the indices of `split_gm`'s inputs the whole graph writes.
     `serializable`: Inductor pieces as artifacts that can be saved.
     `workers`: CompileWorkers that compile distinct Inductor pieces in
-    parallel with each other and with this process (None: one by one here)."""
+    parallel with each other and with this process (None: one by one here).
+    `min_fusible`: with Inductor, a piece with fewer ops it could fuse runs
+    as traced (each piece's `compiled_with` says which)."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
     # The fake mode Dynamo traced with (its symbolic shapes live in it).
@@ -200,7 +213,8 @@ def compile_pieces(
         fake_args.append(val)
     with progress(f"compiling pieces ({compiler})", total=sum(p.captured for p in pieces),
                   unit="piece") as bar:
-        interp = _PieceCompileInterpreter(split_gm, pieces, compiler, serializable, workers, bar)
+        interp = _PieceCompileInterpreter(split_gm, pieces, compiler, serializable, workers, bar,
+                                          min_fusible)
         before = versions(fake_args)
         # As Dynamo traced: ops' symbolic-shape rules (F.pad's constant_pad_nd,
         # say) are Python registrations that only the Python dispatcher runs.

@@ -42,6 +42,11 @@ class Piece:
     written_inputs: frozenset[int] = field(default_factory=frozenset)
     # the identical piece whose compiled artifact this one runs (None: its own)
     compiled_as: str | None = None
+    # how a captured piece is compiled: "inductor", or "eager" (as traced:
+    # the eager piece compiler, or too few ops for Inductor to fuse); set by
+    # the piece compiler, with the ops it could fuse (compile/fusible.py)
+    compiled_with: str | None = None
+    fusible_ops: list[str] = field(default_factory=list)
     # compiled_as's layer names -> this piece's (None: the same layers)
     layer_alias: dict[str, str] | None = None
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
@@ -58,6 +63,8 @@ class Piece:
             "eager_reasons": self.eager_reasons,
             "written_inputs": sorted(self.written_inputs),
             "compiled_as": self.compiled_as,
+            "compiled_with": self.compiled_with,
+            "fusible_ops": self.fusible_ops,
         }
 
 

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 # Bumped when what is saved changes: an older entry is then a miss.
-FORMAT = 2
+FORMAT = 3
 
 
 def artifact_bytes(artifact: Any) -> bytes:

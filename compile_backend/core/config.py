@@ -41,6 +41,11 @@ class CompilationConfig:
     attention_like_ops: extra attention-like ops, `namespace::name`.
     non_splitting_ops: ops to remove from the breakpoint defaults.
     piece_compiler: "inductor" (default) or "eager".
+    inductor_min_fusible_ops: with Inductor, a captured piece holding fewer
+        ops it could fuse (aten compute; not views, allocations or custom ops
+        it leaves as they are) runs as traced, without Inductor: the same
+        launches, no compile and no load of Inductor at a warm start
+        (compile/fusible.py). 0 compiles every piece with Inductor.
     debug_dump_path: folder for the debug dump, or None; a path that cannot hold
         one (an existing file, a read-only place) raises when the config is built.
     debug_checks: check tensor addresses at every replay (slow; for debugging).
@@ -119,6 +124,7 @@ class CompilationConfig:
     attention_like_ops: list[str] = field(default_factory=list)
     non_splitting_ops: list[str] = field(default_factory=list)
     piece_compiler: str = "inductor"
+    inductor_min_fusible_ops: int = 2
     debug_dump_path: str | None = None
     debug_checks: bool = False
     strict_capture: bool = False
@@ -172,6 +178,11 @@ class CompilationConfig:
                 f"piece_compiler must be one of {PIECE_COMPILERS}, "
                 f"got {self.piece_compiler!r}"
             )
+        if (not isinstance(self.inductor_min_fusible_ops, int)
+                or isinstance(self.inductor_min_fusible_ops, bool) or self.inductor_min_fusible_ops < 0):
+            raise ValueError(
+                f"inductor_min_fusible_ops must be an int >= 0, got "
+                f"{self.inductor_min_fusible_ops!r}; 0 compiles every piece with Inductor")
         if self.debug_dump_path is not None:
             if not isinstance(self.debug_dump_path, (str, os.PathLike)):
                 raise ValueError(

@@ -3,5 +3,5 @@
 build from them (models/, run.py) check that they hold the same names."""
 
 MODEL_NAMES = ("hybrid", "llama")
-PRESET_NAMES = ("bench", "llama8b", "small", "tiny")
+PRESET_NAMES = ("bench", "deep", "llama8b", "small", "tiny")
 DTYPE_NAMES = ("bf16", "fp16", "fp32")

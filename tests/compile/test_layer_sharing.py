@@ -152,7 +152,8 @@ def test_inductor_compiles_identical_llama_layers_once():
     torch._dynamo.reset()
     cb.reset_counters()
     model = build_model("llama", preset("tiny", num_layers=6))
-    cfg = cb.CompilationConfig(cudagraph_mode="none", capture_sizes=[8])
+    # every piece Inductor's (llama's hold nothing it could fuse: compile/fusible.py)
+    cfg = cb.CompilationConfig(cudagraph_mode="none", capture_sizes=[8], inductor_min_fusible_ops=0)
     engine = Engine(model, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
     ref_model = build_model("llama", preset("tiny", num_layers=6))
     ref_model.load_state_dict(model.state_dict())
@@ -195,7 +196,8 @@ def _cache_stack_compiles(lengths, ranges=None, then=None, piece_compiler="eager
     torch.manual_seed(3)
     model = _CacheStack(n=len(lengths)).eval()
     compiled = torch.compile(model, backend=cb.backend(
-        cudagraph_mode="none", piece_compiler=piece_compiler, splitting_ops=["toy::attn"]))
+        cudagraph_mode="none", piece_compiler=piece_compiler, splitting_ops=["toy::attn"],
+        inductor_min_fusible_ops=0))
     g = torch.Generator().manual_seed(11)
 
     def call(lens):

@@ -276,7 +276,8 @@ def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path,
     run as those compiled here: every step's logits and every KV cache equal
     eager, and a second process loads the saved step. Where every worker's
     job fails, the pieces it held compile here instead (counted)."""
-    extra = ["--compiler", "inductor", "--compile-workers", "2", "--capture-warmup", "on_demand"]
+    extra = ["--compiler", "inductor", "--compile-workers", "2", "--capture-warmup", "on_demand",
+             "--min-fusible", "0"]  # every piece Inductor's (llama's hold nothing to fuse)
     cold, err = _worker(tmp_path, *extra, *(["--workers-fail"] if fail else []))
     counts = cold["counters"]
     assert cold["how"] == "compiled"
@@ -295,6 +296,25 @@ def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path,
         assert run["counters"]["cudagraph_replays"] > 0
 
 
+@pytest.mark.slow  # full tier: two processes that trace (about 20 s on 2 cores)
+def test_llama_pieces_run_as_traced_and_a_warm_start_loads_no_inductor(tmp_path):
+    """The Inductor piece compiler on llama: every captured piece holds only
+    views and mrv2's ops once the passes ran (compile/fusible.py), so none is
+    compiled by Inductor, and the second process loads the step without
+    Inductor's runtime; both equal eager (every step's logits, every cache)."""
+    extra = ["--compiler", "inductor", "--compile-workers", "0", "--capture-warmup", "on_demand"]
+    cold, _ = _worker(tmp_path, *extra)
+    warm, _ = _worker(tmp_path, *extra)
+    assert (cold["how"], warm["how"]) == ("compiled", "loaded")
+    captured = cold["counters"]["piece_compiles"] + cold["counters"].get("piece_compile_reuses", 0)
+    assert "inductor_compiles" not in cold["counters"], cold["counters"]
+    assert cold["counters"]["pieces_without_inductor"] == captured, cold["counters"]
+    assert cold["compiled_with"] == warm["compiled_with"] == ["eager"] * captured
+    assert warm["inductor_runtime_loaded"] == [], warm
+    for run in (cold, warm):
+        assert run["logits_equal"] and run["caches_equal"], run
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,decode", [("full_and_piecewise", "default"),
                                          ("full_and_piecewise", "one_launch"),
@@ -307,7 +327,7 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode, de
     requests the two-launch form would run), so FULL decode graphs need the
     ticket counters that a warm start's captures once lacked."""
     extra = ["--device", "cuda", "--compiler", "inductor", "--mode", mode,
-             "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand"]
+             "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand", "--min-fusible", "0"]
     env = {"MRV2_DECODE_TWO_LAUNCH": "0"} if decode == "one_launch" else {}
     cold, _ = _worker(tmp_path, *extra, env_extra=env)
     warm, _ = _worker(tmp_path, *extra, env_extra=env)

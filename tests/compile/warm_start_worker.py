@@ -33,6 +33,8 @@ ap.add_argument("--debug-checks", action="store_true")
 ap.add_argument("--capture-warmup", default="every_size")
 ap.add_argument("--compile-workers", type=int, default=None)
 ap.add_argument("--workers-fail", action="store_true")
+ap.add_argument("--min-fusible", type=int, default=None,
+                help="CompilationConfig.inductor_min_fusible_ops (default: its own)")
 args = ap.parse_args()
 if args.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -48,6 +50,10 @@ from compile_backend.demo.models import build_model, preset  # noqa: E402
 from compile_backend.runner.input_batch import InputBatch  # noqa: E402
 from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
+from compile_backend.compile.compiled_step import compiled_steps  # noqa: E402
+
+INDUCTOR_RUNTIME = ("torch._inductor.select_algorithm", "torch._inductor.output_code",
+                    "torch._inductor.compile_fx")
 
 traced = {"fullgraph_capture": 0, "frames": 0}
 if args.workers_fail:
@@ -109,14 +115,19 @@ with graphs, torch.no_grad():
                                capture_sizes=[int(s) for s in args.capture_sizes.split(",")],
                                cache_dir=args.cache, debug_checks=args.debug_checks,
                                capture_warmup=args.capture_warmup,
-                               compile_workers=args.compile_workers)
+                               compile_workers=args.compile_workers,
+                               **({} if args.min_fusible is None
+                                  else {"inductor_min_fusible_ops": args.min_fusible}))
     runner = ModelRunner(m, kv, cfg, device, progress=False)
     runner.capture()
     got = serve(runner)
     counts = {k: v for k, v in cb.counters.items() if v}
     result = {"how": runner.compiled.how, "load_seconds": runner.compiled.seconds,
               "traced": dict(traced), "counters": counts,
-              "capture_stats": {k: v for k, v in runner.capture_stats.items() if k.startswith("gemm")}}
+              "capture_stats": {k: v for k, v in runner.capture_stats.items() if k.startswith("gemm")},
+              "compiled_with": [p.compiled_with for p in compiled_steps()[-1].pieces if p.captured],
+              # Inductor's runtime: loaded by an Inductor piece, not by Dynamo's import
+              "inductor_runtime_loaded": sorted(m for m in INDUCTOR_RUNTIME if m in sys.modules)}
     ref_model = model()
     ref = ModelRunner(ref_model, kv, cb.CompilationConfig(cudagraph_mode="none", cache_dir=None),
                       device, progress=False, compile_fn=lambda mod: mod)

@@ -1,4 +1,5 @@
-"""Model sizes. `tiny` runs on 2 CPU cores in seconds; `bench` is the
+"""Model sizes. `tiny` runs on 2 CPU cores in seconds (`deep` is tiny at
+llama8b's 32 layers, for host costs per layer); `bench` is the
 benchmark size (8 layers, hidden 2048, 32 heads, 4 KV heads); `llama8b` has
 Llama-3-8B's shape (32 layers, hidden 4096, 32 heads / 8 KV heads,
 intermediate 14336, vocab 128256: about 16 GB of bf16 weights; build it under
@@ -42,6 +43,9 @@ class ModelConfig:
 
 PRESETS = {
     "tiny": ModelConfig(),
+    # tiny's widths at llama8b's depth: a layer's host costs (ops, pieces,
+    # guards, loads) as many times as llama8b pays them, on the CPU machine
+    "deep": ModelConfig(num_layers=32),
     "small": ModelConfig(vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8,
                          num_kv_heads=2, intermediate_size=1408),
     "bench": ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads=32,
