@@ -440,7 +440,7 @@ def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[s
                                    for r in rows])]
 
 
-FIRST_CALL_PHASES = ("wrap", "key", "read", "deserialize", "guard_check", "compile", "save",
+FIRST_CALL_PHASES = ("key", "read", "deserialize", "guard_check", "wrap", "compile", "save",
                      "first_run")
 
 

@@ -42,11 +42,12 @@ class GuardFreeModel:
         self.how: str | None = None
         self.cache_path: str | None = None
         self.seconds = 0.0
-        # Host seconds of the first call by phase, in order: "wrap" (torch.compile
-        # and the imports it makes), "key" (the entry's header), "read",
-        # "deserialize" (Dynamo's code and guards, mrv2's step and its pieces'
-        # artifacts), "guard_check", "compile" (a cold start's trace and
-        # pieces), "save", "first_run" (the first step through the new code).
+        # Host seconds of the first call by phase, in order: "key" (the
+        # entry's header), "read", "deserialize" (Dynamo's code and guards,
+        # mrv2's step and its pieces' artifacts), "guard_check", then, where
+        # nothing was loaded, "wrap" (torch.compile and the imports it makes),
+        # "compile" (a cold start's trace and pieces) and "save"; last
+        # "first_run" (the first step through the new code).
         self.phases: dict[str, float] = {}
         # A load's "deserialize" by part (host seconds): "step_graph" and
         # "step_pieces" (mrv2's step: compile/step_artifacts.py,
@@ -106,24 +107,6 @@ class GuardFreeModel:
 
     def _first(self, args: tuple) -> None:
         t0 = t = time.perf_counter()
-        # The model's forward, traced as the function `type(model).forward`
-        # (its first argument the model): torch 2.11 has aot_compile on
-        # compiled functions, not on a compiled module's forward. Module hooks
-        # do not run, as in any CUDA-graph replay of the model.
-        # torch 2.11 attaches aot_compile only under enable_aot_compile (on by
-        # default from 2.12); the flag is read when torch.compile wraps.
-        flag = ({"enable_aot_compile": True}
-                if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
-        with torch._dynamo.config.patch(**flag):
-            keep = guard_filter(self.config.debug_checks)
-            aot_compile = getattr(torch.compile(
-                self.model.forward, fullgraph=True, backend=self.backend,
-                options={"guard_filter_fn": keep} if keep is not None else None),
-                "aot_compile", None)
-        t = self._phase("wrap", t)
-        if aot_compile is None:
-            self._guarded("this torch has no aot_compile")
-            return
         header = None
         if self.config.cache_dir is not None:
             from compile_backend.compile import step_cache
@@ -139,6 +122,14 @@ class GuardFreeModel:
                 if aot is not None:
                     self._bind(aot, "loaded", t0)
                     return
+        # Only a compile wraps: a load needs none of what torch.compile imports
+        # (functorch's compile stack, networkx: 0.2 s on the CPU machine).
+        t = time.perf_counter()
+        aot_compile = self._aot_compile()
+        t = self._phase("wrap", t)
+        if aot_compile is None:
+            self._guarded("this torch has no aot_compile")
+            return
         # Compile workers start before Dynamo traces: they import torch meanwhile.
         start_workers = getattr(self.backend, "start_workers", None)
         if start_workers is not None:
@@ -159,6 +150,23 @@ class GuardFreeModel:
             self._save(aot, header)
             self._phase("save", t)
         self._bind(aot, "compiled", t0)
+
+    def _aot_compile(self) -> Callable[..., Any] | None:
+        """torch.compile's AOT compile of the model's forward (None: this
+        torch has none). The forward is traced as the function
+        `type(model).forward` (its first argument the model): torch 2.11 has
+        aot_compile on compiled functions, not on a compiled module's
+        forward. Module hooks do not run, as in any CUDA-graph replay of the
+        model. torch 2.11 attaches aot_compile only under enable_aot_compile
+        (on by default from 2.12); the flag is read when torch.compile wraps."""
+        flag = ({"enable_aot_compile": True}
+                if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
+        with torch._dynamo.config.patch(**flag):
+            keep = guard_filter(self.config.debug_checks)
+            return getattr(torch.compile(
+                self.model.forward, fullgraph=True, backend=self.backend,
+                options={"guard_filter_fn": keep} if keep is not None else None),
+                "aot_compile", None)
 
     def _bind(self, aot: Any, how: str, t0: float) -> None:
         if how == "loaded":

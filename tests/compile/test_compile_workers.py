@@ -142,7 +142,8 @@ def test_a_models_own_ops_reach_the_workers_and_its_pieces_equal_eager():
     torch.manual_seed(5)
     model = ToyHybrid()
     eager = copy.deepcopy(model)
-    backend = cb.backend(piece_compiler="inductor", compile_workers=1, **TOY_OPTIONS)
+    backend = cb.backend(piece_compiler="inductor", compile_workers=1, inductor_min_fusible_ops=0,
+                         **TOY_OPTIONS)  # every piece Inductor's, so the worker takes them
     backend.start_workers()
     assert backend._workers.wait_ready(timeout=120)  # so that the worker takes the pieces
     compiled = torch.compile(model, backend=backend)

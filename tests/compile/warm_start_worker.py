@@ -53,7 +53,7 @@ from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
 from compile_backend.compile.compiled_step import compiled_steps  # noqa: E402
 
 INDUCTOR_RUNTIME = ("torch._inductor.select_algorithm", "torch._inductor.output_code",
-                    "torch._inductor.compile_fx")
+                    "torch._inductor.compile_fx", "functorch.compile", "networkx")
 
 traced = {"fullgraph_capture": 0, "frames": 0}
 if args.workers_fail:
@@ -126,7 +126,8 @@ with graphs, torch.no_grad():
               "traced": dict(traced), "counters": counts,
               "capture_stats": {k: v for k, v in runner.capture_stats.items() if k.startswith("gemm")},
               "compiled_with": [p.compiled_with for p in compiled_steps()[-1].pieces if p.captured],
-              # Inductor's runtime: loaded by an Inductor piece, not by Dynamo's import
+              # Inductor's runtime (an Inductor piece loads it) and torch.compile's
+              # compile stack (its wrap imports it): neither comes with Dynamo's import
               "inductor_runtime_loaded": sorted(m for m in INDUCTOR_RUNTIME if m in sys.modules)}
     ref_model = model()
     ref = ModelRunner(ref_model, kv, cb.CompilationConfig(cudagraph_mode="none", cache_dir=None),
