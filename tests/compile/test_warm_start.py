@@ -316,24 +316,29 @@ def test_llama_pieces_run_as_traced_and_a_warm_start_loads_no_inductor(tmp_path)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pieces", ["inductor", "traced"])
 @pytest.mark.parametrize("mode,decode", [("full_and_piecewise", "default"),
                                          ("full_and_piecewise", "one_launch"),
                                          ("piecewise", "default")])
-def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode, decode):
+def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode, decode, pieces):
     """On the GPU, with Inductor pieces: the second process loads the saved
     step (Inductor artifacts and all) without tracing, and its replays equal
     eager (every step's logits, every KV cache at the end). one_launch: every
     decode takes the one-launch form with split keys (at this model's few
     requests the two-launch form would run), so FULL decode graphs need the
-    ticket counters that a warm start's captures once lacked."""
+    ticket counters that a warm start's captures once lacked. traced: llama's
+    pieces run as traced under the Inductor piece compiler (its default)."""
     extra = ["--device", "cuda", "--compiler", "inductor", "--mode", mode,
-             "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand", "--min-fusible", "0"]
+             "--capture-sizes", "1,2,4,8,16", "--capture-warmup", "on_demand",
+             *(["--min-fusible", "0"] if pieces == "inductor" else [])]
     env = {"MRV2_DECODE_TWO_LAUNCH": "0"} if decode == "one_launch" else {}
     cold, _ = _worker(tmp_path, *extra, env_extra=env)
     warm, _ = _worker(tmp_path, *extra, env_extra=env)
     assert (cold["how"], warm["how"]) == ("compiled", "loaded"), (cold, warm)
     assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}
     assert "inductor_compiles" not in warm["counters"]
+    assert set(cold["compiled_with"]) == set(warm["compiled_with"]) == \
+        {"inductor" if pieces == "inductor" else "eager"}
     # The cold start's Triton kernels, listed beside the entry, load before the
     # warm start's first capture: no capture or warm-up of its plan asks Triton.
     assert warm["counters"].get("kernels_preloaded", 0) > 0, warm["counters"]
