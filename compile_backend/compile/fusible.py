@@ -20,12 +20,12 @@ import operator
 import torch
 import torch.fx
 
-# Methods and torch functions that return a view or metadata (no kernel).
+# Methods and torch functions that return a view (no kernel). Those that
+# return sizes or flags need no entry: only nodes with a tensor value count.
 VIEW_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
     "transpose", "permute", "t", "expand", "expand_as", "narrow", "chunk", "split",
-    "tensor_split", "unbind", "select", "size", "dim", "stride", "numel", "detach",
-    "as_strided", "movedim", "swapaxes", "data_ptr", "storage_offset", "is_contiguous",
+    "tensor_split", "unbind", "select", "detach", "as_strided", "movedim", "swapaxes",
 })
 VIEW_FUNCTIONS = frozenset({
     torch.narrow, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
@@ -35,7 +35,8 @@ VIEW_FUNCTIONS = frozenset({
 # Allocations: memory, no kernel.
 EMPTY_FUNCTIONS = frozenset({torch.empty, torch.empty_like, torch.empty_strided})
 EMPTY_METHODS = frozenset({"new_empty", "new_empty_strided"})
-# Casts that are no-ops when the dtype and device stay.
+# Casts (and contiguous) that launch nothing when the dtype, the device and
+# the layout stay.
 CAST_METHODS = frozenset({"to", "float", "half", "bfloat16", "double", "type_as", "type",
                           "contiguous"})
 

@@ -53,7 +53,7 @@ def test_views_allocations_no_op_casts_and_opaque_custom_ops_are_not_fusible():
         y = _OPS.opaque(x.view(8, 16).reshape(8, 16), w)  # views, an opaque custom op
         z = torch.narrow(y, 1, 0, 16)[:, 2:]  # views: narrow, a basic slice
         buf = torch.empty_like(z)  # an allocation
-        return z.float().contiguous(), buf  # fp32 already; contiguous? no: z is a slice
+        return z.float().contiguous(), buf  # float: fp32 already; contiguous: z is a slice, a copy
     assert _targets(_traced(fn, x, w)) == ["contiguous"]  # the one copy
 
 
