@@ -57,6 +57,11 @@ from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
 
 _T_IMPORTED = time.perf_counter()
+from compile_backend.debug.import_watch import ImportWatch  # noqa: E402
+
+# Who imports Dynamo in this process, and what its import costs (a warm
+# start that loads its step without Dynamo should not: "never").
+_DYNAMO = ImportWatch("torch._dynamo")
 
 JSON_PREFIX = "STARTUP_JSON "
 GPU_SIZES = [1, 2, 4] + list(range(8, 257, 8))  # the default capture sizes: 35
@@ -175,6 +180,8 @@ def child(spec: dict) -> dict:
         "capture_stats": dict(getattr(runner, "capture_stats", {})),
         "first_call_phases": dict(getattr(runner.compiled, "phases", {})),
         "first_call_load_parts": dict(getattr(runner.compiled, "load_parts", {})),
+        "first_call_path": getattr(runner.compiled, "path", None),
+        "dynamo_importer": _DYNAMO.importer, "dynamo_import_s": _DYNAMO.seconds,
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
@@ -360,13 +367,13 @@ def tables(meta: dict, rows: list[dict]) -> str:
     if with_phases:
         names = [n for n in FIRST_CALL_PHASES if any(n in r["first_call_phases"] for r in with_phases)]
         L += run_table(with_phases, "The first call (compile s above) by phase, host seconds "
-                       "(GuardFreeModel.phases: wrap: torch.compile and the imports it makes; key: "
-                       "the entry's header; read; deserialize: Dynamo's code and guards, mrv2's step "
-                       "and its pieces' artifacts; guard_check; compile: a cold start's trace and "
-                       "pieces; save; first_run: the first step through the new code). Dynamo's "
-                       "import comes before them (the runner marks the token dimension first); it "
-                       "and the runner's own first-step work (its dry run, the inputs) are the rest "
-                       "of compile s.", names,
+                       "(GuardFreeModel.phases: key: the entry's header; read; deserialize: mrv2's "
+                       "step and its pieces' artifacts, and on the dynamo path Dynamo's code and "
+                       "guards; resolve: the direct path's graph inputs found; guard_check; wrap: "
+                       "torch.compile and the imports it makes; compile: a cold start's trace and "
+                       "pieces; first_run: the first step through the new code; save, after it). "
+                       "Dynamo's import, where one comes, is inside them; it and the runner's own "
+                       "first-step work (its dry run, the inputs) are the rest of compile s.", names,
                        lambda r: [dash(r["first_call_phases"].get(n), ".2f") for n in names])
     parts = ("dynamo", "step_graph", "step_pieces")
     L += run_table([r for r in ok if r.get("first_call_load_parts")],
@@ -377,6 +384,17 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    ["deserialize", "dynamo", "step graph", "step pieces"],
                    lambda r: [dash(r["first_call_phases"].get("deserialize"), ".2f"),
                               *[dash(r["first_call_load_parts"].get(k), ".2f") for k in parts]])
+    L += run_table([r for r in ok if "dynamo_importer" in r],
+                   "The load's path and Dynamo's import (compile_backend/debug/import_watch.py): "
+                   "direct: the step loaded alone and called without Dynamo (docs/design.md, \"A "
+                   "warm start without Dynamo\"); dynamo: through Dynamo's saved code; imported by: "
+                   "the first importer of torch._dynamo (never: not imported; "
+                   "_UndoWrites.__torch_dispatch__: the CPU graph stand-in's dispatch mode, which "
+                   "torch wraps in Dynamo's disable); import s: that import's wall seconds, inside "
+                   "whichever phase made it.",
+                   ["path", "Dynamo imported by", "Dynamo import s"],
+                   lambda r: [r.get("first_call_path") or "-", r["dynamo_importer"] or "never",
+                              f"{r['dynamo_import_s']:.2f}" if r["dynamo_importer"] else "-"])
     gemms = (("gemms_recorded", "d"), ("gemm_record_s", ".2f"), ("gemm_warmup_calls", "d"),
              ("gemm_warmup_s", ".2f"), ("gemm_warmup_wait_s", ".2f"))
     L += run_table([r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))],
@@ -440,8 +458,8 @@ def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[s
                                    for r in rows])]
 
 
-FIRST_CALL_PHASES = ("key", "read", "deserialize", "guard_check", "wrap", "compile", "save",
-                     "first_run")
+FIRST_CALL_PHASES = ("key", "read", "deserialize", "resolve", "guard_check", "wrap", "compile",
+                     "first_run", "save")
 
 
 def outside_graphs(r: dict) -> str:

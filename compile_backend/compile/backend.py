@@ -156,7 +156,8 @@ class Mrv2Backend:
         # Here, not at import: these pull in Dynamo and sympy, which a process
         # that only loads a saved step or runs eagerly does not need
         # (tests/test_imports.py pins what importing the package costs).
-        from compile_backend.compile.compiled_step import FULL_GRAPH, CompiledStep, assemble_step
+        from compile_backend.compile.compiled_step import (FULL_GRAPH, CompiledStep, assemble_step,
+                                                           register_with_dynamo)
         from compile_backend.compile.piece_compiler import compile_pieces
         from compile_backend.compile.split import split_graph
 
@@ -166,6 +167,7 @@ class Mrv2Backend:
         else:
             graph_mode, mode_reason = self.graph_mode, self.mode_reason
         original_code = gm.code
+        input_sources = _input_sources(gm)  # before the passes: Dynamo's placeholders
         pass_log, passes_uuid = _run_passes(gm, config, roles)
         passed_code = gm.code
         packed_inputs = _pack_fused_weights(gm, example_inputs, pass_log)
@@ -195,6 +197,7 @@ class Mrv2Backend:
                         "holds fewer than %d ops it could fuse (inductor_min_fusible_ops)",
                         len(as_traced), sum(p.captured for p in pieces),
                         config.inductor_min_fusible_ops)
+        register_with_dynamo()
         step = CompiledStep(
             config=config,
             roles=roles,
@@ -211,6 +214,7 @@ class Mrv2Backend:
             fixed_shape_inputs=fixed_shape_inputs,
             written_inputs=written,
             packed_inputs=packed_inputs,
+            input_sources=input_sources,
         )
         assemble_step(step, fns)
         step.compile_seconds = time.perf_counter() - t0
@@ -224,6 +228,23 @@ class Mrv2Backend:
 
             write_compile_dump(config.debug_dump_path, step)
         return step
+
+
+def _input_sources(gm: torch.fx.GraphModule) -> list[str | None]:
+    """Where Dynamo took each graph input from, as its source's name
+    (`L['input_ids']`, `L['self']._modules['embed']._parameters['weight']`,
+    `L['input_ids'].size()[0]`); None where a placeholder has no source.
+    compile/direct_step.py calls a saved step with inputs found this way."""
+    names: list[str | None] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node, "_dynamo_source", None)
+        if source is None and "grapharg" in node.meta:
+            source = node.meta["grapharg"].source
+        name = getattr(source, "name", None)
+        names.append(name() if callable(name) else name)
+    return names
 
 
 # What a compile worker imports before its first piece (while the caller traces).

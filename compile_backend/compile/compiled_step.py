@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from compile_backend.compile.piece_compiler import call_pieces_directly, install_pieces
+from compile_backend.compile.piece_calls import call_pieces_directly, install_pieces
 from compile_backend.compile.split import Piece
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
@@ -33,17 +33,12 @@ logger = logging.getLogger(__name__)
 # (pieces are keyed by their names, submod_N).
 FULL_GRAPH = "full_graph"
 
-try:  # torch's interface for what an AOT-compiled function saves (torch >= 2.10)
-    from torch._dynamo.aot_compile_types import SerializableCallable as _Saveable
-except ImportError:  # pragma: no cover - older torch: no warm start
-    _Saveable = object
-
-
 @dataclass
-class CompiledStep(_Saveable):
+class CompiledStep:
     """What the backend returns for one Dynamo graph. It can be saved with
-    the Dynamo output around it (torch's AOT compile): see
-    compile/step_artifacts.py for what it saves and how it is loaded."""
+    the Dynamo output around it (torch's AOT compile; `register_with_dynamo`)
+    or alone (compile/direct_step.py): see compile/step_artifacts.py for what
+    it saves and how it is loaded."""
 
     config: CompilationConfig
     roles: OpRegistry
@@ -71,6 +66,11 @@ class CompiledStep(_Saveable):
     # step packs them at its first call (`pack_on_call`).
     packed_inputs: list[list[int]] = field(default_factory=list)
     pack_on_call: bool = field(default=False, repr=False)
+    # Where Dynamo took each graph input from (backend.py: _input_sources), in
+    # the graph's input order: a warm start without Dynamo finds them so
+    # (compile/direct_step.py). Not saved with the step: its entry holds them.
+    input_sources: list[str | None] = field(default_factory=list, repr=False)
+    _saved: bytes | None = field(default=None, repr=False)  # serialize_compile_artifacts's
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)  # set by assemble_step
     wrappers: list[Any] = field(default_factory=list)  # CUDA-graph wrappers, if any
     # Plain torch.compile use (no runner) in a mode with FULL graphs: the whole
@@ -140,9 +140,13 @@ class CompiledStep(_Saveable):
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "CompiledStep") -> bytes:
-        from compile_backend.compile.step_artifacts import serialize_step
+        """Once per step: Dynamo's saved function holds these bytes, and the
+        warm-start entry holds them again for a load without Dynamo."""
+        if fn._saved is None:
+            from compile_backend.compile.step_artifacts import serialize_step
 
-        return serialize_step(fn)
+            fn._saved = serialize_step(fn)
+        return fn._saved
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "CompiledStep":
@@ -160,6 +164,19 @@ class CompiledStep(_Saveable):
         """The code of `__call__`: tools that decompile what a backend returned
         (depyf, on leaving `prepare_debug`) read the callable's `__code__`."""
         return type(self).__call__.__code__
+
+
+def register_with_dynamo() -> None:
+    """torch's AOT compile saves a backend's callable only if it is a
+    `SerializableCallable` (torch >= 2.10): CompiledStep registers as one (a
+    virtual subclass) where Dynamo is imported anyway, at a compile or a load
+    through Dynamo, so that importing this module (a warm start that loads
+    the step alone) imports no Dynamo."""
+    try:
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except ImportError:  # pragma: no cover - older torch: no warm start
+        return
+    SerializableCallable.register(CompiledStep)
 
 
 _compiled: list[CompiledStep] = []

@@ -4,14 +4,14 @@ Dynamo frame evaluation and no guard checks.
     step = GuardFreeModel(model, config, backend)
     out = step(input_ids, positions)     # first call: load or compile; then direct
 
-The first call AOT-compiles the model (torch's `aot_compile`), or loads the
-step saved under `cache_dir` (compile/step_cache.py); later calls run
-Dynamo's transformed code directly. In exchange the runner promises that the
+The first call loads the step saved under `cache_dir` (compile/step_cache.py),
+without Dynamo where its entry says how (compile/direct_step.py), or
+AOT-compiles the model (torch's `aot_compile`). The runner promises that the
 model's code, parameters and buffers stay the same objects and its inputs
 keep their dtypes and ranks; `debug_checks` runs the guards at every call.
 Where `aot_compile` is missing or fails, the model runs under `torch.compile`
-(logged, `guarded_fallbacks`). docs/design.md, section "Start in seconds"
-(runner steps skip Dynamo; a saved step).
+(logged, `guarded_fallbacks`). docs/design.md, "Start in seconds" and "A warm
+start without Dynamo".
 """
 
 from __future__ import annotations
@@ -31,27 +31,36 @@ logger = logging.getLogger(__name__)
 
 class GuardFreeModel:
     def __init__(self, model: torch.nn.Module, config: Any,
-                 backend: Callable[..., Any]) -> None:
+                 backend: Callable[..., Any],
+                 prepare: Callable[[tuple], None] | None = None) -> None:
         self.model = model
         self.config = config
         self.backend = backend  # (gm, example_inputs) -> CompiledStep
+        # Called with the inputs before Dynamo sees them, and only then (the
+        # runner marks the token dimension dynamic, which imports Dynamo).
+        self.prepare = prepare
         self._fn: Callable[..., Any] | None = None
         self._aot: Any = None  # the AOT-compiled function (guard checks under debug_checks)
+        self._direct = False  # a loaded step called without Dynamo (direct_step.bind)
         # How the first call got its step: "compiled", "loaded" or "guarded"
-        # (plain torch.compile), and the cache entry involved (None: no cache).
+        # (plain torch.compile), and the cache entry involved (None: no cache);
+        # a load's path: "direct" (no Dynamo) or "dynamo" (its saved code).
         self.how: str | None = None
+        self.path: str | None = None
         self.cache_path: str | None = None
         self.seconds = 0.0
         # Host seconds of the first call by phase, in order: "key" (the
-        # entry's header), "read", "deserialize" (Dynamo's code and guards,
-        # mrv2's step and its pieces' artifacts), "guard_check", then, where
-        # nothing was loaded, "wrap" (torch.compile and the imports it makes),
-        # "compile" (a cold start's trace and pieces) and "save"; last
-        # "first_run" (the first step through the new code).
+        # entry's header), "read", "deserialize" (mrv2's step and its pieces'
+        # artifacts, and through Dynamo its code and guards), then "resolve"
+        # (a direct load: the graph inputs found) or "guard_check"; where
+        # nothing was loaded, "wrap" (torch.compile and the imports it makes)
+        # and "compile" (a cold start's trace and pieces); "first_run" (the
+        # first step through the new code); last a compile's "save".
         self.phases: dict[str, float] = {}
         # A load's "deserialize" by part (host seconds): "step_graph" and
         # "step_pieces" (mrv2's step: compile/step_artifacts.py,
-        # last_load_seconds), "dynamo" (the rest: Dynamo's code and guards).
+        # last_load_seconds), "dynamo" (the rest: Dynamo's code and guards;
+        # none on a direct load).
         self.load_parts: dict[str, float] = {}
         self._header: tuple[Any, dict | None, str | None] | None = None  # entry_for's, by inputs
 
@@ -78,9 +87,9 @@ class GuardFreeModel:
     @property
     def ready(self) -> bool:
         """True once steps call the compiled code directly: the caller then
-        skips what only Dynamo reads (dynamic-dimension marks, size-oblivious
-        tracing). False on the guarded fallback, which goes through Dynamo."""
-        return self._aot is not None
+        skips what only Dynamo reads (size-oblivious tracing). False on the
+        guarded fallback, which goes through Dynamo."""
+        return self._aot is not None or self._direct
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is None:
@@ -88,13 +97,26 @@ class GuardFreeModel:
             # s each on the H200 with llama8b's weights alive): frozen, those
             # collections walk only what the compile or load makes.
             with frozen_gc():
-                self._first(args)
+                save = self._first(args)
             t0 = time.perf_counter()
-            out = self._fn(*args)
-            self.phases["first_run"] = time.perf_counter() - t0
+            if save is None:
+                out = self._fn(*args)
+            else:  # a compile: its first call shows how to call the step without Dynamo
+                from compile_backend.compile import direct_step
+
+                with direct_step.recording(self._aot) as first:
+                    out = self._fn(*args)
+                first.returned = out
+            t = self._phase("first_run", t0)
+            if save is not None:
+                self._save(self._aot, save, first, args)
+                self._phase("save", t)
             return out
-        if self._aot is not None and self.config.debug_checks:
-            self._check_guards(args)
+        if self.ready:
+            if self._aot is not None and self.config.debug_checks:
+                self._check_guards(args)
+        elif self.prepare is not None:  # the guarded fallback: Dynamo at every call
+            self.prepare(args)
         return self._fn(*args)
 
     def _phase(self, name: str, t0: float) -> float:
@@ -105,7 +127,9 @@ class GuardFreeModel:
 
     # ---- first call ------------------------------------------------------------
 
-    def _first(self, args: tuple) -> None:
+    def _first(self, args: tuple) -> dict | None:
+        """Load or compile the step; returns the entry's header where the
+        compiled step is to be saved after its first run (else None)."""
         t0 = t = time.perf_counter()
         header = None
         if self.config.cache_dir is not None:
@@ -118,10 +142,11 @@ class GuardFreeModel:
                 header = None
             else:
                 self.cache_path = step_cache.entry_path(self.config.cache_dir, header)
-                aot = self._load(header, args)
-                if aot is not None:
-                    self._bind(aot, "loaded", t0)
-                    return
+                entry = self._read(header)
+                if entry is not None and self._load(entry, args, t0):
+                    return None
+        if self.prepare is not None:
+            self.prepare(args)
         # Only a compile wraps: a load needs none of what torch.compile imports
         # (functorch's compile stack, networkx: 0.2 s on the CPU machine).
         t = time.perf_counter()
@@ -129,7 +154,7 @@ class GuardFreeModel:
         t = self._phase("wrap", t)
         if aot_compile is None:
             self._guarded("this torch has no aot_compile")
-            return
+            return None
         # Compile workers start before Dynamo traces: they import torch meanwhile.
         start_workers = getattr(self.backend, "start_workers", None)
         if start_workers is not None:
@@ -145,11 +170,9 @@ class GuardFreeModel:
             if start_workers is not None:
                 self.backend.close_workers()  # unless the compile took them
         counters["aot_compiles"] += 1
-        t = self._phase("compile", t)
-        if header is not None:
-            self._save(aot, header)
-            self._phase("save", t)
+        self._phase("compile", t)
         self._bind(aot, "compiled", t0)
+        return header
 
     def _aot_compile(self) -> Callable[..., Any] | None:
         """torch.compile's AOT compile of the model's forward (None: this
@@ -171,6 +194,7 @@ class GuardFreeModel:
     def _bind(self, aot: Any, how: str, t0: float) -> None:
         if how == "loaded":
             self._adopt(aot._artifacts.compiled_fn)
+            self.path = "dynamo"
         self._aot = aot
         model, fn = self.model, aot.fn  # Dynamo's code, bound to the compiled step
         self._fn = lambda *args: fn(model, *args)
@@ -200,7 +224,8 @@ class GuardFreeModel:
 
     def summary(self) -> dict[str, Any]:
         """For the debug dump's runtime section."""
-        return {"how": self.how, "cache_entry": self.cache_path, "seconds": round(self.seconds, 3),
+        return {"how": self.how, "path": self.path, "cache_entry": self.cache_path,
+                "seconds": round(self.seconds, 3),
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
                 "load_parts": {k: round(v, 3) for k, v in self.load_parts.items()}}
 
@@ -214,7 +239,8 @@ class GuardFreeModel:
 
     # ---- cache -------------------------------------------------------------------
 
-    def _load(self, header: dict, args: tuple) -> Any:
+    def _read(self, header: dict) -> dict | None:
+        """This runner's entry (None: none, or a bad one: counted, logged)."""
         import os
 
         from compile_backend.compile import step_cache
@@ -223,14 +249,79 @@ class GuardFreeModel:
         if not os.path.exists(path):
             counters["cache_misses"] += 1
             return None
+        t = time.perf_counter()
+        try:
+            entry = step_cache.read_entry(path, header)
+        except Exception as e:  # noqa: BLE001 - a bad entry is compiled again, never used
+            self._refuse(e)
+            return None
+        self._phase("read", t)
+        return entry
+
+    def _refuse(self, e: Exception) -> None:
+        counters["cache_misses"] += 1
+        counters["cache_bad_entries"] += 1
+        logger.warning("mrv2: warm-start entry %s not used, compiling again: %s", self.cache_path,
+                       f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else e)
+
+    def _load(self, entry: dict, args: tuple, t0: float) -> bool:
+        """Bind the entry's step: without Dynamo where the entry says how and
+        guards are not asked for (`debug_checks`), else through Dynamo's
+        saved code. False: nothing loaded (compile)."""
+        direct = entry.get("direct")
+        if direct is not None and not self.config.debug_checks and self._load_direct(direct, t0):
+            return True
+        if self.prepare is not None:
+            self.prepare(args)
+        aot = self._load_dynamo(entry["aot"], args)
+        if aot is None:
+            return False
+        self._bind(aot, "loaded", t0)
+        return True
+
+    def _load_direct(self, direct: dict, t0: float) -> bool:
+        """The step alone, called as its plan says (compile/direct_step.py):
+        no Dynamo imported, no guard built. False where it cannot be
+        (logged, `direct_load_failures`): the entry then loads through Dynamo."""
+        from compile_backend.compile import direct_step, step_artifacts
+        from compile_backend.compile.compiled_step import CompiledStep
+
         try:
             t = time.perf_counter()
-            data = step_cache.read_entry(path, header)
+            step_artifacts.last_load_seconds.clear()
+            step = CompiledStep.deserialize_compile_artifacts(direct["step"])
+            t = self._phase("deserialize", t)
+            call = direct_step.bind(step, direct["plan"], self.model)
+            self._phase("resolve", t)
+        except Exception as e:  # noqa: BLE001 - Dynamo's saved code still serves
+            counters["direct_load_failures"] += 1
+            logger.warning("mrv2: warm-start entry %s not loaded without Dynamo, loading it "
+                           "through Dynamo: %s: %s", self.cache_path, type(e).__name__, e)
+            for phase in ("deserialize", "resolve"):
+                self.phases.pop(phase, None)
+            return False
+        parts = step_artifacts.last_load_seconds
+        self.load_parts = {"step_graph": parts.get("graph", 0.0), "step_pieces": parts.get("pieces", 0.0)}
+        counters["cache_hits"] += 1
+        counters["direct_loads"] += 1
+        logger.info("mrv2: loaded the compiled step from %s (without Dynamo)", self.cache_path)
+        self._adopt(step)
+        self._fn, self._direct = call, True
+        self.how, self.path = "loaded", "direct"
+        self.seconds = time.perf_counter() - t0
+        return True
+
+    def _load_dynamo(self, data: bytes, args: tuple) -> Any:
+        """Dynamo's saved function around the step, its guards checked once
+        against this model and these inputs (None: refused, counted, logged)."""
+        try:
+            t = time.perf_counter()
             from torch._dynamo.aot_compile import AOTCompiledFunction
 
-            t = self._phase("read", t)
             from compile_backend.compile import step_artifacts
+            from compile_backend.compile.compiled_step import register_with_dynamo
 
+            register_with_dynamo()
             step_artifacts.last_load_seconds.clear()
             aot = AOTCompiledFunction.deserialize(data)
             t = self._phase("deserialize", t)
@@ -244,21 +335,29 @@ class GuardFreeModel:
             if failed:
                 raise RuntimeError(f"its guards refuse this model and inputs: {failed}")
         except Exception as e:  # noqa: BLE001 - a bad entry is compiled again, never used
-            counters["cache_misses"] += 1
-            counters["cache_bad_entries"] += 1
-            logger.warning("mrv2: warm-start entry %s not used, compiling again: %s", path,
-                           f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else e)
+            self._refuse(e)
             return None
         counters["cache_hits"] += 1
-        logger.info("mrv2: loaded the compiled step from %s", path)
+        logger.info("mrv2: loaded the compiled step from %s", self.cache_path)
         return aot
 
-    def _save(self, aot: Any, header: dict) -> None:
-        from compile_backend.compile import step_cache
+    def _save(self, aot: Any, header: dict, first: Any, args: tuple) -> None:
+        """The entry: Dynamo's function around the step and, where the first
+        call showed how (direct_step.plan_for), the step alone with its plan."""
+        from compile_backend.compile import direct_step, step_cache
 
         try:
             data = type(aot).serialize(aot).serialized_data
-            step_cache.write_entry(self.cache_path, header, data)
+            step = aot._artifacts.compiled_fn
+            plan, why_not = direct_step.plan_for(aot, step, self.model, args, first)
+            direct = None
+            if plan is not None:
+                direct = {"step": type(step).serialize_compile_artifacts(step), "plan": plan}
+            else:
+                counters["direct_plan_refusals"] += 1
+                logger.info("mrv2: the saved step will load through Dynamo, not without it: %s",
+                            why_not)
+            step_cache.write_entry(self.cache_path, header, data, direct)
         except Exception as e:  # noqa: BLE001 - the step runs; only the next start is cold
             counters["cache_save_failures"] += 1
             logger.warning("mrv2: could not save the compiled step to %s (%s: %s); the next "

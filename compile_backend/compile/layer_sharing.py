@@ -17,13 +17,12 @@ docs/design.md, section "Start in seconds" (identical layers compile once).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import sympy
 import torch
 import torch.fx
 
-from compile_backend.core.forward_context import call_as_layers
 from compile_backend.core.op_registry import LAYER_NAME_ARG, layer_name_position
 
 
@@ -179,18 +178,3 @@ def layer_alias_for(compiled_names: Sequence[str], names: Sequence[str]) -> dict
     if list(compiled_names) == list(names):
         return None
     return dict(zip(compiled_names, names))
-
-
-class AsLayer:
-    """A piece's compiled artifact, compiled for another layer, run as this
-    piece's layer(s)."""
-
-    def __init__(self, fn: Callable[..., Any], alias: dict[str, str]) -> None:
-        self.fn = fn
-        self.alias = alias
-
-    def __call__(self, *args: Any) -> Any:
-        return call_as_layers(self.alias, self.fn, *args)
-
-    def __repr__(self) -> str:
-        return f"AsLayer({self.alias})"

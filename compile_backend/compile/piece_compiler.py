@@ -24,10 +24,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from compile_backend.core.counters import counters
 from compile_backend.core.progress import progress
-from compile_backend.compile.layer_sharing import (AsLayer, assume_for, assumed_since,
+from compile_backend.compile.layer_sharing import (assume_for, assumed_since,
                                                   layer_alias_for, piece_key, piece_symbols,
                                                   shape_env_mark)
 from compile_backend.compile.fusible import fusible_ops
+from compile_backend.compile.piece_calls import AsLayer
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
 from compile_backend.compile.worker_compile import loaded_from_worker, send_to_worker
@@ -224,44 +225,3 @@ def compile_pieces(
                 workers.run_queued_here()  # what no worker took yet: compiled here meanwhile
             interp.decide()
     return interp.compiled, written_inputs(fake_args, before)
-
-
-def install_pieces(split_gm: torch.fx.GraphModule, fns: dict[str, Callable[..., Any]]) -> None:
-    """Replace each piece submodule of `split_gm` by its callable."""
-    for name, fn in fns.items():
-        setattr(split_gm, name, _as_module(fn))
-
-
-def call_pieces_directly(split_gm: torch.fx.GraphModule, names: Sequence[str]) -> None:
-    """split_gm's code calls `self.<piece>(...)`. An instance attribute of that
-    name shadows the submodule, so the step calls the piece's callable itself,
-    without nn.Module.__call__ (microseconds per piece, twice per layer; pieces
-    carry no hooks). The submodules stay for tools that walk modules (the
-    dump, depyf). Call it last: a GraphModule's forward changes when it is
-    recompiled, and this binds the current one."""
-    for name in names:
-        module = split_gm._modules[name]
-        if isinstance(module, _CallableModule):
-            fn = module.fn
-        else:
-            # A lazily recompiled GraphModule's forward recompiles, then goes
-            # through __call__: generate its code now and bind the real one.
-            if hasattr(module, "real_recompile"):
-                module.real_recompile()
-            fn = module.forward
-        object.__setattr__(split_gm, name, fn)
-
-
-class _CallableModule(torch.nn.Module):
-    """Holds a plain callable where split_gm expects a submodule."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
-def _as_module(fn: Callable[..., Any]) -> torch.nn.Module:
-    return fn if isinstance(fn, torch.nn.Module) else _CallableModule(fn)

@@ -2,20 +2,21 @@
 
 torch's AOT compile (compile/guard_free.py) saves Dynamo's code and guards
 and asks the backend's callable for its own bytes (`SerializableCallable`).
-A `CompiledStep` saves its split graph and pieces node by node (FX's
-GraphPickler), what their node metadata told (each piece's inputs, which are
-parameters, which it writes), the pieces' facts, the config, the op roles,
-the pass log, the packed weight groups and each Inductor piece's binary
-artifact. Loading rebuilds the pieces' callables and assembles the step as
-the backend does after compiling (compile/compiled_step.assemble_step): nothing is
-traced or compiled. The ops the graphs call must be registered again first,
-which importing the model's modules does. docs/design.md, section "Start in
-seconds" (a saved step).
+A `CompiledStep` saves its split graph and pieces node by node (as plain
+data, compile/graph_codec.py; FX's GraphPickler where that cannot), what
+their node metadata told (each piece's inputs, which are parameters, which
+it writes), the pieces' facts, the config, the op roles, the pass log, the
+packed weight groups and each Inductor piece's binary artifact. Loading
+rebuilds the pieces' callables and assembles the step as the backend does
+after compiling (compile/compiled_step.assemble_step): nothing is traced or
+compiled. The ops the graphs call must be registered again first, which
+importing the model's modules does. docs/design.md, "Start in seconds".
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import logging
 import os
@@ -26,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx._graph_pickler import GraphPickler, Options
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from compile_backend.compile import graph_codec
 from compile_backend.core.counters import counters
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # Bumped when what is saved changes: an older entry is then a miss.
 FORMAT = 3
+# Leads a step saved with its graphs as plain data (compile/graph_codec.py);
+# other saved steps are GraphPickler's.
+CODEC_MAGIC = b"mrv2-step-codec\n"
 
 
 def artifact_bytes(artifact: Any) -> bytes:
@@ -140,37 +144,53 @@ def serialize_step(step: Any) -> bytes:
     }
     for p in payload["pieces"]:
         p.graph_module = None  # the split graph's submodule of that name
+    try:  # graphs as plain data: a load imports neither Dynamo nor Inductor
+        payload["split_graph"] = graph_codec.encode(root)
+        return CODEC_MAGIC + pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    except (graph_codec.Unencodable, pickle.PicklingError, TypeError, AttributeError) as e:
+        counters["step_codec_fallbacks"] += 1
+        logger.info("mrv2: saving the step with FX's GraphPickler (its load imports Dynamo): %s",
+                    f"{type(e).__name__}: {e}")
+        payload["split_graph"] = root
+    from torch.fx._graph_pickler import Options
+
     return _dumps(payload, Options(ops_filter=None))
 
 
-class _StepPickler(pickle.Pickler):
+@functools.lru_cache(maxsize=1)
+def _step_pickler() -> type:
     """GraphPickler's reductions on Python's C pickler. Where dill is
     installed (depyf brings it), GraphPickler subclasses dill's pickler,
     which is pickle's pure-Python implementation (docs/design.md, "Start in
     seconds": a saved step). Takes whatever state this torch's GraphPickler
-    keeps, so its reductions find it."""
+    keeps, so its reductions find it. Made at the first save that needs it:
+    importing FX's GraphPickler imports Dynamo."""
+    from torch.fx._graph_pickler import GraphPickler, Options
 
-    def __init__(self, file: io.BytesIO, options: Options | None = None) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        model = GraphPickler(io.BytesIO(), options)
-        base = vars(type(model).__mro__[1](io.BytesIO()))  # the pickler it extends
-        for name, value in vars(model).items():
-            if name not in base:
-                setattr(self, name, value)
+    class _StepPickler(pickle.Pickler):
+        def __init__(self, file: io.BytesIO, options: Options | None = None) -> None:
+            super().__init__(file, pickle.HIGHEST_PROTOCOL)
+            model = GraphPickler(io.BytesIO(), options)
+            base = vars(type(model).__mro__[1](io.BytesIO()))  # the pickler it extends
+            for name, value in vars(model).items():
+                if name not in base:
+                    setattr(self, name, value)
+
+    # GraphPickler's own methods and class attributes (reducer_override,
+    # persistent_id, the types it passes through...), not its constructors.
+    for name, value in vars(GraphPickler).items():
+        if not name.startswith("__") and name not in ("dumps", "loads", "debug_dumps"):
+            setattr(_StepPickler, name, value)
+    return _StepPickler
 
 
-# GraphPickler's own methods and class attributes (reducer_override,
-# persistent_id, the types it passes through...), not its constructors.
-for _name, _value in vars(GraphPickler).items():
-    if not _name.startswith("__") and _name not in ("dumps", "loads", "debug_dumps"):
-        setattr(_StepPickler, _name, _value)
-
-
-def _dumps(payload: dict[str, Any], options: Options) -> bytes:
+def _dumps(payload: dict[str, Any], options: Any) -> bytes:
     """GraphPickler.dumps on the C pickler; GraphPickler's own where that
     fails (an object only dill pickles), counted and logged."""
+    from torch.fx._graph_pickler import GraphPickler
+
     try:
-        return GraphPickler.dumps.__func__(_StepPickler, payload, options)
+        return GraphPickler.dumps.__func__(_step_pickler(), payload, options)
     except Exception as e:  # noqa: BLE001 - the slower pickler still saves it
         counters["step_pickle_fallbacks"] += 1
         logger.info("mrv2: saving the step with GraphPickler's own pickler (%s: %s)",
@@ -189,15 +209,21 @@ def load_step(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the CompiledStep's fields, each piece's callable) from `serialize_step`'s
     bytes; CompiledStep.deserialize_compile_artifacts builds and assembles
     the step from them (so this module needs no CompiledStep)."""
-    from compile_backend.compile.layer_sharing import AsLayer
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from compile_backend.compile.piece_calls import AsLayer
 
     import compile_backend.kernels  # noqa: F401  (the mrv2 ops the graphs call, sibling_linear too)
 
     t0 = time.perf_counter()
-    payload = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    if data.startswith(CODEC_MAGIC):
+        payload = pickle.loads(data[len(CODEC_MAGIC):])
+        if payload.get("format") == FORMAT:
+            payload["split_graph"] = graph_codec.decode(payload["split_graph"])
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        payload = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
     if payload.get("format") != FORMAT:
         raise RuntimeError(f"saved step format {payload.get('format')} is not {FORMAT}")
     split_gm = payload["split_graph"]

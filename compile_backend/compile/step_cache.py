@@ -1,6 +1,6 @@
 """The warm-start cache: saved compiled steps, one file per entry.
 
-    <cache_dir>/steps/<key>.mrv2           pickle {"header": {...}, "aot": bytes}
+    <cache_dir>/steps/<key>.mrv2           pickle {"header": {...}, "aot": bytes, "direct": {...}}
     <cache_dir>/steps/<key>.kernels.json   a plan's Triton kernels (runtime/kernel_precompile.py)
     <cache_dir>/steps/<key>.gemms.json     its first step's GEMMs (runtime/gemm_warmup.py)
 
@@ -134,9 +134,12 @@ def entry_path(cache_dir: str, header: dict) -> str:
     return os.path.join(steps_dir(cache_dir), entry_key(header) + SUFFIX)
 
 
-def read_entry(path: str, header: dict) -> bytes:
-    """The saved AOT bytes at `path` for `header`; raises (with the reason)
-    when the entry is corrupt or was saved for something else."""
+def read_entry(path: str, header: dict) -> dict[str, Any]:
+    """The entry at `path` for `header`: "aot" (Dynamo's saved function
+    around the step) and, where one was written, "direct" (the step's own
+    bytes and how to call it without Dynamo: compile/direct_step.py). Raises
+    (with the reason) when the entry is corrupt or was saved for something
+    else."""
     with open(path, "rb") as f:
         try:
             entry = pickle.load(f)
@@ -148,7 +151,11 @@ def read_entry(path: str, header: dict) -> bytes:
         changed = sorted(k for k in set(entry["header"]) | set(header)
                          if entry["header"].get(k) != header.get(k))
         raise RuntimeError(f"stale entry (saved for another {', '.join(changed)})")
-    return entry["aot"]
+    direct = entry.get("direct")
+    if direct is not None and not (isinstance(direct, dict) and isinstance(direct.get("step"), bytes)
+                                   and isinstance(direct.get("plan"), dict)):
+        raise RuntimeError("corrupt entry (its direct part is not a step and a plan)")
+    return entry
 
 
 def _write_atomic(path: str, suffix: str, data: bytes) -> None:
@@ -169,10 +176,13 @@ def _write_atomic(path: str, suffix: str, data: bytes) -> None:
         raise
 
 
-def write_entry(path: str, header: dict, aot: bytes) -> None:
-    """Atomic (_write_atomic)."""
-    _write_atomic(path, SUFFIX, pickle.dumps({"header": header, "aot": aot, "saved": time.time()},
-                                             protocol=pickle.HIGHEST_PROTOCOL))
+def write_entry(path: str, header: dict, aot: bytes, direct: dict | None = None) -> None:
+    """Atomic (_write_atomic). `direct`: {"step": the step's bytes, "plan":
+    direct_step.plan_for's plan}, or None where the step needs Dynamo's code."""
+    entry = {"header": header, "aot": aot, "saved": time.time()}
+    if direct is not None:
+        entry["direct"] = direct
+    _write_atomic(path, SUFFIX, pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _side_path(entry: str, suffix: str) -> str:

@@ -78,6 +78,13 @@ class _Waited(NamedTuple):
     pool_bytes: int
 
 
+def _mark_tokens(args: tuple) -> None:
+    """The step's inputs (input_ids, positions): their token dimension
+    dynamic, so one trace serves every size (imports Dynamo)."""
+    for t in args:
+        mark_token_dim(t)
+
+
 def fit_capture_sizes(sizes: list[int], kv: KVCacheConfig) -> list[int]:
     """The capture sizes a batch can reach (sorted), logging the others once:
     no batch holds more than KVCacheConfig.max_batch_tokens tokens."""
@@ -148,7 +155,8 @@ class ModelRunner:
             # Dynamo's guards (compile/guard_free.py says what that promises).
             self.compiled = GuardFreeModel(
                 model, step_config,
-                Mrv2Backend(step_config, graph_mode=self.mode, mode_reason=self.mode_reason))
+                Mrv2Backend(step_config, graph_mode=self.mode, mode_reason=self.mode_reason),
+                prepare=_mark_tokens)
         else:
             self.compiled = compile_fn(model)
         # Outputs held weakly, as every piece's are: a step's logits live in the
@@ -191,16 +199,19 @@ class ModelRunner:
         if getattr(self.compiled, "ready", False):  # compiled: no Dynamo from here on
             with torch.no_grad():
                 return self.compiled(input_ids, positions)
-        # The first step imports Dynamo (mark_token_dim) and compiles or loads:
-        # the collector stays frozen for all of it (core/frozen_gc.py), or
-        # Dynamo's import alone sets off full collections over every object of
-        # the process (two, 0.23 s, in a warm start of the tiny model on the
-        # CPU machine). Its Triton kernels are recorded (not every step of the
-        # guarded fallback, which comes here at every call).
+        # The first step compiles or loads, importing Dynamo unless the saved
+        # step loads without it: the collector stays frozen for all of it
+        # (core/frozen_gc.py), or Dynamo's import alone sets off full
+        # collections over every object of the process (two, 0.23 s, in a
+        # warm start of the tiny model on the CPU machine). Its Triton kernels
+        # are recorded (not every step of the guarded fallback, which comes
+        # here at every call). The token dimension is marked dynamic before
+        # Dynamo sees the inputs: by GuardFreeModel where it compiles, here
+        # for a compile_fn's model.
         first = not self._stepped
         with frozen_gc() if first else contextlib.nullcontext():
-            mark_token_dim(input_ids)
-            mark_token_dim(positions)
+            if not isinstance(self.compiled, GuardFreeModel):
+                _mark_tokens((input_ids, positions))
             recording = (self._precompiler.active() if self._precompiler is not None and first
                          else contextlib.nullcontext())
             with symbolic_tokens(), torch.no_grad(), recording:  # a runner serves inference only

@@ -18,8 +18,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 import compile_backend as cb
 import toy_ops  # noqa: F401  (registers toy::*)
 from backend_models import D, TOY_OPTIONS, Layers, ToyHybrid, check_against_eager
-from compile_backend.compile.piece_compiler import (call_pieces_directly, compile_piece,
-                                                    compile_pieces, install_pieces)
+from compile_backend.compile.piece_calls import call_pieces_directly, install_pieces
+from compile_backend.compile.piece_compiler import compile_piece, compile_pieces
 from compile_backend.compile.split import split_graph
 
 TOL = dict(atol=1e-6, rtol=1e-6)

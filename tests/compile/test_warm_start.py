@@ -23,6 +23,8 @@ from compile_backend.runtime.graph_standin import StandInGraphs
 from runtime_helpers import kv_config, random_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The CPU graph stand-in's dispatch mode: torch imports Dynamo at its first op.
+STANDIN_MODE = "_UndoWrites.__torch_dispatch__"
 
 
 def _worker(cache, *extra, env_extra=None):
@@ -48,6 +50,12 @@ def test_a_second_process_loads_the_step_without_tracing_and_equals_eager(tmp_pa
     assert cold["counters"]["piece_compiles"] == 3  # 4 identical layers: first, middle, last
     warm, _ = _worker(tmp_path)
     assert warm["how"] == "loaded"
+    # Loaded without Dynamo (compile/direct_step.py): mrv2 does not import it.
+    # Here the CPU graph stand-in's dispatch mode does, at its first capture
+    # (torch wraps such a mode's dispatch in Dynamo's disable, imported then);
+    # a CUDA graph has no such mode (the GPU test asserts no import at all).
+    assert cold["dynamo_imported"] and warm["dynamo_importer"] in (None, STANDIN_MODE), warm
+    assert warm["path"] == "direct" and warm["counters"]["direct_loads"] == 1
     assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}, warm
     assert "dynamo_graphs" not in warm["counters"] and "piece_compiles" not in warm["counters"]
     assert warm["counters"]["cache_hits"] == 1 and warm["counters"]["steps_loaded"] == 1
@@ -55,6 +63,20 @@ def test_a_second_process_loads_the_step_without_tracing_and_equals_eager(tmp_pa
         assert run["logits_equal"] and run["caches_equal"], run
         assert run["counters"]["cudagraph_replays"] > 0
     assert len(_entries(tmp_path)) == 1
+
+
+@pytest.mark.slow  # two processes that trace
+def test_a_warm_start_imports_no_dynamo(tmp_path):
+    """Without graphs (no stand-in's dispatch mode either), a warm process
+    loads and serves the step and never imports Dynamo, nor sympy's users:
+    the step, its graphs and its call come without it (compile/direct_step.py,
+    compile/graph_codec.py). Both equal eager."""
+    cold, _ = _worker(tmp_path, "--mode", "none")
+    warm, _ = _worker(tmp_path, "--mode", "none")
+    assert (cold["how"], warm["how"], warm["path"]) == ("compiled", "loaded", "direct")
+    assert cold["dynamo_imported"] and not warm["dynamo_imported"], warm
+    for run in (cold, warm):
+        assert run["logits_equal"] and run["caches_equal"], run
 
 
 @pytest.mark.slow
@@ -311,6 +333,7 @@ def test_llama_pieces_run_as_traced_and_a_warm_start_loads_no_inductor(tmp_path)
     assert cold["counters"]["pieces_without_inductor"] == captured, cold["counters"]
     assert cold["compiled_with"] == warm["compiled_with"] == ["eager"] * captured
     assert warm["inductor_runtime_loaded"] == [], warm
+    assert warm["path"] == "direct" and warm["dynamo_importer"] in (None, STANDIN_MODE), warm
     for run in (cold, warm):
         assert run["logits_equal"] and run["caches_equal"], run
 
@@ -337,6 +360,10 @@ def test_a_warm_started_runner_replays_equal_eager_on_the_gpu(tmp_path, mode, de
     assert (cold["how"], warm["how"]) == ("compiled", "loaded"), (cold, warm)
     assert warm["traced"] == {"fullgraph_capture": 0, "frames": 0}
     assert "inductor_compiles" not in warm["counters"]
+    # Without Dynamo's code (compile/direct_step.py); Inductor's artifacts
+    # import Dynamo, traced pieces do not.
+    assert warm["path"] == "direct", warm
+    assert warm["dynamo_imported"] == (pieces == "inductor"), warm
     assert set(cold["compiled_with"]) == set(warm["compiled_with"]) == \
         {"inductor" if pieces == "inductor" else "eager"}
     # The cold start's Triton kernels, listed beside the entry, load before the
@@ -399,16 +426,18 @@ def test_a_loaded_step_writes_its_debug_dump_where_this_runner_says(tmp_path):
     assert first["runtime"]["step"]["how"] == "compiled"
     assert second["runtime"]["step"]["how"] == "loaded"
     assert second["runtime"]["step"]["cache_entry"] == first["runtime"]["step"]["cache_entry"]
-    # The first call's phases, in the order they ran: a compile, then a load
-    # (which never wraps with torch.compile).
-    assert list(first["runtime"]["step"]["phases"]) == ["key", "wrap", "compile", "save", "first_run"]
+    # The first call's phases, in the order they ran: a compile (saved after
+    # its first run, which shows how to call the step without Dynamo), then a
+    # load without Dynamo (which never wraps with torch.compile).
+    assert list(first["runtime"]["step"]["phases"]) == ["key", "wrap", "compile", "first_run", "save"]
+    assert second["runtime"]["step"]["path"] == "direct"
     assert list(second["runtime"]["step"]["phases"]) == \
-        ["key", "read", "deserialize", "guard_check", "first_run"]
+        ["key", "read", "deserialize", "resolve", "first_run"]
     assert all(v >= 0 for v in second["runtime"]["step"]["phases"].values())
-    # The load's deserialize by part: mrv2's graph and pieces, Dynamo's rest;
-    # the parts are inside that phase. A compile has none.
+    # The load's deserialize by part: mrv2's graph and pieces (no Dynamo on
+    # this path); the parts are inside that phase. A compile has none.
     parts = second["runtime"]["step"]["load_parts"]
-    assert set(parts) == {"step_graph", "step_pieces", "dynamo"} and parts["step_graph"] > 0
+    assert set(parts) == {"step_graph", "step_pieces"} and parts["step_graph"] > 0
     assert sum(parts.values()) <= second["runtime"]["step"]["phases"]["deserialize"] + 3e-3  # rounding
     assert first["runtime"]["step"]["load_parts"] == {}
     assert len(second["graphs"]) == 1

@@ -42,8 +42,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import contextlib  # noqa: E402
 
+from compile_backend.debug.import_watch import ImportWatch  # noqa: E402  (imports no Dynamo)
+
+traced = {"fullgraph_capture": 0, "frames": 0}
+
+
+def _counting(name, fn):
+    def wrapper(*a, **k):
+        traced[name] += 1
+        return fn(*a, **k)
+    return wrapper
+
+
+def _count_traces(convert_frame):
+    convert_frame.fullgraph_capture = _counting("fullgraph_capture", convert_frame.fullgraph_capture)
+    convert_frame._compile = _counting("frames", convert_frame._compile)
+
+
+# Dynamo's traces are counted once it is imported: importing it here would
+# hide whether a warm start needs it.
+dynamo = ImportWatch("torch._dynamo")
+ImportWatch("torch._dynamo.convert_frame", on_import=_count_traces)
+
 import torch  # noqa: E402
-import torch._dynamo.convert_frame as convert_frame  # noqa: E402
 
 import compile_backend as cb  # noqa: E402
 from compile_backend.demo.models import build_model, preset  # noqa: E402
@@ -55,22 +76,11 @@ from compile_backend.compile.compiled_step import compiled_steps  # noqa: E402
 INDUCTOR_RUNTIME = ("torch._inductor.select_algorithm", "torch._inductor.output_code",
                     "torch._inductor.compile_fx", "functorch.compile", "networkx")
 
-traced = {"fullgraph_capture": 0, "frames": 0}
 if args.workers_fail:
     import compile_backend.compile.worker_compile as worker_compile
 
     worker_compile.WORKER_COMPILE = "zlib:decompress"  # the payload is no zlib stream: an error
 
-
-def _counting(name, fn):
-    def wrapper(*a, **k):
-        traced[name] += 1
-        return fn(*a, **k)
-    return wrapper
-
-
-convert_frame.fullgraph_capture = _counting("fullgraph_capture", convert_frame.fullgraph_capture)
-convert_frame._compile = _counting("frames", convert_frame._compile)
 
 device = torch.device(args.device)
 dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -122,7 +132,11 @@ with graphs, torch.no_grad():
     runner.capture()
     got = serve(runner)
     counts = {k: v for k, v in cb.counters.items() if v}
-    result = {"how": runner.compiled.how, "load_seconds": runner.compiled.seconds,
+    result = {"how": runner.compiled.how, "path": runner.compiled.path,
+              # Before the eager reference below, whose token marks import it.
+              "dynamo_imported": dynamo.importer is not None,
+              "dynamo_importer": dynamo.importer,
+              "load_seconds": runner.compiled.seconds,
               "traced": dict(traced), "counters": counts,
               "capture_stats": {k: v for k, v in runner.capture_stats.items() if k.startswith("gemm")},
               "compiled_with": [p.compiled_with for p in compiled_steps()[-1].pieces if p.captured],
