@@ -2,9 +2,12 @@
 
     python bench/import_cost.py [--runs 3] [--out FILE.md]
 
-A warm start loads its step through Dynamo's and Inductor's own loaders,
-which import most of Dynamo and the Inductor modules that a compiled
-piece's code names (its header imports `torch._inductor.select_algorithm`).
+A warm start whose entry has a plan loads the step alone and imports none
+of the rows after the runner (compile/direct_step.py: docs/design.md, "A
+warm start without Dynamo"). One through Dynamo's saved code, or with
+Inductor pieces, imports most of Dynamo, and the Inductor modules that a
+compiled piece's code names (its header imports
+`torch._inductor.select_algorithm`).
 Each run is a fresh process that imports, in order, the modules below and
 times each import on top of the ones before it. Bytecode comes from
 PYTHONPYCACHEPREFIX (a first, untimed process writes it where the install

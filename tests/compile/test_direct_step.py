@@ -102,8 +102,9 @@ def test_a_target_without_an_importable_name_is_refused_and_the_step_saves_other
 
 # ---- through a runner ---------------------------------------------------------------------
 
-def _engine(cache_dir, mode="full_and_piecewise", debug_checks=False, model_class=None):
-    m = build_model("llama", preset("tiny", num_layers=2))
+def _engine(cache_dir, mode="full_and_piecewise", debug_checks=False, model_class=None,
+            model="llama"):
+    m = build_model(model, preset("tiny", num_layers=2))
     if model_class is not None:
         m.__class__ = model_class
     cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=[1, 4, 8], piece_compiler="eager",
@@ -123,9 +124,9 @@ def _serve(cache_dir, prompts_list, state, **engine_options):
     return engine.runner.compiled.how, engine.runner.compiled.path, tokens, dict(cb.counters)
 
 
-def _eager(prompts_list):
+def _eager(prompts_list, model="llama"):
     torch._dynamo.reset()
-    ref = _engine(None, mode="none")
+    ref = _engine(None, mode="none", model=model)
     ref.runner.capture()
     return [ref.generate(p, 3) for p in prompts_list], ref.runner.model.state_dict()
 
@@ -134,12 +135,16 @@ PROMPTS = [random_prompts([5, 9, 3], seed=11), random_prompts([7, 2], seed=12),
            random_prompts([12], seed=13)]
 
 
-def test_a_direct_load_equals_eager_over_several_calls_and_debug_checks_go_through_dynamo(tmp_path):
+@pytest.mark.parametrize("model", ["llama", pytest.param("hybrid", marks=pytest.mark.slow)])
+def test_a_direct_load_equals_eager_over_several_calls_and_debug_checks_go_through_dynamo(
+        tmp_path, model):
+    """hybrid: its short convolutions' state buffers are graph inputs too."""
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        want, state = _eager(PROMPTS)
-        runs = [_serve(str(tmp_path), PROMPTS, state) for _ in range(2)]
-        checked = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True)
-        checked_warm = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True)
+        want, state = _eager(PROMPTS, model)
+        runs = [_serve(str(tmp_path), PROMPTS, state, model=model) for _ in range(2)]
+        checked = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True, model=model)
+        checked_warm = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True,
+                              model=model)
     (how0, path0, got0, c0), (how1, path1, got1, c1) = runs
     assert (how0, path0, how1, path1) == ("compiled", None, "loaded", "direct")
     assert c1["direct_loads"] == 1 and "dynamo_graphs" not in c1 and "direct_plan_refusals" not in c0
