@@ -112,23 +112,34 @@ def _engine(cache_dir, mode="full_and_piecewise", debug_checks=False, model_clas
     return Engine(m, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
 
 
-def _serve(cache_dir, prompts_list, state, **engine_options):
+def _serve(cache_dir, prompts_list, state, want_state=None, **engine_options):
     """One engine (a new model object with `state`), several generate calls:
-    (how, path, tokens per call, counters)."""
+    (how, path, tokens per call, counters). With `want_state` (eager's after
+    the same calls), every parameter and buffer (KV caches, convolution
+    states) is compared with it after the calls."""
     torch._dynamo.reset()
     cb.reset_counters()
     engine = _engine(cache_dir, **engine_options)
     engine.runner.model.load_state_dict(state)
     engine.runner.capture()
     tokens = [engine.generate(p, 3) for p in prompts_list]
+    if want_state is not None:
+        got = engine.runner.model.state_dict()
+        assert got.keys() == want_state.keys()
+        for name, t in got.items():  # fp32 model: the eager op order, tight bounds
+            torch.testing.assert_close(t, want_state[name], rtol=1e-5, atol=1e-5, msg=name)
     return engine.runner.compiled.how, engine.runner.compiled.path, tokens, dict(cb.counters)
 
 
 def _eager(prompts_list, model="llama"):
+    """Eager tokens per call, the weights it started from, and its state
+    (weights, caches) after the calls."""
     torch._dynamo.reset()
     ref = _engine(None, mode="none", model=model)
     ref.runner.capture()
-    return [ref.generate(p, 3) for p in prompts_list], ref.runner.model.state_dict()
+    start = {k: v.clone() for k, v in ref.runner.model.state_dict().items()}
+    tokens = [ref.generate(p, 3) for p in prompts_list]
+    return tokens, start, ref.runner.model.state_dict()
 
 
 PROMPTS = [random_prompts([5, 9, 3], seed=11), random_prompts([7, 2], seed=12),
@@ -140,8 +151,8 @@ def test_a_direct_load_equals_eager_over_several_calls_and_debug_checks_go_throu
         tmp_path, model):
     """hybrid: its short convolutions' state buffers are graph inputs too."""
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        want, state = _eager(PROMPTS, model)
-        runs = [_serve(str(tmp_path), PROMPTS, state, model=model) for _ in range(2)]
+        want, state, after = _eager(PROMPTS, model)
+        runs = [_serve(str(tmp_path), PROMPTS, state, after, model=model) for _ in range(2)]
         checked = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True, model=model)
         checked_warm = _serve(str(tmp_path / "checked"), PROMPTS, state, debug_checks=True,
                               model=model)
@@ -164,7 +175,7 @@ class CountingLlama(type(build_model("llama", preset("tiny", num_layers=1)))):
 
 def test_a_forward_that_writes_state_gets_no_plan_and_loads_through_dynamo(tmp_path, caplog):
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        want, state = _eager(PROMPTS)
+        want, state, _ = _eager(PROMPTS)
         runs = []
         for _ in range(2):
             torch._dynamo.reset()
@@ -199,7 +210,7 @@ def _header_of(folder):
 
 def test_a_plan_that_finds_nothing_falls_back_to_dynamo_said_and_counted(tmp_path, caplog):
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        want, state = _eager(PROMPTS)
+        want, state, after = _eager(PROMPTS)
         _serve(str(tmp_path), PROMPTS, state)
         header = _header_of(tmp_path)
         path = step_cache.entry_path(str(tmp_path), header)
@@ -210,7 +221,7 @@ def test_a_plan_that_finds_nothing_falls_back_to_dynamo_said_and_counted(tmp_pat
         sources[i] = "L['self']._modules['no_such_layer']._parameters['weight']"
         step_cache.write_entry(path, header, entry["aot"], entry["direct"])
         with caplog.at_level(logging.WARNING, logger="compile_backend"):
-            how, path_taken, got, counters = _serve(str(tmp_path), PROMPTS, state)
+            how, path_taken, got, counters = _serve(str(tmp_path), PROMPTS, state, after)
     assert (how, path_taken) == ("loaded", "dynamo")
     assert counters["direct_load_failures"] == 1 and counters["cache_hits"] == 1
     assert "not loaded without Dynamo, loading it through Dynamo: ValueError" in caplog.text
