@@ -236,7 +236,8 @@ def write_gemms(entry: str, gemms: list[dict[str, Any]]) -> None:
 
 
 def list_entries(cache_dir: str) -> list[dict[str, Any]]:
-    """One row per entry: key, bytes, saved time, model classes, mode, device."""
+    """One row per entry: key, bytes, saved time, model classes, mode,
+    device, torch, and whether it loads without Dynamo (`direct`)."""
     folder = steps_dir(cache_dir)
     rows = []
     if not os.path.isdir(folder):
@@ -252,7 +253,7 @@ def list_entries(cache_dir: str) -> list[dict[str, Any]]:
             header = entry["header"]
             row.update(saved=entry.get("saved"), model=header["model_class"],
                        mode=header["config"].get("cudagraph_mode"), device=header["device"],
-                       torch=header["torch"])
+                       torch=header["torch"], direct=entry.get("direct") is not None)
         except Exception as e:  # listed as unreadable; `clear` removes it
             row["error"] = f"{type(e).__name__}: {e}"
         rows.append(row)

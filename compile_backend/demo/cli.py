@@ -95,7 +95,8 @@ def _cache(args: argparse.Namespace) -> int:
 
         saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["saved"])) if r["saved"] else "?"
         print(f"  {r['key']}  {r['bytes'] / 2**20:7.1f} MiB  {saved}  {r['model']}  "
-              f"mode {r['mode']}  {r['device']}  torch {r['torch']}")
+              f"mode {r['mode']}  {r['device']}  torch {r['torch']}  "
+              f"loads {'without Dynamo' if r.get('direct') else 'through Dynamo'}")
     return 0
 
 

@@ -169,13 +169,17 @@ def test_cache_ls_and_clear(tmp_path, capsys):
     header = {"model_class": "m.M", "model": {}, "config": {"cudagraph_mode": "full"},
               "device": "cpu", "torch": "x"}
     step_cache.write_entry(step_cache.entry_path(str(tmp_path), header), header, b"aot")
+    other = {**header, "torch": "y"}
+    step_cache.write_entry(step_cache.entry_path(str(tmp_path), other), other, b"aot",
+                           {"step": b"step", "plan": {"sources": [], "arg_names": [], "output": 0}})
     with open(os.path.join(step_cache.steps_dir(str(tmp_path)), "junk.mrv2"), "wb") as f:
         f.write(b"not a pickle")
     assert cli_main(["cache", "ls", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "2 entries" in out and "m.M" in out and "mode full" in out and "unreadable" in out
+    assert "3 entries" in out and "m.M" in out and "mode full" in out and "unreadable" in out
+    assert "torch x  loads through Dynamo" in out and "torch y  loads without Dynamo" in out
     assert cli_main(["cache", "clear", "--dir", str(tmp_path)]) == 0
-    assert "removed 2 entries" in capsys.readouterr().out
+    assert "removed 3 entries" in capsys.readouterr().out
     assert step_cache.list_entries(str(tmp_path)) == []
 
 
