@@ -171,7 +171,12 @@ class CompileWorkers:
                     _send(proc.stdin, (job.remote, job.arg))
                     status, value = _recv(proc.stdout)
                 except (OSError, EOFError, pickle.PickleError, ValueError) as e:
-                    proc.poll()
+                    # Its pipe closed as it exited: wait a little for the
+                    # exit code (poll alone can come before the exit).
+                    try:
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
                     job.future.set_exception(WorkerError(
                         f"compile worker {proc.pid} died (exit code {proc.returncode}): "
                         f"{type(e).__name__}: {e}"))
