@@ -367,9 +367,9 @@ def tables(meta: dict, rows: list[dict]) -> str:
     if with_phases:
         names = [n for n in FIRST_CALL_PHASES if any(n in r["first_call_phases"] for r in with_phases)]
         L += run_table(with_phases, "The first call (compile s above) by phase, host seconds "
-                       "(GuardFreeModel.phases: key: the entry's header; read; deserialize: mrv2's "
-                       "step and its pieces' artifacts, and on the dynamo path Dynamo's code and "
-                       "guards; resolve: the direct path's graph inputs found; guard_check; wrap: "
+                       "(GuardFreeModel.phases: key: the entry's header; read; resolve: the direct "
+                       "path's graph inputs found; deserialize: mrv2's step and its pieces' "
+                       "artifacts, and on the dynamo path Dynamo's code and guards; guard_check; wrap: "
                        "torch.compile and the imports it makes; compile: a cold start's trace and "
                        "pieces; first_run: the first step through the new code; save, after it). "
                        "Dynamo's import, where one comes, is inside them; it and the runner's own "
@@ -458,7 +458,7 @@ def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[s
                                    for r in rows])]
 
 
-FIRST_CALL_PHASES = ("key", "read", "deserialize", "resolve", "guard_check", "wrap", "compile",
+FIRST_CALL_PHASES = ("key", "read", "resolve", "deserialize", "guard_check", "wrap", "compile",
                      "first_run", "save")
 
 

@@ -2,7 +2,7 @@
 where Dynamo took it from, the step called, its output returned.
 
     plan, why_not = plan_for(aot, step, model, args, first)   # cold: after the first call
-    call = bind(step, plan, model)                             # warm: no Dynamo imported
+    call = bind(step, resolve(plan, model), model)            # warm: no Dynamo imported
     out = call(input_ids, positions)
 
 A plan holds each graph input's source (`L['input_ids'].size()[0]`, a
@@ -19,7 +19,7 @@ import contextlib
 import dis
 import inspect
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -186,11 +186,21 @@ def plan_for(aot: Any, step: Any, model: torch.nn.Module, args: Sequence[Any],
     return {"sources": list(step.input_sources), "arg_names": names, "output": hits[0]}, None
 
 
-def bind(step: Any, plan: dict, model: torch.nn.Module) -> Callable[..., Any]:
-    """`(*args) -> output` calling `step` as Dynamo's code did. Parameters and
-    buffers are found once (a runner promises they stay the same objects,
-    compile/guard_free.py); the rest at every call. Raises (ValueError) where
-    a source finds nothing in this model."""
+class Inputs(NamedTuple):
+    """A plan resolved against a model (`resolve`): the graph inputs found
+    once, and how to find the others at every call."""
+
+    template: list[Any]  # parameters and buffers in place; None where a call fills in
+    arguments: list[tuple[int, int]]  # (input, argument position): the argument itself
+    walked: list[tuple[int, int, tuple]]  # (input, argument position or -1: the model, steps)
+    output: int  # which of the step's outputs the forward returns
+
+
+def resolve(plan: dict, model: torch.nn.Module) -> Inputs:
+    """The plan's sources found in `model`: parameters and buffers once (a
+    runner promises they stay the same objects, compile/guard_free.py); the
+    rest at every call. Raises (ValueError) where a source finds nothing in
+    this model, before any step is loaded."""
     names = plan["arg_names"]
     if names != arg_names(model):
         raise ValueError(f"the forward's arguments are {arg_names(model)}, not {names}")
@@ -211,18 +221,24 @@ def bind(step: Any, plan: dict, model: torch.nn.Module) -> Callable[..., Any]:
                 template.append(value)
                 continue
             per_call.append((i, -1, steps))  # model state that is not a tensor: read at every call
-        else:
+        elif root in names:
             per_call.append((i, names.index(root), steps))
+        else:
+            raise ValueError(f"graph input {i}: {source} names no argument of the forward {names}")
         template.append(None)
-    k = plan["output"]
-    direct = [(i, pos) for i, pos, steps in per_call if not steps]
-    walked = [(i, pos, steps) for i, pos, steps in per_call if steps]
+    return Inputs(template, [(i, pos) for i, pos, steps in per_call if not steps],
+                  [(i, pos, steps) for i, pos, steps in per_call if steps], int(plan["output"]))
+
+
+def bind(step: Any, inputs: Inputs, model: torch.nn.Module) -> Callable[..., Any]:
+    """`(*args) -> output` calling `step` as Dynamo's code did."""
+    template, arguments, walked, k = inputs
 
     def call(*args: Any) -> Any:
-        inputs = template.copy()
-        for i, pos in direct:
-            inputs[i] = args[pos]
+        values = template.copy()
+        for i, pos in arguments:
+            values[i] = args[pos]
         for i, pos, steps in walked:
-            inputs[i] = _walk(model if pos < 0 else args[pos], steps)
-        return step(*inputs)[k]
+            values[i] = _walk(model if pos < 0 else args[pos], steps)
+        return step(*values)[k]
     return call

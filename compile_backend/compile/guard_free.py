@@ -50,9 +50,9 @@ class GuardFreeModel:
         self.cache_path: str | None = None
         self.seconds = 0.0
         # Host seconds of the first call by phase, in order: "key" (the
-        # entry's header), "read", "deserialize" (mrv2's step and its pieces'
-        # artifacts, and through Dynamo its code and guards), then "resolve"
-        # (a direct load: the graph inputs found) or "guard_check"; where
+        # entry's header), "read", "resolve" (a direct load: the graph inputs
+        # found), "deserialize" (mrv2's step and its pieces' artifacts, and
+        # through Dynamo its code and guards), "guard_check" (through Dynamo); where
         # nothing was loaded, "wrap" (torch.compile and the imports it makes)
         # and "compile" (a cold start's trace and pieces); "first_run" (the
         # first step through the new code); last a compile's "save".
@@ -286,13 +286,13 @@ class GuardFreeModel:
         from compile_backend.compile import direct_step, step_artifacts
         from compile_backend.compile.compiled_step import CompiledStep
 
-        try:
+        try:  # the plan first: a model it does not fit loads no step
             t = time.perf_counter()
+            inputs = direct_step.resolve(direct["plan"], self.model)
+            t = self._phase("resolve", t)
             step_artifacts.last_load_seconds.clear()
             step = CompiledStep.deserialize_compile_artifacts(direct["step"])
-            t = self._phase("deserialize", t)
-            call = direct_step.bind(step, direct["plan"], self.model)
-            self._phase("resolve", t)
+            self._phase("deserialize", t)
         except Exception as e:  # noqa: BLE001 - Dynamo's saved code still serves
             counters["direct_load_failures"] += 1
             logger.warning("mrv2: warm-start entry %s not loaded without Dynamo, loading it "
@@ -300,6 +300,7 @@ class GuardFreeModel:
             for phase in ("deserialize", "resolve"):
                 self.phases.pop(phase, None)
             return False
+        call = direct_step.bind(step, inputs, self.model)
         parts = step_artifacts.last_load_seconds
         self.load_parts = {"step_graph": parts.get("graph", 0.0), "step_pieces": parts.get("pieces", 0.0)}
         counters["cache_hits"] += 1

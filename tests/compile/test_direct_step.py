@@ -224,6 +224,7 @@ def test_a_plan_that_finds_nothing_falls_back_to_dynamo_said_and_counted(tmp_pat
             how, path_taken, got, counters = _serve(str(tmp_path), PROMPTS, state, after)
     assert (how, path_taken) == ("loaded", "dynamo")
     assert counters["direct_load_failures"] == 1 and counters["cache_hits"] == 1
+    assert counters["steps_loaded"] == 1  # the plan failed before any step was loaded
     assert "not loaded without Dynamo, loading it through Dynamo: ValueError" in caplog.text
     assert "no_such_layer" in caplog.text
     assert got == want

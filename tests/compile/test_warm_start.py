@@ -436,7 +436,7 @@ def test_a_loaded_step_writes_its_debug_dump_where_this_runner_says(tmp_path):
     assert list(first["runtime"]["step"]["phases"]) == ["key", "wrap", "compile", "first_run", "save"]
     assert second["runtime"]["step"]["path"] == "direct"
     assert list(second["runtime"]["step"]["phases"]) == \
-        ["key", "read", "deserialize", "resolve", "first_run"]
+        ["key", "read", "resolve", "deserialize", "first_run"]
     assert all(v >= 0 for v in second["runtime"]["step"]["phases"].values())
     # The load's deserialize by part: mrv2's graph and pieces (no Dynamo on
     # this path); the parts are inside that phase. A compile has none.
