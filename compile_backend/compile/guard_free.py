@@ -207,16 +207,17 @@ class GuardFreeModel:
 
     def _adopt(self, step: Any) -> None:
         """A loaded step runs under this runner's config where the key leaves
-        it out (where the dump and the cache go), and writes its compile dump
-        as a compiled one does."""
+        it out (step_cache.NOT_IN_KEY: where the dump and the cache go, the
+        capture sizes...), and writes its compile dump as a compiled one does."""
         import dataclasses
 
         from compile_backend.compile.compiled_step import CompiledStep
+        from compile_backend.compile.step_cache import NOT_IN_KEY
 
         if not isinstance(step, CompiledStep):
             return
-        step.config = dataclasses.replace(step.config, debug_dump_path=self.config.debug_dump_path,
-                                          cache_dir=self.config.cache_dir)
+        step.config = dataclasses.replace(
+            step.config, **{name: getattr(self.config, name) for name in NOT_IN_KEY})
         if step.config.debug_dump_path:
             from compile_backend.debug.dump import write_compile_dump
 

@@ -6,7 +6,7 @@
 
 The key hashes everything the saved step depends on (`entry_header`): the
 model's code and its parameters' names, shapes and dtypes; the inputs' dtypes
-and ranks; the config; mrv2's own source; torch, Triton, Python and CUDA
+and ranks; the config (not the capture sizes: `NOT_IN_KEY`); mrv2's own source; torch, Triton, Python and CUDA
 versions; the GPU. The header is stored in the entry and compared on load:
 an entry that does not match is refused, never used. Writes go to a
 temporary file in the same folder, then `os.replace`: a reader sees a whole
@@ -32,6 +32,15 @@ import torch
 SUFFIX = ".mrv2"
 KERNELS_SUFFIX = ".kernels.json"
 GEMMS_SUFFIX = ".gemms.json"
+
+
+# Options a saved step does not depend on, left out of its key: where things
+# go and how the compile is spread (not what runs), and the runner's plan
+# (which sizes it captures, and when it warms up: the step is traced with a
+# symbolic token count, so a runner of other sizes loads the same entry). A
+# loaded step takes this runner's values of them (guard_free._adopt).
+NOT_IN_KEY = ("cache_dir", "debug_dump_path", "precompile_threads", "compile_workers",
+              "warm_gemms", "capture_sizes", "capture_warmup")
 
 
 def steps_dir(cache_dir: str) -> str:
@@ -102,8 +111,7 @@ def entry_header(model: torch.nn.Module, config: Any, args: Sequence[Any]) -> tu
     except ImportError:  # pragma: no cover
         triton_version = None
     options = config.summary()
-    for name in ("cache_dir", "debug_dump_path", "precompile_threads",
-                 "compile_workers", "warm_gemms"):  # not what runs
+    for name in NOT_IN_KEY:
         options.pop(name, None)
     header = {
         "format": 1,

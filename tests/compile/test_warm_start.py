@@ -97,8 +97,12 @@ def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path):
 def test_a_changed_option_misses_and_a_mismatched_entry_is_refused(tmp_path):
     _worker(tmp_path)
     (first,) = _entries(tmp_path)
+    # other capture sizes: the same step (its token count is symbolic), loaded
+    run, _ = _worker(tmp_path, "--capture-sizes", "1,2,4,8,16")
+    assert run["how"] == "loaded" and run["logits_equal"] and run["caches_equal"], run
+    assert len(_entries(tmp_path)) == 1
     # another option: another key, compiled and saved beside the first
-    run, _ = _worker(tmp_path, "--capture-sizes", "1,2,4,8")
+    run, _ = _worker(tmp_path, "--min-fusible", "5")
     assert run["how"] == "compiled" and run["counters"]["cache_misses"] == 1
     assert len(_entries(tmp_path)) == 2
     # an entry whose header does not match what it is loaded for (a hash
@@ -125,8 +129,12 @@ def test_entry_header_changes_with_model_code_state_inputs_and_options():
     key = step_cache.entry_key(base)
     bigger = build_model("llama", preset("tiny", num_layers=3))
     assert step_cache.entry_key(step_cache.entry_header(bigger, cfg, (ids, ids))[0]) != key
-    other = cb.CompilationConfig(piece_compiler="eager", capture_sizes=[1, 2])
+    other = cb.CompilationConfig(piece_compiler="eager", fuse_norm_linear=False)
     assert step_cache.entry_key(step_cache.entry_header(m, other, (ids, ids))[0]) != key
+    # the runner's plan is not the step: other capture sizes, the same entry
+    plan = cb.CompilationConfig(piece_compiler="eager", capture_sizes=[1, 2],
+                                capture_warmup="every_size")
+    assert step_cache.entry_key(step_cache.entry_header(m, plan, (ids, ids))[0]) == key
     int32 = ids.to(torch.int32)
     assert step_cache.entry_key(step_cache.entry_header(m, cfg, (int32, ids))[0]) != key
     # where things go is not what runs
