@@ -54,6 +54,21 @@ out['step cache'] = loaded()
     assert out == {"compile_backend": [], "kernels": [], "runner classes": [], "step cache": []}
 
 
+def test_what_loads_a_saved_step_without_dynamo_imports_no_compiler():
+    """The modules a warm start's direct load runs (compile/direct_step.py,
+    the step, its graphs' codec, how the split graph calls its pieces)
+    import none of the heavy ones; tests/compile/test_warm_start.py checks
+    a whole warm process."""
+    out = _run("""
+out = {}
+import compile_backend.compile.direct_step, compile_backend.compile.graph_codec
+import compile_backend.compile.step_artifacts, compile_backend.compile.compiled_step
+import compile_backend.compile.piece_calls
+out['direct load'] = loaded()
+""")
+    assert out == {"direct load": []}
+
+
 @pytest.mark.slow  # full tier: a subprocess that compiles
 def test_building_a_runner_loads_no_compiler_and_its_first_step_does():
     """Building a model and its runner imports nothing of the compiler; the
