@@ -75,9 +75,11 @@ def _fixed_shapes(args: Sequence[Any]) -> list[int]:
     another is another compiled graph; a wrapper's lazy key leaves them out.
     An input without an example value (a piece's input made by the split)
     is not counted fixed."""
+    from compile_backend.passes.fx_nodes import example_value  # compile time: sympy is in
+
     out = []
     for i, a in enumerate(args):
-        value = a.meta.get("example_value", a.meta.get("val")) if isinstance(a, torch.fx.Node) else None
+        value = example_value(a)
         if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
             out.append(i)
     return out

@@ -89,10 +89,6 @@ def arg_names(model: torch.nn.Module) -> list[str] | None:
     return [p.name for p in params]
 
 
-def _locals(model: torch.nn.Module, names: Sequence[str], args: Sequence[Any]) -> dict[str, Any]:
-    return {"self": model, **dict(zip(names, args))}
-
-
 def _compiled_global(code: Any) -> str | None:
     names = [n for n in code.co_names if n.startswith("__compiled_fn")]
     return names[0] if len(names) == 1 else None
@@ -165,7 +161,7 @@ def plan_for(aot: Any, step: Any, model: torch.nn.Module, args: Sequence[Any],
     if names is None:
         return None, "the forward takes *args or **kwargs"
     parsed = [parse_source(s) for s in step.input_sources]
-    if not parsed or any(p is None or p[0] not in ("self", *names) for p in parsed):
+    if not parsed or None in parsed:
         bad = [s for s, p in zip(step.input_sources, parsed) if p is None][:1]
         return None, f"a graph input has a source no plan names ({bad or 'none recorded'})"
     why = _code_reaches_beyond(code, parsed)
@@ -173,17 +169,21 @@ def plan_for(aot: Any, step: Any, model: torch.nn.Module, args: Sequence[Any],
         return None, f"Dynamo's code does more than call the step: {why}"
     if first.args is None:
         return None, "the first call did not reach the step"
-    local = _locals(model, names, args)
-    found = [_walk(local[root], steps) for root, steps in parsed]
-    if len(found) != len(first.args) or not all(
-            (a is b) if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
-            for a, b in zip(found, first.args)):
-        return None, "the sources do not give the inputs Dynamo passed"
     outs = first.outputs
     hits = [i for i, o in enumerate(outs) if o is first.returned] if isinstance(outs, (list, tuple)) else []
     if len(hits) != 1:
         return None, "the forward returns other than one of the step's outputs"
-    return {"sources": list(step.input_sources), "arg_names": names, "output": hits[0]}, None
+    plan = {"sources": list(step.input_sources), "arg_names": names, "output": hits[0]}
+    # Checked by what a warm load will run: `resolve`, then `Inputs.values`.
+    try:
+        found = resolve(plan, model).values(model, args)
+    except ValueError as e:
+        return None, f"a source finds nothing: {e}"
+    if len(found) != len(first.args) or not all(
+            (a is b) if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
+            for a, b in zip(found, first.args)):
+        return None, "the sources do not give the inputs Dynamo passed"
+    return plan, None
 
 
 class Inputs(NamedTuple):
@@ -194,6 +194,15 @@ class Inputs(NamedTuple):
     arguments: list[tuple[int, int]]  # (input, argument position): the argument itself
     walked: list[tuple[int, int, tuple]]  # (input, argument position or -1: the model, steps)
     output: int  # which of the step's outputs the forward returns
+
+    def values(self, model: torch.nn.Module, args: Sequence[Any]) -> list[Any]:
+        """The graph inputs of a call with `args`."""
+        values = self.template.copy()
+        for i, pos in self.arguments:
+            values[i] = args[pos]
+        for i, pos, steps in self.walked:
+            values[i] = _walk(model if pos < 0 else args[pos], steps)
+        return values
 
 
 def resolve(plan: dict, model: torch.nn.Module) -> Inputs:
@@ -232,13 +241,5 @@ def resolve(plan: dict, model: torch.nn.Module) -> Inputs:
 
 def bind(step: Any, inputs: Inputs, model: torch.nn.Module) -> Callable[..., Any]:
     """`(*args) -> output` calling `step` as Dynamo's code did."""
-    template, arguments, walked, k = inputs
-
-    def call(*args: Any) -> Any:
-        values = template.copy()
-        for i, pos in arguments:
-            values[i] = args[pos]
-        for i, pos, steps in walked:
-            values[i] = _walk(model if pos < 0 else args[pos], steps)
-        return step(*values)[k]
-    return call
+    values, k = inputs.values, inputs.output
+    return lambda *args: step(*values(model, args))[k]

@@ -20,6 +20,8 @@ import operator
 import torch
 import torch.fx
 
+from compile_backend.passes.fx_nodes import example_value
+
 # Methods and torch functions that return a view (no kernel). Those that
 # return sizes or flags need no entry: only nodes with a tensor value count.
 VIEW_METHODS = frozenset({
@@ -39,11 +41,6 @@ EMPTY_METHODS = frozenset({"new_empty", "new_empty_strided"})
 # the layout stay.
 CAST_METHODS = frozenset({"to", "float", "half", "bfloat16", "double", "type_as", "type",
                           "contiguous"})
-
-
-def _value(node: object) -> object:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(
-        node, torch.fx.Node) else node
 
 
 def _opaque_custom_op(target: object) -> bool:
@@ -68,7 +65,7 @@ def _basic_index(index: object) -> bool:
 
 def _same_as_input(node: torch.fx.Node) -> bool:
     """A cast whose output has its input's dtype and device (no kernel)."""
-    src, out = _value(node.args[0]) if node.args else None, _value(node)
+    src, out = example_value(node.args[0]) if node.args else None, example_value(node)
     return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
             and src.dtype == out.dtype and src.device == out.device
             and (node.target != "contiguous" or src.is_contiguous()))
@@ -78,7 +75,7 @@ def _computes(node: torch.fx.Node) -> bool:
     """Does `node` launch work Inductor could fuse with its neighbours?"""
     if node.op in ("placeholder", "output", "get_attr"):
         return False
-    if not isinstance(_value(node), torch.Tensor):
+    if not isinstance(example_value(node), torch.Tensor):
         return False  # sizes, tuples of a custom op's outputs, None
     if node.op == "call_method":
         if node.target in VIEW_METHODS or node.target in EMPTY_METHODS:

@@ -41,7 +41,6 @@ class GuardFreeModel:
         self.prepare = prepare
         self._fn: Callable[..., Any] | None = None
         self._aot: Any = None  # the AOT-compiled function (guard checks under debug_checks)
-        self._direct = False  # a loaded step called without Dynamo (direct_step.bind)
         # How the first call got its step: "compiled", "loaded" or "guarded"
         # (plain torch.compile), and the cache entry involved (None: no cache);
         # a load's path: "direct" (no Dynamo) or "dynamo" (its saved code).
@@ -89,7 +88,7 @@ class GuardFreeModel:
         """True once steps call the compiled code directly: the caller then
         skips what only Dynamo reads (size-oblivious tracing). False on the
         guarded fallback, which goes through Dynamo."""
-        return self._aot is not None or self._direct
+        return self._aot is not None or self.path == "direct"
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is None:
@@ -101,16 +100,17 @@ class GuardFreeModel:
             t0 = time.perf_counter()
             if save is None:
                 out = self._fn(*args)
-            else:  # a compile: its first call shows how to call the step without Dynamo
-                from compile_backend.compile import direct_step
+                self._phase("first_run", t0)
+                return out
+            # A compile: its first call shows how to call the step without Dynamo.
+            from compile_backend.compile import direct_step
 
-                with direct_step.recording(self._aot) as first:
-                    out = self._fn(*args)
-                first.returned = out
+            with direct_step.recording(self._aot) as first:
+                out = self._fn(*args)
+            first.returned = out
             t = self._phase("first_run", t0)
-            if save is not None:
-                self._save(self._aot, save, first, args)
-                self._phase("save", t)
+            self._save(self._aot, save, first, args)
+            self._phase("save", t)
             return out
         if self.ready:
             if self._aot is not None and self.config.debug_checks:
@@ -301,17 +301,27 @@ class GuardFreeModel:
             for phase in ("deserialize", "resolve"):
                 self.phases.pop(phase, None)
             return False
-        call = direct_step.bind(step, inputs, self.model)
-        parts = step_artifacts.last_load_seconds
-        self.load_parts = {"step_graph": parts.get("graph", 0.0), "step_pieces": parts.get("pieces", 0.0)}
+        self._note_load_parts()
         counters["cache_hits"] += 1
         counters["direct_loads"] += 1
         logger.info("mrv2: loaded the compiled step from %s (without Dynamo)", self.cache_path)
         self._adopt(step)
-        self._fn, self._direct = call, True
+        self._fn = direct_step.bind(step, inputs, self.model)
         self.how, self.path = "loaded", "direct"
         self.seconds = time.perf_counter() - t0
         return True
+
+    def _note_load_parts(self, dynamo: bool = False) -> None:
+        """`load_parts` from the step's own load (step_artifacts.last_load_seconds)
+        and, where Dynamo loaded it, the rest of `deserialize` as Dynamo's."""
+        from compile_backend.compile import step_artifacts
+
+        parts = step_artifacts.last_load_seconds
+        if not parts:  # Dynamo's load never reached the step's
+            return
+        self.load_parts = {"step_graph": parts["graph"], "step_pieces": parts["pieces"]}
+        if dynamo:
+            self.load_parts["dynamo"] = max(0.0, self.phases["deserialize"] - sum(parts.values()))
 
     def _load_dynamo(self, data: bytes, args: tuple) -> Any:
         """Dynamo's saved function around the step, its guards checked once
@@ -327,10 +337,7 @@ class GuardFreeModel:
             step_artifacts.last_load_seconds.clear()
             aot = AOTCompiledFunction.deserialize(data)
             t = self._phase("deserialize", t)
-            parts = dict(step_artifacts.last_load_seconds)
-            if parts:
-                self.load_parts = {"step_graph": parts["graph"], "step_pieces": parts["pieces"],
-                                   "dynamo": max(0.0, self.phases["deserialize"] - sum(parts.values()))}
+            self._note_load_parts(dynamo=True)
             # Once, at load: the saved guards accept this model and these inputs.
             failed = _failed_guards(aot, self.model, args)
             self._phase("guard_check", t)

@@ -28,6 +28,7 @@ from compile_backend.compile.layer_sharing import (assume_for, assumed_since,
                                                   layer_alias_for, piece_key, piece_symbols,
                                                   shape_env_mark)
 from compile_backend.compile.fusible import fusible_ops
+from compile_backend.passes.fx_nodes import example_value
 from compile_backend.compile.piece_calls import AsLayer
 from compile_backend.compile.mutations import versions, written_inputs
 from compile_backend.compile.split import Piece
@@ -202,7 +203,7 @@ def compile_pieces(
     `min_fusible`: with Inductor, a piece with fewer ops it could fuse runs
     as traced (each piece's `compiled_with` says which)."""
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("example_value", n.meta.get("val")) for n in placeholders]
+    vals = [example_value(n) for n in placeholders]
     # The fake mode Dynamo traced with (its symbolic shapes live in it).
     fake_mode = next(
         (v.fake_mode for v in vals if isinstance(v, FakeTensor)), None
