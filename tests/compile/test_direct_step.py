@@ -112,34 +112,41 @@ def _engine(cache_dir, mode="full_and_piecewise", debug_checks=False, model_clas
     return Engine(m, kv_config(), cfg, "cpu", prefill_chunk=8, progress=False)
 
 
-def _serve(cache_dir, prompts_list, state, want_state=None, **engine_options):
+def _serve(cache_dir, prompts_list, state, want_states=None, **engine_options):
     """One engine (a new model object with `state`), several generate calls:
-    (how, path, tokens per call, counters). With `want_state` (eager's after
-    the same calls), every parameter and buffer (KV caches, convolution
-    states) is compared with it after the calls."""
+    (how, path, tokens per call, counters). With `want_states` (eager's
+    after each call), every parameter and buffer (KV caches, convolution
+    states) is compared with it after every call."""
     torch._dynamo.reset()
     cb.reset_counters()
     engine = _engine(cache_dir, **engine_options)
     engine.runner.model.load_state_dict(state)
     engine.runner.capture()
-    tokens = [engine.generate(p, 3) for p in prompts_list]
-    if want_state is not None:
-        got = engine.runner.model.state_dict()
-        assert got.keys() == want_state.keys()
+    tokens = []
+    for i, prompts in enumerate(prompts_list):
+        tokens.append(engine.generate(prompts, 3))
+        if want_states is None:
+            continue
+        got, want = engine.runner.model.state_dict(), want_states[i]
+        assert got.keys() == want.keys()
         for name, t in got.items():  # fp32 model: the eager op order, tight bounds
-            torch.testing.assert_close(t, want_state[name], rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-5,
+                                       msg=f"call {i}: {name}")
     return engine.runner.compiled.how, engine.runner.compiled.path, tokens, dict(cb.counters)
 
 
 def _eager(prompts_list, model="llama"):
     """Eager tokens per call, the weights it started from, and its state
-    (weights, caches) after the calls."""
+    (weights, caches) after each call."""
     torch._dynamo.reset()
     ref = _engine(None, mode="none", model=model)
     ref.runner.capture()
     start = {k: v.clone() for k, v in ref.runner.model.state_dict().items()}
-    tokens = [ref.generate(p, 3) for p in prompts_list]
-    return tokens, start, ref.runner.model.state_dict()
+    tokens, states = [], []
+    for prompts in prompts_list:
+        tokens.append(ref.generate(prompts, 3))
+        states.append({k: v.clone() for k, v in ref.runner.model.state_dict().items()})
+    return tokens, start, states
 
 
 PROMPTS = [random_prompts([5, 9, 3], seed=11), random_prompts([7, 2], seed=12),
