@@ -84,6 +84,14 @@ class CompilationConfig:
         threads while the plan captures its other graphs, and their list is
         saved beside the warm-start entry, which a later start loads before
         its first capture (runtime/kernel_precompile.py).
+    derive_mixed_graphs: a FULL plan records each size's decode graph once
+        and makes the mixed graph of that size from it, the launches of its
+        metadata-reading ops (attention, the KV write, short convolutions)
+        replaced by the mixed step's, captured alone (runtime/graph_surgery.py,
+        docs/design.md, "A mixed graph derived from the decode graph"); where
+        it cannot (an op not defined through mrv2's op definitions, a driver
+        without the graph API) the mixed graph is recorded as before, the
+        reason logged and counted. Off until the GPU has run it.
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
     compile_workers: worker processes that compile distinct Inductor pieces
@@ -136,6 +144,7 @@ class CompilationConfig:
     fuse_norm_linear: bool = True
     direct_op_calls: bool = True
     capture_warmup: str = "on_demand"
+    derive_mixed_graphs: bool = False
     precompile_threads: int = 0
     compile_workers: int | None = None
     warm_gemms: bool = True

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from compile_backend.core.op_definition import define_op
+from compile_backend.core.op_recording import recordable
 from compile_backend.core.op_registry import check_op_name, qualified_name
 
 _DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
@@ -31,7 +32,7 @@ _DIRECT_IMPLS: dict[str, Callable[..., Any]] = {}
 def register_direct_impl(name: str, impl: Callable[..., Any]) -> None:
     """`impl` takes the op's arguments (as the FX node passes them) and does
     exactly what the op's registered implementation does."""
-    _DIRECT_IMPLS[check_op_name(name)] = impl
+    _DIRECT_IMPLS[check_op_name(name)] = recordable(name, impl, every_call=False)
 
 
 def direct_custom_op(name: str, *, mutates_args, schema: str):

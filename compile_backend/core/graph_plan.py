@@ -6,6 +6,8 @@ the runner, the draft loop and tests read one definition (docs/design.md,
     plan = GraphPlan(CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 2, 4, 8),
                      max_num_reqs=4)
     plan.captures()                 # PIECEWISE 8, 4, 2, 1; FULL decode 4, 2, 1
+    GraphPlan(CUDAGraphMode.FULL, (1, 2, 4, 8), 4).captures()
+                                    # FULL 8, decode 4, FULL 4, decode 2, FULL 2, ...
     plan.dispatch(3, 3, uniform_decode=True)   # (StepGraph FULL 4x4 decode, None)
 """
 
@@ -41,16 +43,20 @@ class GraphPlan:
 
     def captures(self) -> list[StepGraph]:
         """The graphs to capture: PIECEWISE before FULL, each largest first
-        (smaller graphs then reuse the larger ones' pool blocks)."""
+        (smaller graphs then reuse the larger ones' pool blocks). In FULL a
+        size's decode graph comes right before its mixed graph, which may be
+        made from it (CompilationConfig.derive_mixed_graphs)."""
         plan: list[StepGraph] = []
         sizes = sorted(self.capture_sizes, reverse=True)
         if self.mode.has_piecewise:
             plan += [StepGraph(CUDAGraphMode.PIECEWISE, s, min(s, self.max_num_reqs))
                      for s in sizes]
-        if self.mode is CUDAGraphMode.FULL:
-            plan += [StepGraph(CUDAGraphMode.FULL, s, min(s, self.max_num_reqs)) for s in sizes]
-        if self.mode.has_full:
-            plan += [StepGraph.full_decode(s) for s in sorted(self.decode_sizes, reverse=True)]
+        decode = set(self.decode_sizes) if self.mode.has_full else set()
+        for s in sizes:
+            if s in decode:
+                plan.append(StepGraph.full_decode(s))
+            if self.mode is CUDAGraphMode.FULL:
+                plan.append(StepGraph(CUDAGraphMode.FULL, s, min(s, self.max_num_reqs)))
         return plan
 
     def dispatch(self, num_tokens: int, num_reqs: int,

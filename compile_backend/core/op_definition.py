@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from compile_backend.core.op_recording import recordable
+
 # One fragment per namespace, alive for the process (ops die with their Library).
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
@@ -35,7 +37,9 @@ def define_op(qualname: str, *, mutates_args: Iterable[str] = (), schema: str | 
         if lib is None:
             lib = _LIBRARIES[ns] = torch.library.Library(ns, "FRAGMENT")
         lib.define(name + text)
-        lib.impl(name, impl, "CompositeExplicitAutograd")
+        # Through `recordable`: a FULL plan notes where its metadata-reading
+        # ops' launches sit in a decode graph (core/op_recording.py).
+        lib.impl(name, recordable(qualname, impl), "CompositeExplicitAutograd")
         return getattr(getattr(torch.ops, ns), name)
 
     return wrap

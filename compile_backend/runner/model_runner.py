@@ -164,7 +164,8 @@ class ModelRunner:
         # so N sizes do not keep N logits tensors alive.
         self.full_graph = CUDAGraphWrapper(
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
-            debug_checks=self.config.debug_checks, graphs=current_graph_backend())
+            debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
+            derive_mixed=self.config.derive_mixed_graphs)
         self.captures: list[CaptureRecord] = []
         # What capture() compiled ahead: kernels_recorded (the Triton kernels
         # the first step and the plan asked for), graphs_waited, compile_wait_s

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
 from compile_backend.core.counters import counters
 from compile_backend.runtime import graph_pool
+from compile_backend.runtime.mixed_graphs import MixedGraphs
 from compile_backend.core.forward_context import (
     ForwardContext, get_forward_context, has_forward_context, set_forward_context,
 )
@@ -168,6 +169,7 @@ class CUDAGraphWrapper:
         written_inputs: Sequence[int] | None = None,
         graphs_per_shape: int = 4,
         fixed_shape_inputs: Sequence[int] = (),
+        derive_mixed: bool = False,
     ) -> None:
         assert mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), mode
         assert graphs_per_shape >= 1, graphs_per_shape
@@ -199,12 +201,16 @@ class CUDAGraphWrapper:
         # Without a runner, a FULL graph holds every piece: PIECEWISE wrappers
         # inside it see a context without a graph and run their callables.
         self._lazy_ctx = ForwardContext() if mode is CUDAGraphMode.FULL else None
+        # A runner's FULL plan: mixed graphs made from decode graphs (runtime/mixed_graphs.py).
+        self.mixed = MixedGraphs(self.graphs) if derive_mixed and mode is CUDAGraphMode.FULL else None
         graph_pool.register_wrapper(self)
 
     def forget_graphs(self) -> None:
         """Drop every graph (release_graphs freed them): calls capture again."""
         self.entries.clear()
         self.variants.clear()
+        if self.mixed is not None:
+            self.mixed.forget()
 
     def writes(self, i: int) -> bool:
         return self.written_inputs is None or i in self.written_inputs
@@ -308,6 +314,12 @@ class CUDAGraphWrapper:
         (the runner's capture and steps); a graph captured in the middle of
         other graphs' replays (without a runner, or for a new address) could
         be handed blocks that live outputs of those replays still occupy."""
+        step = ctx.graph if ctx is not None else None
+        if self.mixed is not None and not own_pool:
+            made = self.mixed.derive(step, args, ctx, self._decode_entry)
+            if made is not None:
+                return self._keep_derived(key, *made, args, ctx)
+        source = self.mixed is not None and not own_pool and self.mixed.is_source(step)
         # Inputs known to move get a private buffer, allocated outside the pool.
         copy_ins = tuple(i for i, a in enumerate(args)
                          if i in self.moving and isinstance(a, torch.Tensor) and not self.writes(i))
@@ -316,7 +328,7 @@ class CUDAGraphWrapper:
             capture_args[i] = torch.empty_strided(args[i].shape, args[i].stride(),
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
-        cuda_graph = self.graphs.new_graph()
+        cuda_graph = self.graphs.new_graph(keep_graph=True) if source else self.graphs.new_graph()
         pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
         graph_pool.register_graph(cuda_graph, shared=not own_pool)
         # Alone (lazily, late, or for a new address), a capture settles the
@@ -332,7 +344,8 @@ class CUDAGraphWrapper:
             outer = ctx.capturing, ctx.capture_plans
             ctx.capturing, ctx.capture_plans = True, {}
         try:
-            with self.graphs.capture(cuda_graph, pool, capture_args):
+            with self.graphs.capture(cuda_graph, pool, capture_args), \
+                    self.mixed.recording() if source else contextlib.nullcontext() as recorded:
                 outputs = self.fn(*capture_args)
         finally:
             if ctx is not None:
@@ -363,6 +376,8 @@ class CUDAGraphWrapper:
             pool_bytes=self.graphs.memory_allocated() - before,
         )
         self._keep(key, entry)
+        if source:
+            self.mixed.keep(step, entry, recorded.calls)
         if reruns:
             self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
         counters["cudagraph_captures"] += 1
@@ -372,6 +387,24 @@ class CUDAGraphWrapper:
         # must not get their memory from the pool while they are in use.
         self._replay(key, entry, args, ctx)
         return self._alias_outputs(entry, args, outputs)
+
+    def _decode_entry(self, num_tokens: int) -> CapturedGraph | None:
+        return self.entries.get(StepGraph.full_decode(num_tokens).key)
+
+    def _keep_derived(self, key: Hashable, cuda_graph: Any, source: CapturedGraph,
+                      args: Sequence[Any], ctx: ForwardContext) -> Any:
+        """Keep a graph made from `source` (runtime/mixed_graphs.py): the same
+        inputs, private buffers and outputs (the same memory), then replay it
+        once, as after a capture."""
+        entry = CapturedGraph(
+            cuda_graph=cuda_graph, inputs=list(source.inputs), tensor_ptrs=source.tensor_ptrs,
+            outputs=source.outputs, copy_ins=source.copy_ins, output_aliases=source.output_aliases,
+            metadata_ptrs=_metadata_ptrs(ctx) if self.debug_checks else {})
+        self._keep(key, entry)
+        if hasattr(self.graphs, "after_capture"):
+            self.graphs.after_capture(cuda_graph, self.fn, entry, ctx)
+        logger.debug("derived %s for %s from its decode graph", self.name, key)
+        return self._replay(key, entry, args, ctx)
 
     def _keep(self, key: Hashable, entry: CapturedGraph) -> None:
         kept = self.variants.setdefault(key, [])

@@ -86,12 +86,45 @@ class TorchCUDAGraphs:
     """The real thing; tests substitute a stand-in with the same methods
     (new_graph, capture, pool, memory_allocated, synchronize, empty_cache)."""
 
-    def new_graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
+    def new_graph(self, keep_graph: bool = False) -> Any:
+        """keep_graph: the captured cudaGraph_t stays (a source or a part of a
+        derived graph: runtime/graph_surgery.py)."""
+        if not keep_graph:
+            return torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph._mrv2_keep = True
+        return graph
+
+    def can_derive(self) -> str | None:
+        """Why this torch and driver cannot derive graphs (None: they can)."""
+        try:
+            torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:
+            return f"torch {torch.__version__} has no CUDAGraph(keep_graph=True)"
+        from compile_backend.runtime import graph_surgery
+
+        try:
+            graph_surgery.driver()
+        except graph_surgery.GraphSurgeryError as e:
+            return str(e)
+        return None
+
+    def node_count(self) -> int:
+        """Nodes of the graph the current stream captures into, so far."""
+        from compile_backend.runtime import graph_surgery
+
+        return graph_surgery.driver().capturing_nodes(torch.cuda.current_stream().cuda_stream)
+
+    def derive(self, source: Any, parts: Sequence[tuple[int, int, Any]]) -> Any:
+        from compile_backend.runtime import graph_surgery
+
+        return graph_surgery.derive(source, parts)
 
     @contextlib.contextmanager
-    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = ()):
+    def capture(self, graph: Any, pool: Any, args: Sequence[Any] = (), instantiate: bool = True):
         """`args`: the callable's arguments (a stand-in protects them; CUDA needs nothing).
+        `instantiate`: make a keep_graph graph executable now (capture_end
+        leaves it to the first replay); a part of a derived graph never is.
 
         torch.cuda.graph without what it does before every capture: a device
         synchronize, torch.cuda.empty_cache, the pinned host cache's emptying
@@ -116,7 +149,9 @@ class TorchCUDAGraphs:
                 yield
             finally:
                 t1 = time.perf_counter()
-                graph.capture_end()  # instantiates the graph
+                graph.capture_end()  # instantiates the graph (not one with keep_graph)
+                if instantiate and getattr(graph, "_mrv2_keep", False):
+                    graph.instantiate()
                 capture_seconds["record"] += t1 - t0
                 capture_seconds["instantiate"] += time.perf_counter() - t1
         outer.wait_stream(stream)

@@ -62,6 +62,7 @@ class _UndoWrites(TorchDispatchMode):
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
         self.produced: set[int] = set()  # storages created during capture
+        self.ops = 0  # ops run so far (what a CUDA graph's node count is to a derivation)
         self.preexisting: set[int] = set()  # storages read or written that predate it
         for t in pytree.tree_leaves(list(args)):
             if isinstance(t, torch.Tensor):
@@ -77,6 +78,7 @@ class _UndoWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += 1
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self.produced:
                 self.preexisting.add(_storage_ptr(t))
@@ -128,21 +130,37 @@ class StandInGraph:
 class StandInGraphs:
     def __init__(self):
         self.graphs = []
+        self._mode: _UndoWrites | None = None  # the capture in progress
 
-    def new_graph(self):
+    def new_graph(self, keep_graph: bool = False):
         g = StandInGraph()
         self.graphs.append(g)
         return g
 
     @contextlib.contextmanager
-    def capture(self, graph: StandInGraph, pool: Any, args: Sequence[Any] = ()):
-        mode = _UndoWrites(args)
+    def capture(self, graph: StandInGraph, pool: Any, args: Sequence[Any] = (), instantiate: bool = True):
+        mode = self._mode = _UndoWrites(args)
         try:
             with mode:
                 yield
         finally:
+            self._mode = None
             mode.undo()
             graph.preexisting = mode.preexisting
+
+    def can_derive(self) -> str | None:
+        return None
+
+    def node_count(self) -> int:
+        """The ops the capture in progress ran so far (a CUDA graph counts nodes)."""
+        return self._mode.ops
+
+    def derive(self, source: StandInGraph, parts: Sequence[tuple[int, int, Any]]) -> StandInGraph:
+        """A graph that replays, as the derived CUDA graph does, the source's
+        step with the other form of each recorded op: here by running the step
+        under the context `after_capture` gives it (the derived graph's)."""
+        assert all(first <= end for first, end, _ in parts), parts
+        return self.new_graph()
 
     def pool(self):
         return object()

@@ -18,13 +18,16 @@ def _plan(mode, max_num_reqs=4):
 @pytest.mark.parametrize("mode, expected", [
     ("none", []),
     ("piecewise", [("piecewise", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]),
-    ("full", [("full", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]
-     + [("full", s, s, True) for s in (4, 2, 1)]),
+    ("full", [("full", 32, 4, False), ("full", 16, 4, False), ("full", 8, 4, False),
+              ("full", 4, 4, True), ("full", 4, 4, False), ("full", 2, 2, True),
+              ("full", 2, 2, False), ("full", 1, 1, True), ("full", 1, 1, False)]),
     ("full_decode_only", [("full", s, s, True) for s in (4, 2, 1)]),
     ("full_and_piecewise", [("piecewise", s, min(s, 4), False) for s in (32, 16, 8, 4, 2, 1)]
      + [("full", s, s, True) for s in (4, 2, 1)]),
 ])
 def test_capture_plan_is_piecewise_then_full_each_largest_first(mode, expected):
+    """FULL: a size's decode graph right before its mixed graph (the source of
+    a derived one)."""
     got = [(s.mode.value, s.num_tokens, s.num_reqs, s.uniform_decode)
            for s in _plan(mode).captures()]
     assert got == expected

@@ -1,0 +1,107 @@
+"""Which calls of the metadata-reading ops a capture recorded, and where.
+
+A FULL plan derives a size's mixed graph from its decode graph (docs/design.md,
+"A mixed graph derived from the decode graph"): the two differ only in the
+launches of the ops that read the step's metadata (the layer-keyed ops:
+attention, the KV write, short convolutions, KV compressors). While the decode
+graph records, `recording(count)` notes each such call: the op, its arguments
+(tensors as non-owning aliases: the capture's memory stays the graph's to
+reuse) and `count()` before and after it (the nodes the capturing graph has).
+Ops take part by being defined through `recordable(name, impl)`
+(core/op_definition.py and core/direct_calls.py do it for every op they
+define); `all_recordable(names)` says whether a step's ops all did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+_RECORDABLE: set[str] = set()  # ops whose every call goes through `recordable`
+
+
+@dataclass
+class OpCall:
+    name: str  # "ns::op"
+    impl: Callable[..., Any]
+    args: tuple  # tensors as non-owning aliases
+    kwargs: dict
+    first: int  # nodes the capturing graph had before the call
+    end: int  # and after it: the call added nodes [first, end)
+
+
+class Recorder:
+    """The calls one capture made of the ops named in `names`."""
+
+    def __init__(self, names: set[str], count: Callable[[], int],
+                 alias: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.names, self.count, self.alias = names, count, alias
+        self.calls: list[OpCall] = []
+        self._inside = False  # a recorded op calling another: one call, the outer one
+
+    def call(self, name: str, impl: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if name not in self.names or self._inside:
+            return impl(*args, **kwargs)
+        first = self.count()
+        self._inside = True
+        try:
+            out = impl(*args, **kwargs)
+        finally:
+            self._inside = False
+        self.calls.append(OpCall(name, impl, self._aliased(args), self._aliased(kwargs),
+                                 first, self.count()))
+        return out
+
+    def _aliased(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.alias(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._aliased(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._aliased(v) for k, v in value.items()}
+        return value
+
+
+_active: Recorder | None = None
+
+
+def recordable(name: str, impl: Callable[..., Any], *, every_call: bool = True) -> Callable[..., Any]:
+    """`impl` (op `name`'s body), noted by an active recorder. `every_call`:
+    this is the body every call of the op runs (the one the dispatcher
+    calls), so the op counts as recordable; a second path (a direct call
+    beside the dispatcher's) passes False."""
+    if every_call:
+        _RECORDABLE.add(name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        rec = _active
+        if rec is None:
+            return impl(*args, **kwargs)
+        return rec.call(name, impl, args, kwargs)
+
+    call.__wrapped__ = impl  # type: ignore[attr-defined]
+    call.__name__ = getattr(impl, "__name__", "op")
+    call.__doc__ = impl.__doc__
+    call.__annotations__ = getattr(impl, "__annotations__", {})
+    return call
+
+
+def all_recordable(names: Iterable[str]) -> list[str]:
+    """The ops of `names` not defined through `recordable` ([]: all were)."""
+    return sorted(n for n in names if n not in _RECORDABLE)
+
+
+@contextlib.contextmanager
+def recording(names: Iterable[str], count: Callable[[], int],
+              alias: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[Recorder]:
+    """Note the calls of the ops `names` made inside (not nested)."""
+    global _active
+    assert _active is None, "op recordings do not nest"
+    rec = _active = Recorder(set(names), count, alias)
+    try:
+        yield rec
+    finally:
+        _active = None

@@ -1,0 +1,116 @@
+"""A FULL plan's mixed graphs, made from its decode graphs instead of recorded.
+
+A size's decode graph and mixed graph run the same step; they differ only in
+what the metadata-reading (layer-keyed) ops launch. So while a decode graph
+records, its calls of those ops are noted with the nodes each added
+(core/op_recording.py); the mixed graph of that size is then each noted call
+captured alone under the mixed step's metadata, on the same tensors, and a
+clone of the decode graph with each call's nodes replaced by its capture
+(runtime/graph_surgery.py). The step's Python runs once per size, not twice.
+Where that cannot be done the wrapper records the mixed graph as before; the
+reason is logged once and counted (`mixed_graph_refusals`, and per reason in
+`refusals`). docs/design.md, "A mixed graph derived from the decode graph".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+from compile_backend.core import op_recording
+from compile_backend.core.counters import counters
+from compile_backend.core.forward_context import ForwardContext
+from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
+from compile_backend.core.op_registry import OpRegistry
+from compile_backend.runtime import graph_pool
+
+logger = logging.getLogger(__name__)
+
+
+class MixedGraphs:
+    """One FULL wrapper's decode graphs kept as sources, by size."""
+
+    def __init__(self, graphs: Any) -> None:
+        self.graphs = graphs
+        self.sources: dict[int, tuple[Any, list[op_recording.OpCall]]] = {}  # tokens -> (entry, calls)
+        self.side_pool: Any = None  # the side captures' memory, apart from the step's
+        self.refusals: dict[str, int] = {}
+        self._said: set[str] = set()
+
+    def forget(self) -> None:
+        self.sources.clear()
+        self.side_pool = None
+
+    @staticmethod
+    def is_source(graph: StepGraph | None) -> bool:
+        return graph is not None and graph.mode is CUDAGraphMode.FULL and graph.uniform_decode
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[op_recording.Recorder]:
+        """Around a source's capture (inside it: node counts need a capture)."""
+        names = OpRegistry().layer_keyed_ops()
+        with op_recording.recording(names, self.graphs.node_count, graph_pool.weak_ref) as rec:
+            yield rec
+
+    def keep(self, graph: StepGraph, entry: Any, calls: list[op_recording.OpCall]) -> None:
+        self.sources[graph.num_tokens] = (entry, calls)
+
+    def derive(self, graph: StepGraph | None, args: Sequence[Any], ctx: ForwardContext | None,
+               current: Any) -> tuple[Any, Any] | None:
+        """(the derived graph, its source's entry) for the mixed graph `graph`,
+        or None: record it. `current(tokens)`: the wrapper's entry for that
+        size's decode graph now (a source replaced or freed since is stale)."""
+        if (graph is None or ctx is None or graph.mode is not CUDAGraphMode.FULL
+                or graph.uniform_decode or graph.num_reqs != graph.num_tokens):
+            return None
+        source = self.sources.pop(graph.num_tokens, None)
+        if source is None:
+            return None  # no decode graph of this size (more tokens than requests): record
+        entry, calls = source
+        if current(graph.num_tokens) is not entry:
+            return self._refuse("its decode graph was replaced or freed")
+        from compile_backend.runtime.cuda_graph import addresses_match
+
+        if not addresses_match(args, entry):
+            return self._refuse("the step's inputs are not where its decode graph reads them")
+        missing = op_recording.all_recordable(OpRegistry().layer_keyed_ops())
+        if missing:
+            return self._refuse(f"layer-keyed ops not defined through mrv2's op definitions "
+                                f"(their launches cannot be found): {', '.join(missing)}")
+        why = self.graphs.can_derive()
+        if why is not None:
+            return self._refuse(why)
+        if self.side_pool is None:
+            self.side_pool = self.graphs.pool()
+        parts = []
+        outer = ctx.capturing, ctx.capture_plans
+        ctx.capturing = True
+        try:
+            for call in calls:
+                side = self.graphs.new_graph(keep_graph=True)
+                ctx.capture_plans = {}  # attention plans stay their capture's
+                with self.graphs.capture(side, self.side_pool, (), instantiate=False):
+                    call.impl(*call.args, **call.kwargs)
+                parts.append((call.first, call.end, side))
+            made = self.graphs.derive(entry.cuda_graph, parts)
+        except Exception as e:  # noqa: BLE001 - any failure: record the graph instead
+            from compile_backend.runtime.jit_guard import CompileInCapture
+
+            if isinstance(e, CompileInCapture):  # the plan compiles it, then asks again
+                self.sources[graph.num_tokens] = source
+                raise
+            return self._refuse(f"{type(e).__name__}: {e}")
+        finally:
+            ctx.capturing, ctx.capture_plans = outer
+        counters["mixed_graphs_derived"] += 1
+        return made, entry
+
+    def _refuse(self, reason: str) -> None:
+        counters["mixed_graph_refusals"] += 1
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        if reason not in self._said:
+            self._said.add(reason)
+            logger.info("mrv2: a mixed FULL graph is recorded, not derived from its decode "
+                        "graph: %s (said once per reason)", reason)
+        return None

@@ -1,0 +1,138 @@
+"""A FULL plan's mixed graphs made from its decode graphs
+(CompilationConfig.derive_mixed_graphs; runtime/mixed_graphs.py,
+runtime/graph_surgery.py, core/op_recording.py): each replay equals eager on
+random mixed and decode schedules, several of them through one runner; an op
+that cannot be recorded makes the plan record its mixed graphs, said and
+counted. On the CPU the stand-in derives by running the step under the mixed
+graph's metadata (what the derived CUDA graph does); the GPU test replays the
+derived CUDA graphs themselves."""
+
+import logging
+
+import pytest
+import torch
+
+import compile_backend as cb
+from compile_backend.core import op_recording
+from compile_backend.demo.engine import Engine
+from compile_backend.demo.models import build_model, preset
+from compile_backend.runner.kv_cache_config import KVCacheConfig
+from compile_backend.runtime.graph_pool import use_graph_backend
+from compile_backend.runtime.graph_standin import StandInGraphs
+from runtime_helpers import (CAPTURE_SIZES, _torch_reference_kernels, copy_batch,  # noqa: F401 (fixture)
+                             kv_config, random_schedule)
+
+
+def _engine(mode, derive, device="cpu", dtype=torch.float32, model="hybrid", sizes=CAPTURE_SIZES,
+            kv=None):
+    m = build_model(model, preset("tiny", num_layers=2, dtype=dtype))
+    cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=sizes, piece_compiler="eager",
+                               derive_mixed_graphs=derive)
+    return Engine(m.to(device), kv or kv_config(), cfg, device, prefill_chunk=8, progress=False)
+
+
+def _schedules_equal_eager(engines, seeds, atol, rtol):
+    ref = engines["none"]
+    for seed in seeds:  # one runner, several schedules: request churn, new slots
+        for step, batch in enumerate(random_schedule(seed, steps=12)):
+            want = ref.runner.execute(copy_batch(batch)).clone()
+            for name, e in engines.items():
+                if e is ref:
+                    continue
+                got = e.runner.execute(copy_batch(batch))
+                torch.testing.assert_close(got, want, atol=atol, rtol=rtol,
+                                           msg=lambda s: f"{name}, seed {seed}, step {step}: {s}")
+
+
+def test_recordable_notes_each_call_once_with_its_range_and_aliases():
+    calls = []
+
+    def inner(x):
+        calls.append("inner")
+        return x + 1
+
+    wrapped_inner = op_recording.recordable("t::inner", inner)
+
+    def outer(x, scale=2.0):
+        calls.append("outer")
+        return wrapped_inner(x) * scale
+
+    op = op_recording.recordable("t::outer", outer)
+    ticks = iter(range(100))
+    x = torch.randn(3)
+    with op_recording.recording({"t::outer", "t::inner"}, lambda: next(ticks), lambda t: t[:]) as rec:
+        y = op(x, scale=3.0)
+    torch.testing.assert_close(y, (x + 1) * 3.0)
+    assert [c.name for c in rec.calls] == ["t::outer"]  # the inner call is the outer's
+    (call,) = rec.calls
+    assert (call.first, call.end) == (0, 1) and call.kwargs == {"scale": 3.0}
+    assert call.args[0] is not x and call.args[0].data_ptr() == x.data_ptr()
+    assert op(x) is not None and len(calls) == 4  # no recorder: plain calls
+    assert op_recording.all_recordable(["t::outer", "t::nobody"]) == ["t::nobody"]
+    with pytest.raises(AssertionError, match="do not nest"):
+        with op_recording.recording(set(), int, lambda t: t), \
+                op_recording.recording(set(), int, lambda t: t):
+            pass
+
+
+@pytest.mark.parametrize("model", ["hybrid", "llama"])
+def test_derived_mixed_graphs_replay_equal_eager(model):
+    """Every decode size's mixed graph is derived (hybrid: attention, the
+    short convolution and the KV compressor differ between the two)."""
+    torch._dynamo.reset()
+    cb.reset_counters()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engines = {"none": _engine("none", False, model=model),
+                   "full": _engine("full", False, model=model),
+                   "derived": _engine("full", True, model=model)}
+        for e in engines.values():
+            e.runner.capture()
+        decode = engines["derived"].runner.decode_sizes
+        assert cb.counters["mixed_graphs_derived"] == len(decode) > 0
+        assert cb.counters["mixed_graph_refusals"] == 0
+        plan = engines["derived"].runner.capture_plan()
+        assert [g.num_tokens for g in plan] == sorted((g.num_tokens for g in plan), reverse=True)
+        _schedules_equal_eager(engines, seeds=(3, 4), atol=1e-5, rtol=1e-5)
+    assert cb.counters["cudagraph_replays"] > 20
+
+
+def test_an_op_that_cannot_be_recorded_keeps_recording_the_mixed_graphs(monkeypatch, caplog):
+    monkeypatch.setattr(op_recording, "_RECORDABLE", op_recording._RECORDABLE - {"mrv2::sconv"})
+    torch._dynamo.reset()
+    cb.reset_counters()
+    with use_graph_backend(StandInGraphs()), torch.no_grad(), \
+            caplog.at_level(logging.INFO, logger="compile_backend.runtime.mixed_graphs"):
+        engines = {"none": _engine("none", False), "derived": _engine("full", True)}
+        for e in engines.values():
+            e.runner.capture()
+        n = len(engines["derived"].runner.decode_sizes)
+        assert cb.counters["mixed_graphs_derived"] == 0
+        assert cb.counters["mixed_graph_refusals"] == n
+        refusals = engines["derived"].runner.full_graph.mixed.refusals
+        assert list(refusals.values()) == [n] and "mrv2::sconv" in next(iter(refusals))
+        said = [r.getMessage() for r in caplog.records if "not derived" in r.getMessage()]
+        assert len(said) == 1 and "mrv2::sconv" in said[0]
+        _schedules_equal_eager(engines, seeds=(5,), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["hybrid", "llama"])
+def test_derived_mixed_cuda_graphs_replay_equal_eager_on_the_gpu(model):
+    """The derived CUDA graphs themselves (clone, child graphs, instantiate),
+    fp32 through the Triton kernels, against eager and against recorded
+    mixed graphs, on random schedules through one runner."""
+    torch._dynamo.reset()
+    cb.reset_counters()
+    kv = KVCacheConfig(num_blocks=256, block_size=16, max_model_len=256, max_num_reqs=8,
+                       max_num_tokens=64)
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    with torch.no_grad():
+        engines = {"none": _engine("none", False, "cuda", model=model, sizes=sizes, kv=kv),
+                   "full": _engine("full", False, "cuda", model=model, sizes=sizes, kv=kv),
+                   "derived": _engine("full", True, "cuda", model=model, sizes=sizes, kv=kv)}
+        for e in engines.values():
+            e.runner.capture()
+        refusals = engines["derived"].runner.full_graph.mixed.refusals
+        assert refusals == {}, refusals
+        assert cb.counters["mixed_graphs_derived"] == len(engines["derived"].runner.decode_sizes)
+        _schedules_equal_eager(engines, seeds=(3, 4, 5), atol=2e-4, rtol=2e-4)
