@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from compile_backend.core import forward_context
+
 _RECORDABLE: set[str] = set()  # ops whose every call goes through `recordable`
 
 
@@ -31,6 +33,14 @@ class OpCall:
     kwargs: dict
     first: int  # nodes the capturing graph had before the call
     end: int  # and after it: the call added nodes [first, end)
+    layer_alias: dict | None = None  # the layer names it served (a shared piece's call)
+
+    def again(self) -> Any:
+        """The call made again, serving the same layers."""
+        fn = (lambda *a: self.impl(*a, **self.kwargs))
+        if self.layer_alias is None:
+            return fn(*self.args)
+        return forward_context.call_as_layers(self.layer_alias, fn, *self.args)
 
 
 class Recorder:
@@ -52,7 +62,7 @@ class Recorder:
         finally:
             self._inside = False
         self.calls.append(OpCall(name, impl, self._aliased(args), self._aliased(kwargs),
-                                 first, self.count()))
+                                 first, self.count(), forward_context._layer_alias))
         return out
 
     def _aliased(self, value: Any) -> Any:

@@ -353,6 +353,10 @@ def update_manifest_runtime(path: str | os.PathLike, runner: Any = None) -> dict
     for key, reason in reasons.items():
         if counters[key]:
             fallbacks.append({"kind": key, "count": counters[key], "reason": reason})
+    mixed = getattr(runner.full_graph, "mixed", None)  # runtime/mixed_graphs.py
+    for reason, count in (mixed.refusals.items() if mixed is not None else ()):
+        fallbacks.append({"kind": "mixed_graph_recorded", "count": count,
+                          "reason": f"a mixed FULL graph was recorded, not derived: {reason}"})
     manifest["fallbacks"] = fallbacks
     manifest["counters"] = dict(counters)
     _write_json_atomic(root / MANIFEST, manifest)

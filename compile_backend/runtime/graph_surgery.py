@@ -1,21 +1,18 @@
 """A CUDA graph made from another: a clone with some nodes replaced by child graphs.
 
-A FULL plan derives a size's mixed graph from its decode graph (docs/design.md,
-"A mixed graph derived from the decode graph"):
-
     derived = derive(decode_graph, [(first, end, side_graph), ...])
-        a clone of decode_graph's cudaGraph_t in which nodes [first, end) (in
-        the order the capture made them) are removed and side_graph's graph
-        (a torch CUDAGraph captured with keep_graph=True) is put in their
-        place as a child graph node, after their predecessors outside the
-        range and before their dependents; then instantiated.
-    derived.replay()     launches it on the current stream
+        a clone of decode_graph's cudaGraph_t (a torch CUDAGraph captured with
+        keep_graph=True) in which nodes [first, end), in the order the capture
+        made them, are removed and side_graph's graph is put in their place as
+        a child graph node (after their predecessors outside the range, before
+        their dependents: plain edges, no programmatic overlap across it),
+        then instantiated; derived.replay() launches it on the current stream.
 
-The driver's graph API through ctypes (libcuda.so.1; entry points by
-cuGetProcAddress at a fixed ABI version), so no binding package is needed.
-Plain edges around a child: no programmatic overlap across it.
+The driver's graph API through ctypes (libcuda.so.1, entry points by
+cuGetProcAddress at a fixed ABI version): no binding package needed. A FULL
+plan's mixed graphs use it (runtime/mixed_graphs.py; docs/design.md, "A mixed
+graph derived from the decode graph").
 """
-
 from __future__ import annotations
 
 import ctypes

@@ -91,7 +91,7 @@ class MixedGraphs:
                 side = self.graphs.new_graph(keep_graph=True)
                 ctx.capture_plans = {}  # attention plans stay their capture's
                 with self.graphs.capture(side, self.side_pool, (), instantiate=False):
-                    call.impl(*call.args, **call.kwargs)
+                    call.again()
                 parts.append((call.first, call.end, side))
             made = self.graphs.derive(entry.cuda_graph, parts)
         except Exception as e:  # noqa: BLE001 - any failure: record the graph instead
