@@ -69,7 +69,8 @@ CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
             "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
-            "first_step_dry_runs", "compile_worker_compiles", "compile_worker_fallbacks")
+            "first_step_dry_runs", "compile_worker_compiles", "compile_worker_fallbacks",
+            "mixed_graphs_derived", "mixed_graph_refusals")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
@@ -184,7 +185,10 @@ def child(spec: dict) -> dict:
         "dynamo_importer": _DYNAMO.importer, "dynamo_import_s": _DYNAMO.seconds,
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
-        "graphs": counters["cudagraph_captures"], "plan": len(runner.captures),
+        # graphs captured, and mixed FULL graphs made from decode graphs
+        # (CompilationConfig.derive_mixed_graphs) beside them
+        "graphs": counters["cudagraph_captures"] + counters["mixed_graphs_derived"],
+        "plan": len(runner.captures),
         "pool_bytes": s["pool_bytes"], "first_step_ran_as": step_mode, "first_step_finite": finite,
         "counters": {k: counters[k] for k in COUNTERS},
         "capture_warmup": spec.get("capture_warmup", "on_demand"),
@@ -325,7 +329,8 @@ def tables(meta: dict, rows: list[dict]) -> str:
          f"Capture sizes: {meta['sizes_text']} (max_num_reqs = the largest); first step: a decode "
          f"batch of {meta['batch']} requests with {meta['context']} cached tokens. compile: the "
          "first call (runner.warmup at the largest size); capture: runner.capture(), the whole "
-         "plan (graphs: CUDA graphs captured; plan: sizes x graph kinds); start to first step: "
+         "plan (graphs: CUDA graphs captured or derived (derive_mixed_graphs); plan: sizes x "
+         "graph kinds); start to first step: "
          "from the parent's spawn of the process to the end of the first step (interpreter "
          "start, imports, CUDA init, model build included); build: model weights (random), KV "
          "caches, runner; mrv2's share: mrv2's import, the runner, the compile or load, the "

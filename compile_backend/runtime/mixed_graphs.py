@@ -37,14 +37,22 @@ class MixedGraphs:
         self.side_pool: Any = None  # the side captures' memory, apart from the step's
         self.refusals: dict[str, int] = {}
         self._said: set[str] = set()
+        self._cannot: str | None = None  # why graphs cannot be derived here ("": they can)
 
     def forget(self) -> None:
         self.sources.clear()
         self.side_pool = None
 
-    @staticmethod
-    def is_source(graph: StepGraph | None) -> bool:
-        return graph is not None and graph.mode is CUDAGraphMode.FULL and graph.uniform_decode
+    def is_source(self, graph: StepGraph | None) -> bool:
+        """Record `graph` as a source (a decode graph, where graphs can be derived here)?"""
+        if graph is None or graph.mode is not CUDAGraphMode.FULL or not graph.uniform_decode:
+            return False
+        if self._cannot is None:
+            self._cannot = self.graphs.can_derive() or ""
+        if self._cannot:
+            self._refuse(self._cannot)
+            return False
+        return True
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[op_recording.Recorder]:
@@ -78,9 +86,6 @@ class MixedGraphs:
         if missing:
             return self._refuse(f"layer-keyed ops not defined through mrv2's op definitions "
                                 f"(their launches cannot be found): {', '.join(missing)}")
-        why = self.graphs.can_derive()
-        if why is not None:
-            return self._refuse(why)
         if self.side_pool is None:
             self.side_pool = self.graphs.pool()
         parts = []

@@ -14,6 +14,7 @@ import torch
 
 import compile_backend as cb
 from compile_backend.core import op_recording
+from compile_backend.debug.dump import update_manifest_runtime
 from compile_backend.demo.engine import Engine
 from compile_backend.demo.models import build_model, preset
 from compile_backend.runner.kv_cache_config import KVCacheConfig
@@ -96,8 +97,16 @@ def test_derived_mixed_graphs_replay_equal_eager(model):
     assert cb.counters["cudagraph_replays"] > 20
 
 
-def test_an_op_that_cannot_be_recorded_keeps_recording_the_mixed_graphs(monkeypatch, caplog):
-    monkeypatch.setattr(op_recording, "_RECORDABLE", op_recording._RECORDABLE - {"mrv2::sconv"})
+@pytest.mark.parametrize("why, said", [("op", "mrv2::sconv"), ("graphs", "no graph API here")])
+def test_what_cannot_be_derived_is_recorded_said_and_counted(why, said, monkeypatch, caplog,
+                                                             tmp_path):
+    """An op whose dispatcher path is not watched (its decode launches would
+    stay), or a torch / driver without the graph API: the mixed graphs are
+    recorded as before, and the debug dump says so."""
+    if why == "op":
+        monkeypatch.setattr(op_recording, "_RECORDABLE", op_recording._RECORDABLE - {"mrv2::sconv"})
+    else:
+        monkeypatch.setattr(StandInGraphs, "can_derive", lambda self: "no graph API here")
     torch._dynamo.reset()
     cb.reset_counters()
     with use_graph_backend(StandInGraphs()), torch.no_grad(), \
@@ -109,9 +118,12 @@ def test_an_op_that_cannot_be_recorded_keeps_recording_the_mixed_graphs(monkeypa
         assert cb.counters["mixed_graphs_derived"] == 0
         assert cb.counters["mixed_graph_refusals"] == n
         refusals = engines["derived"].runner.full_graph.mixed.refusals
-        assert list(refusals.values()) == [n] and "mrv2::sconv" in next(iter(refusals))
-        said = [r.getMessage() for r in caplog.records if "not derived" in r.getMessage()]
-        assert len(said) == 1 and "mrv2::sconv" in said[0]
+        assert list(refusals.values()) == [n] and said in next(iter(refusals))
+        lines = [r.getMessage() for r in caplog.records if "not derived" in r.getMessage()]
+        assert len(lines) == 1 and said in lines[0]
+        manifest = update_manifest_runtime(tmp_path, engines["derived"].runner)
+        (shown,) = [f for f in manifest["fallbacks"] if f["kind"] == "mixed_graph_recorded"]
+        assert shown["count"] == n and said in shown["reason"]
         _schedules_equal_eager(engines, seeds=(5,), atol=1e-5, rtol=1e-5)
 
 
