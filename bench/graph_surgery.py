@@ -2,28 +2,20 @@
 
     python bench/graph_surgery.py [--reps 20]        (CUDA)
 
-A FULL plan records, per size, a decode graph and a mixed graph that differ
-only in the attention-like ops' launches (docs/design.md, "What a warm
-capture repeats"). This checks the pieces a derivation needs on the machine
-at hand, with torch's CUDAGraph(keep_graph=True) and the driver's graph API
-through ctypes (libcuda.so.1, entry points by cuGetProcAddress):
-  1. while a stream captures, the node count so far: which nodes an op added;
-  2. the op's other form captured alone, on the decode capture's tensors;
-  3. a clone of the decode graph with the op's nodes replaced: (A) node for
-     node, each kernel node's parameters set from the other form's (same
-     launch count), (B) the op's nodes removed and the other form's graph
-     put in as a child graph node, edges rewired (any launch count);
-  4. each derived graph, instantiated and launched, equals the graph
-     recorded directly and eager, on fresh inputs, replay after replay;
-  5. what a derivation costs against recording the step.
-The stand-in step runs the project's Triton kernels before and after the op
-(launched with programmatic dependent launch where the GPU has it).
+Checks what CompilationConfig.derive_mixed_graphs relies on, on the machine
+at hand (runtime/graph_surgery.py; docs/design.md, "A mixed graph derived
+from the decode graph"): node counts while a stream captures (which nodes
+an op added); an op's other form captured alone on the first capture's
+tensors; `derive` (a clone with the op's nodes replaced by a child graph),
+for an op of one launch and of two; each derived graph against the graph
+recorded directly and eager on fresh inputs, replay after replay; and what
+a derivation costs against recording the step. The stand-in step runs the
+project's Triton kernels (PDL where the GPU has it) around the op.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -32,140 +24,6 @@ import time
 import torch
 import triton
 import triton.language as tl
-
-_VOIDP = ctypes.c_void_p
-
-
-class KernelNodeParams(ctypes.Structure):
-    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA 12.0 on)."""
-
-    _fields_ = [("func", _VOIDP),
-                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint),
-                ("kernelParams", _VOIDP), ("extra", _VOIDP), ("kern", _VOIDP), ("ctx", _VOIDP)]
-
-
-class EdgeData(ctypes.Structure):
-    """CUgraphEdgeData (CUDA 12.3 on): programmatic dependent launch's edges carry a type."""
-
-    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
-                ("reserved", ctypes.c_ubyte * 5)]
-
-
-class Driver:
-    """The driver calls a derivation needs, each at a fixed ABI version; a
-    failing call raises with its name and CUresult."""
-
-    KERNEL, CHILD = 0, 1  # CUgraphNodeType
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self._fns: dict[tuple[str, int], int] = {}
-
-    def fn(self, name: str, version: int = 12000) -> int:
-        """The entry point of `name` as the driver gives it to a program built
-        against CUDA `version` (12000: 12.0; 12030: 12.3, edges with data)."""
-        key = (name, version)
-        if key not in self._fns:
-            pfn, status = _VOIDP(), ctypes.c_int()
-            rc = self.lib.cuGetProcAddress_v2(ctypes.c_char_p(name.encode()), ctypes.byref(pfn),
-                                              ctypes.c_int(version), ctypes.c_ulonglong(0),
-                                              ctypes.byref(status))
-            if rc != 0 or not pfn.value:
-                raise RuntimeError(f"cuGetProcAddress({name}, {version}): CUresult {rc}, "
-                                   f"status {status.value}")
-            self._fns[key] = pfn.value
-        return self._fns[key]
-
-    def call(self, name: str, *args, version: int = 12000) -> None:
-        proto = ctypes.CFUNCTYPE(ctypes.c_int, *[type(a) for a in args])
-        rc = proto(self.fn(name, version))(*args)
-        if rc != 0:
-            raise RuntimeError(f"{name} returned CUresult {rc}")
-
-    def nodes(self, graph: int) -> list[int]:
-        count = ctypes.c_size_t(0)
-        self.call("cuGraphGetNodes", _VOIDP(graph), _VOIDP(None), ctypes.pointer(count))
-        arr = (_VOIDP * max(1, count.value))()
-        self.call("cuGraphGetNodes", _VOIDP(graph), ctypes.cast(arr, _VOIDP), ctypes.pointer(count))
-        return [arr[i] for i in range(count.value)]
-
-    def node_type(self, node: int) -> int:
-        t = ctypes.c_int(-1)
-        self.call("cuGraphNodeGetType", _VOIDP(node), ctypes.pointer(t))
-        return t.value
-
-    def kernel_nodes(self, graph: int) -> list[int]:
-        return [n for n in self.nodes(graph) if self.node_type(n) == self.KERNEL]
-
-    def get_params(self, node: int) -> KernelNodeParams:
-        p = KernelNodeParams()
-        self.call("cuGraphKernelNodeGetParams", _VOIDP(node), ctypes.pointer(p))
-        return p
-
-    def set_params(self, node: int, p: KernelNodeParams) -> None:
-        self.call("cuGraphKernelNodeSetParams", _VOIDP(node), ctypes.pointer(p))
-
-    def _edges(self, name: str, node: int) -> list[int]:
-        count = ctypes.c_size_t(0)
-        self.call(name, _VOIDP(node), _VOIDP(None), _VOIDP(None), ctypes.pointer(count), version=12030)
-        arr, data = (_VOIDP * max(1, count.value))(), (EdgeData * max(1, count.value))()
-        self.call(name, _VOIDP(node), ctypes.cast(arr, _VOIDP), ctypes.cast(data, _VOIDP),
-                  ctypes.pointer(count), version=12030)
-        return [arr[i] for i in range(count.value)]
-
-    def dependencies(self, node: int) -> list[int]:
-        return self._edges("cuGraphNodeGetDependencies", node)
-
-    def dependents(self, node: int) -> list[int]:
-        return self._edges("cuGraphNodeGetDependentNodes", node)
-
-    def clone(self, graph: int) -> int:
-        out = _VOIDP()
-        self.call("cuGraphClone", ctypes.pointer(out), _VOIDP(graph))
-        return out.value
-
-    def replace_with_child(self, graph: int, old: list[int], child: int) -> None:
-        """Remove `old` (nodes of `graph`) and put `child` (a graph, copied in)
-        where they were: after their outside predecessors, before their
-        outside dependents (plain edges: no programmatic overlap across it)."""
-        inside = set(old)
-        preds = sorted({d for n in old for d in self.dependencies(n)} - inside)
-        succs = sorted({d for n in old for d in self.dependents(n)} - inside)
-        for n in old:
-            self.call("cuGraphDestroyNode", _VOIDP(n))
-        node = _VOIDP()
-        deps = (_VOIDP * max(1, len(preds)))(*preds)
-        self.call("cuGraphAddChildGraphNode", ctypes.pointer(node), _VOIDP(graph),
-                  ctypes.cast(deps, _VOIDP), ctypes.c_size_t(len(preds)), _VOIDP(child))
-        for s in succs:
-            frm, to = (_VOIDP * 1)(node.value), (_VOIDP * 1)(s)
-            self.call("cuGraphAddDependencies", _VOIDP(graph), ctypes.cast(frm, _VOIDP),
-                      ctypes.cast(to, _VOIDP), ctypes.c_size_t(1))
-
-    def instantiate(self, graph: int) -> int:
-        out = _VOIDP()
-        self.call("cuGraphInstantiateWithFlags", ctypes.pointer(out), _VOIDP(graph), ctypes.c_ulonglong(0))
-        return out.value
-
-    def launch(self, exec_: int, stream: int) -> None:
-        self.call("cuGraphLaunch", _VOIDP(exec_), _VOIDP(stream))
-
-    def destroy(self, graph: int = 0, exec_: int = 0) -> None:
-        if exec_:
-            self.call("cuGraphExecDestroy", _VOIDP(exec_))
-        if graph:
-            self.call("cuGraphDestroy", _VOIDP(graph))
-
-    def capturing_nodes(self, stream: int) -> int:
-        """Nodes in the graph `stream` is capturing into, so far."""
-        status, cid, graph = ctypes.c_int(), ctypes.c_ulonglong(), _VOIDP()
-        deps, edges, ndeps = _VOIDP(), _VOIDP(), ctypes.c_size_t()
-        self.call("cuStreamGetCaptureInfo", _VOIDP(stream), ctypes.pointer(status), ctypes.pointer(cid),
-                  ctypes.pointer(graph), ctypes.pointer(deps), ctypes.pointer(edges),
-                  ctypes.pointer(ndeps), version=12030)
-        return len(self.nodes(graph.value))
 
 
 @triton.jit
@@ -199,10 +57,10 @@ def _middle(h: torch.Tensor, y: torch.Tensor, form: str) -> None:
         _scale_kernel[grid](y, y, n, 0.75, BLOCK=1024)
 
 
-def _step(x, w, out, form: str, keep: list | None = None, drv=None, marks: list | None = None):
+def _step(x, w, out, form: str, keep: list | None = None, count=None, marks: list | None = None):
     """The stand-in step: RMSNorm (Triton, PDL), the middle op into the first
     half of y, SiLU·mul (Triton, PDL) of y, plus x into `out`. `keep` gets
-    the middle op's tensors, `marks` the node counts around it."""
+    the middle op's tensors, `marks` the node counts around it (`count()`)."""
     from compile_backend.kernels.rms_norm import rms_norm
     from compile_backend.kernels.silu_mul import silu_mul
 
@@ -212,12 +70,14 @@ def _step(x, w, out, form: str, keep: list | None = None, drv=None, marks: list 
     y[:, K:].copy_(h)
     g = torch.empty_like(h)
     if marks is not None:
-        marks.append(drv.capturing_nodes(torch.cuda.current_stream().cuda_stream))
+        marks.append(count())
     _middle(h, g, form)
     if marks is not None:
-        marks.append(drv.capturing_nodes(torch.cuda.current_stream().cuda_stream))
-    if keep is not None:
-        keep += [h, g]
+        marks.append(count())
+    if keep is not None:  # as a derivation notes them: aliases that own nothing
+        from compile_backend.runtime.graph_pool import weak_ref
+
+        keep += [weak_ref(h), weak_ref(g)]
     y[:, :K].copy_(g)
     out.copy_(silu_mul(y) + x)
 
@@ -230,9 +90,15 @@ def main(argv=None) -> int:
         print("graph_surgery: needs a CUDA device")
         return 2
     import compile_backend.kernels  # noqa: F401
-    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+    from compile_backend.runtime import graph_surgery
+    from compile_backend.runtime.graph_pool import TorchCUDAGraphs
 
-    drv = Driver()
+    graphs = TorchCUDAGraphs()
+    why = graphs.can_derive()
+    if why is not None:
+        print(f"graph_surgery: cannot derive here: {why}")
+        return 1
+    drv = graph_surgery.driver()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(37)
     x = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -241,62 +107,44 @@ def main(argv=None) -> int:
     for f, out in outs.items():  # every kernel compiled before any capture
         _step(x, w, out, f)
     torch.cuda.synchronize()
-    warm_capture_stream(dev)
-    stream = capture_stream(dev)
-    pool, side_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+    pool, side_pool = graphs.pool(), graphs.pool()
     rows: list[tuple[str, str]] = []
 
-    def captured(fn, use_pool) -> tuple[torch.cuda.CUDAGraph, float]:
-        g = torch.cuda.CUDAGraph(keep_graph=True)
-        stream.wait_stream(torch.cuda.current_stream())
+    def captured(fn, use_pool, instantiate=True):
+        g = graphs.new_graph(keep_graph=True)
         t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            g.capture_begin(pool=use_pool)
+        with graphs.capture(g, use_pool, (), instantiate=instantiate):
             fn()
-            g.capture_end()
-        dt = time.perf_counter() - t0
-        torch.cuda.current_stream().wait_stream(stream)
-        return g, dt
+        return g, time.perf_counter() - t0
 
     recorded, keeps, marks = {}, {}, {}
     for f in ("one", "two", "other"):
         keeps[f], marks[f] = [], []
-        recorded[f], secs = captured(lambda: _step(x, w, outs[f], f, keeps[f], drv, marks[f]), pool)
-        rows.append((f"1. record '{f}': nodes before/after the op, in all; record s",
+        recorded[f], secs = captured(
+            lambda: _step(x, w, outs[f], f, keeps[f], graphs.node_count, marks[f]), pool)
+        rows.append((f"1. record '{f}': nodes before/after the op, in all; s (with instantiate)",
                      f"{marks[f]}, {len(drv.nodes(recorded[f].raw_cuda_graph()))}; {secs:.6f}"))
 
-    def derive(base: str, how: str) -> tuple[int, int, object]:
-        """A clone of `base`'s graph with its op's nodes made the 'other' form's."""
+    def derive(base: str):
         h, g = keeps[base]
-        side, _ = captured(lambda: _middle(h, g, "other"), side_pool)
-        side_raw = side.raw_cuda_graph()
-        clone = drv.clone(recorded[base].raw_cuda_graph())
-        lo, hi = marks[base]
-        mine = drv.nodes(clone)[lo:hi]
-        if how == "A":
-            theirs = drv.kernel_nodes(side_raw)
-            assert len(theirs) == len(mine), (len(theirs), len(mine))
-            for n, t in zip(mine, theirs):
-                drv.set_params(n, drv.get_params(t))
-        else:
-            drv.replace_with_child(clone, mine, side_raw)
-        return clone, drv.instantiate(clone), side
+        side, _ = captured(lambda: _middle(h, g, "other"), side_pool, instantiate=False)
+        return graphs.derive(recorded[base], [(*marks[base], side)])
 
     worst_all = 0.0
-    for base, how in (("one", "A"), ("one", "B"), ("two", "B")):
+    for base in ("one", "two"):
         try:
             t0 = time.perf_counter()
-            clone, exec_, side = derive(base, how)
+            made = derive(base)
             first = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 (the table says what failed)
-            rows.append((f"2. derive '{base}' -> 'other' by {how}", f"FAILED: {e}"))
+            rows.append((f"2. derive '{base}' -> 'other'", f"FAILED: {type(e).__name__}: {e}"))
             worst_all = float("inf")
             continue
         worst = 0.0
         for _ in range(args.reps):  # fresh inputs at the same addresses, every replay
             x.copy_(torch.randn(x.shape, device=dev, dtype=x.dtype, generator=gen))
             recorded["other"].replay()
-            drv.launch(exec_, torch.cuda.current_stream().cuda_stream)  # writes outs[base]
+            made.replay()  # writes outs[base]
             ref = torch.empty_like(x)
             _step(x, w, ref, "other")
             torch.cuda.synchronize()
@@ -305,15 +153,13 @@ def main(argv=None) -> int:
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            c, e, s = derive(base, how)
+            again = derive(base)
             times.append(time.perf_counter() - t0)
-            drv.destroy(c, e)
-            del s
-        drv.destroy(clone, exec_)
-        del side
+            again.reset()
+        made.reset()
         worst_all = max(worst_all, worst)
-        rows.append((f"2. derive '{base}' -> 'other' by {how}: max abs diff over {args.reps} fresh "
-                     "inputs (vs recorded and eager); s first / median of 5",
+        rows.append((f"2. derive '{base}' -> 'other': max abs diff over {args.reps} fresh inputs "
+                     "(vs recorded and eager); s first / median of 5",
                      f"{worst:g}; {first:.6f} / {statistics.median(times):.6f}"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")
     print("| step | result |\n|---|---|")
