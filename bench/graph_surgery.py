@@ -6,8 +6,8 @@ Checks what CompilationConfig.derive_mixed_graphs relies on, on the machine
 at hand (runtime/graph_surgery.py; docs/design.md, "A mixed graph derived
 from the decode graph"): node counts while a stream captures (which nodes
 an op added); an op's other form captured alone on the first capture's
-tensors; `derive` (a clone with the op's nodes replaced by a child graph),
-for an op of one launch and of two; each derived graph against the graph
+tensors, padded to as many launches; `derive` (a clone whose nodes of the
+op take the other form's launches), for an op of one launch and of two; each derived graph against the graph
 recorded directly and eager on fresh inputs, replay after replay; and what
 a derivation costs against recording the step. The stand-in step runs the
 project's Triton kernels (PDL where the GPU has it) around the op.
@@ -126,9 +126,22 @@ def main(argv=None) -> int:
                      f"{marks[f]}, {len(drv.nodes(recorded[f].raw_cuda_graph()))}; {secs:.6f}"))
 
     def derive(base: str):
+        """As runtime/mixed_graphs.py does: the other form captured alone on the
+        first capture's tensors, padded to as many launches, then derive."""
         h, g = keeps[base]
-        side, _ = captured(lambda: _middle(h, g, "other"), side_pool, instantiate=False)
-        return graphs.derive(recorded[base], [(*marks[base], side)])
+        first, end = marks[base]
+        pairs = []
+
+        def other_form():
+            side_first = graphs.node_count()
+            _middle(h, g, "other")
+            pad = torch.empty(1, device=dev)
+            for _ in range((end - first) - (graphs.node_count() - side_first)):
+                pad.fill_(1.0)
+            pairs.append((first, end, side_first, graphs.node_count()))
+
+        side, _ = captured(other_form, side_pool, instantiate=False)
+        return graphs.derive(recorded[base], side, pairs)
 
     worst_all = 0.0
     for base in ("one", "two"):

@@ -115,10 +115,10 @@ class TorchCUDAGraphs:
 
         return graph_surgery.driver().capturing_nodes(torch.cuda.current_stream().cuda_stream)
 
-    def derive(self, source: Any, parts: Sequence[tuple[int, int, Any]]) -> Any:
+    def derive(self, source: Any, side: Any, pairs: Sequence[tuple[int, int, int, int]]) -> Any:
         from compile_backend.runtime import graph_surgery
 
-        return graph_surgery.derive(source, parts)
+        return graph_surgery.derive(source, side, pairs)
 
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any, args: Sequence[Any] = (), instantiate: bool = True):

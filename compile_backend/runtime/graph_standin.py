@@ -155,11 +155,13 @@ class StandInGraphs:
         """The ops the capture in progress ran so far (a CUDA graph counts nodes)."""
         return self._mode.ops
 
-    def derive(self, source: StandInGraph, parts: Sequence[tuple[int, int, Any]]) -> StandInGraph:
+    def derive(self, source: StandInGraph, side: StandInGraph,
+               pairs: Sequence[tuple[int, int, int, int]]) -> StandInGraph:
         """A graph that replays, as the derived CUDA graph does, the source's
         step with the other form of each recorded op: here by running the step
         under the context `after_capture` gives it (the derived graph's)."""
-        assert all(first <= end for first, end, _ in parts), parts
+        assert all(first <= end and side_first <= side_end
+                   for first, end, side_first, side_end in pairs), pairs
         return self.new_graph()
 
     def pool(self):

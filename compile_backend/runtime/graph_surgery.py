@@ -1,18 +1,19 @@
-"""A CUDA graph made from another: a clone with some nodes replaced by child graphs.
+"""A CUDA graph made from another: a clone with some kernel nodes' launches replaced.
 
-    derived = derive(decode_graph, [(first, end, side_graph), ...])
-        a clone of decode_graph's cudaGraph_t (a torch CUDAGraph captured with
-        keep_graph=True) in which nodes [first, end), in the order the capture
-        made them, are removed and side_graph's graph is put in their place as
-        a child graph node (after their predecessors outside the range, before
-        their dependents: plain edges, no programmatic overlap across it),
-        then instantiated; derived.replay() launches it on the current stream.
+    derived = derive(decode_graph, side_graph, [(first, end, side_first, side_end), ...])
+        a clone of decode_graph's cudaGraph_t (torch CUDAGraphs captured with
+        keep_graph=True) in which kernel nodes [first, end), numbered in the
+        order the capture made them, take the launches (function, grid,
+        arguments) of side_graph's nodes [side_first, side_end), one for one;
+        a replaced node's incoming programmatic edges become plain ones (the
+        new kernel may not wait for its predecessor); then instantiated.
+    derived.replay()     launches it on the current stream
 
 The driver's graph API through ctypes (libcuda.so.1, entry points by
-cuGetProcAddress at a fixed ABI version): no binding package needed. A FULL
-plan's mixed graphs use it (runtime/mixed_graphs.py; docs/design.md, "A mixed
-graph derived from the decode graph").
+cuGetProcAddress at a fixed ABI version): no binding package needed. Used by
+a FULL plan's mixed graphs (runtime/mixed_graphs.py; docs/design.md).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,11 +22,21 @@ from typing import Any, Sequence
 import torch
 
 _P = ctypes.c_void_p
-_KERNEL_NODE, _CHILD_NODE = 0, 1  # CUgraphNodeType
+_KERNEL_NODE = 0  # CUgraphNodeType
 
 
 class GraphSurgeryError(RuntimeError):
     """A driver call failed or a graph is not as expected (the caller falls back)."""
+
+
+class _KernelParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (CUDA 12.0 on)."""
+
+    _fields_ = [("func", _P),
+                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("kernelParams", _P), ("extra", _P), ("kern", _P),
+                ("ctx", _P)]
 
 
 class _EdgeData(ctypes.Structure):
@@ -73,13 +84,35 @@ class Driver:
         self.call("cuGraphGetNodes", _P(graph), ctypes.cast(arr, _P), ctypes.pointer(count))
         return [arr[i] for i in range(count.value)]
 
-    def _edges(self, name: str, node: int) -> list[int]:
+    def node_type(self, node: int) -> int:
+        t = ctypes.c_int(-1)
+        self.call("cuGraphNodeGetType", _P(node), ctypes.pointer(t))
+        return t.value
+
+    def dependencies(self, node: int) -> list[tuple[int, _EdgeData]]:
+        """(predecessor, the edge's data) for each edge into `node`."""
         count = ctypes.c_size_t(0)
+        name = "cuGraphNodeGetDependencies"
         self.call(name, _P(node), _P(None), _P(None), ctypes.pointer(count), version=12030)
         arr, data = (_P * max(1, count.value))(), (_EdgeData * max(1, count.value))()
         self.call(name, _P(node), ctypes.cast(arr, _P), ctypes.cast(data, _P), ctypes.pointer(count),
                   version=12030)
-        return [arr[i] for i in range(count.value)]
+        return [(arr[i], data[i]) for i in range(count.value)]
+
+    def take_launch(self, graph: int, node: int, other: int) -> None:
+        """Kernel node `node` of `graph` launches what kernel node `other`
+        does; its incoming edges become plain ones."""
+        p = _KernelParams()
+        self.call("cuGraphKernelNodeGetParams", _P(other), ctypes.pointer(p))
+        self.call("cuGraphKernelNodeSetParams", _P(node), ctypes.pointer(p))
+        for dep, edge in self.dependencies(node):
+            if edge.type == 0:  # CU_GRAPH_DEPENDENCY_TYPE_DEFAULT
+                continue
+            frm, to = (_P * 1)(dep), (_P * 1)(node)
+            self.call("cuGraphRemoveDependencies", _P(graph), ctypes.cast(frm, _P), ctypes.cast(to, _P),
+                      ctypes.byref(edge), ctypes.c_size_t(1), version=12030)
+            self.call("cuGraphAddDependencies", _P(graph), ctypes.cast(frm, _P), ctypes.cast(to, _P),
+                      ctypes.c_size_t(1))
 
     def capturing_nodes(self, stream: int) -> int:
         """How many nodes the graph `stream` captures into has so far."""
@@ -104,25 +137,6 @@ class Driver:
         out = _P()
         self.call("cuGraphNodeFindInClone", ctypes.pointer(out), _P(node), _P(clone))
         return out.value
-
-    def replace_with_child(self, graph: int, old: Sequence[int], child: int) -> None:
-        """Remove `old` (nodes of `graph`) and put a copy of `child` where
-        they were: after their predecessors outside `old`, before their
-        dependents outside it."""
-        inside = set(old)
-        preds = sorted({d for n in old for d in self._edges("cuGraphNodeGetDependencies", n)} - inside)
-        succs = sorted({d for n in old for d in self._edges("cuGraphNodeGetDependentNodes", n)}
-                       - inside)
-        for n in old:
-            self.call("cuGraphDestroyNode", _P(n))
-        node = _P()
-        deps = (_P * max(1, len(preds)))(*preds)
-        self.call("cuGraphAddChildGraphNode", ctypes.pointer(node), _P(graph), ctypes.cast(deps, _P),
-                  ctypes.c_size_t(len(preds)), _P(child))
-        for s in succs:
-            frm, to = (_P * 1)(node.value), (_P * 1)(s)
-            self.call("cuGraphAddDependencies", _P(graph), ctypes.cast(frm, _P), ctypes.cast(to, _P),
-                      ctypes.c_size_t(1))
 
     def instantiate(self, graph: int) -> int:
         out = _P()
@@ -152,7 +166,7 @@ def driver() -> Driver:
 class DerivedGraph:
     """An instantiated clone (the CUDAGraph-like face a wrapper replays).
     Holds the graphs whose memory its nodes address: the source (its pool)
-    and the side graphs (theirs)."""
+    and the side graph (its own)."""
 
     def __init__(self, graph: int, exec_: int, keep: list[Any]) -> None:
         self.graph, self.exec_, self.keep = graph, exec_, keep
@@ -173,24 +187,28 @@ class DerivedGraph:
             pass
 
 
-def derive(source: Any, parts: Sequence[tuple[int, int, Any]]) -> DerivedGraph:
-    """`source` (a torch CUDAGraph captured with keep_graph=True) with nodes
-    [first, end) of each part replaced by the part's side graph (likewise).
-    Parts do not overlap; a part with no node raises (no place to put it)."""
+def derive(source: Any, side: Any, pairs: Sequence[tuple[int, int, int, int]]) -> DerivedGraph:
+    """`source` with kernel nodes [first, end) of each pair taking the
+    launches of `side`'s nodes [side_first, side_end) (module docstring).
+    Raises GraphSurgeryError where a pair's ranges differ in length or hold
+    a node that is not a kernel launch."""
     drv = driver()
-    raw = source.raw_cuda_graph()
+    raw, side_raw = source.raw_cuda_graph(), side.raw_cuda_graph()
+    nodes, theirs = drv.nodes(raw), drv.nodes(side_raw)  # the captures' order
     clone = drv.clone(raw)
     try:
-        nodes = drv.nodes(raw)  # the capture's order, which the parts' counts index
-        ranges = []
-        for first, end, side in parts:
-            if not 0 <= first < end <= len(nodes):
-                raise GraphSurgeryError(f"nodes [{first}, {end}) of a graph of {len(nodes)}")
-            ranges.append(([drv.in_clone(n, clone) for n in nodes[first:end]], side.raw_cuda_graph()))
-        for old, child in ranges:
-            drv.replace_with_child(clone, old, child)
+        for first, end, side_first, side_end in pairs:
+            if not (0 <= first < end <= len(nodes) and 0 <= side_first <= side_end <= len(theirs)
+                    and end - first == side_end - side_first):
+                raise GraphSurgeryError(
+                    f"nodes [{first}, {end}) of {len(nodes)} against [{side_first}, {side_end}) "
+                    f"of {len(theirs)}: not one for one")
+            for mine, other in zip(nodes[first:end], theirs[side_first:side_end]):
+                if drv.node_type(mine) != _KERNEL_NODE or drv.node_type(other) != _KERNEL_NODE:
+                    raise GraphSurgeryError("a node that is not a kernel launch")
+                drv.take_launch(clone, drv.in_clone(mine, clone), other)
         exec_ = drv.instantiate(clone)
     except Exception:
         drv.destroy(clone, 0)
         raise
-    return DerivedGraph(clone, exec_, [source, *(side for _, _, side in parts)])
+    return DerivedGraph(clone, exec_, [source, side])

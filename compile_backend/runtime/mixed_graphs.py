@@ -3,10 +3,10 @@
 A size's decode graph and mixed graph run the same step; they differ only in
 what the metadata-reading (layer-keyed) ops launch. So while a decode graph
 records, its calls of those ops are noted with the nodes each added
-(core/op_recording.py); the mixed graph of that size is then each noted call
-captured alone under the mixed step's metadata, on the same tensors, and a
-clone of the decode graph with each call's nodes replaced by its capture
-(runtime/graph_surgery.py). The step's Python runs once per size, not twice.
+(core/op_recording.py); the noted calls are then made again, under the mixed
+step's metadata and on the same tensors, in one side capture, and the mixed
+graph is a clone of the decode graph whose nodes of each call take the side
+capture's launches, one for one (runtime/graph_surgery.py). The step's Python runs once per size, not twice.
 Where that cannot be done the wrapper records the mixed graph as before; the
 reason is logged once and counted (`mixed_graph_refusals`, and per reason in
 `refusals`). docs/design.md, "A mixed graph derived from the decode graph".
@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Any, Iterator, Sequence
+
+import torch
 
 from compile_backend.core import op_recording
 from compile_backend.core.counters import counters
@@ -88,17 +90,21 @@ class MixedGraphs:
                                 f"(their launches cannot be found): {', '.join(missing)}")
         if self.side_pool is None:
             self.side_pool = self.graphs.pool()
-        parts = []
+        side = self.graphs.new_graph(keep_graph=True)
+        pairs = []
         outer = ctx.capturing, ctx.capture_plans
-        ctx.capturing = True
+        ctx.capturing, ctx.capture_plans = True, {}  # attention plans stay the capture's
         try:
-            for call in calls:
-                side = self.graphs.new_graph(keep_graph=True)
-                ctx.capture_plans = {}  # attention plans stay their capture's
-                with self.graphs.capture(side, self.side_pool, (), instantiate=False):
+            with self.graphs.capture(side, self.side_pool, (), instantiate=False):
+                pad = None
+                for call in calls:
+                    first = self.graphs.node_count()
                     call.again()
-                parts.append((call.first, call.end, side))
-            made = self.graphs.derive(entry.cuda_graph, parts)
+                    short = (call.end - call.first) - (self.graphs.node_count() - first)
+                    if short > 0:  # fewer launches (decode's split and reduce: one here)
+                        pad = self._pad(pad, short)
+                    pairs.append((call.first, call.end, first, self.graphs.node_count()))
+            made = self.graphs.derive(entry.cuda_graph, side, pairs)
         except Exception as e:  # noqa: BLE001 - any failure: record the graph instead
             from compile_backend.runtime.jit_guard import CompileInCapture
 
@@ -110,6 +116,17 @@ class MixedGraphs:
             ctx.capturing, ctx.capture_plans = outer
         counters["mixed_graphs_derived"] += 1
         return made, entry
+
+    def _pad(self, pad: Any, launches: int) -> Any:
+        """`launches` kernels that change nothing of the step's (a fill of a
+        scratch element of the side pool's): the nodes a call of the other
+        form lacks, so the two forms' launches pair one for one."""
+        if pad is None:
+            pad = torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())
+                              if torch.cuda.is_available() else "cpu")
+        for _ in range(launches):
+            pad.fill_(1.0)
+        return pad
 
     def _refuse(self, reason: str) -> None:
         counters["mixed_graph_refusals"] += 1
