@@ -20,6 +20,7 @@ from compile_backend.demo.models import build_model, preset
 from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
+from compile_backend.runtime.mixed_graphs import MixedGraphs
 from runtime_helpers import (CAPTURE_SIZES, _torch_reference_kernels, copy_batch,  # noqa: F401 (fixture)
                              kv_config, random_schedule)
 
@@ -76,10 +77,21 @@ def test_recordable_notes_each_call_once_with_its_range_and_aliases():
             pass
 
 
+LAYER_CALLS = {  # the layer-keyed ops a layer calls, in order
+    "hybrid": ["mrv2::sconv", "mrv2::kv_compress", "mrv2::rope_and_cache", "mrv2::unified_attention"],
+    "llama": ["mrv2::rope_and_cache", "mrv2::unified_attention"],
+}
+
+
 @pytest.mark.parametrize("model", ["hybrid", "llama"])
-def test_derived_mixed_graphs_replay_equal_eager(model):
+def test_derived_mixed_graphs_replay_equal_eager(model, monkeypatch):
     """Every decode size's mixed graph is derived (hybrid: attention, the
-    short convolution and the KV compressor differ between the two)."""
+    short convolution and the KV compressor differ between the two), each
+    from a recording of every layer's layer-keyed calls."""
+    recorded = []
+    keep = MixedGraphs.keep
+    monkeypatch.setattr(MixedGraphs, "keep", lambda self, graph, entry, calls: (
+        recorded.append((graph.num_tokens, [c.name for c in calls])), keep(self, graph, entry, calls)))
     torch._dynamo.reset()
     cb.reset_counters()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
@@ -91,6 +103,7 @@ def test_derived_mixed_graphs_replay_equal_eager(model):
         decode = engines["derived"].runner.decode_sizes
         assert cb.counters["mixed_graphs_derived"] == len(decode) > 0
         assert cb.counters["mixed_graph_refusals"] == 0
+        assert recorded == [(s, LAYER_CALLS[model] * 2) for s in sorted(decode, reverse=True)]
         plan = engines["derived"].runner.capture_plan()
         assert [g.num_tokens for g in plan] == sorted((g.num_tokens for g in plan), reverse=True)
         _schedules_equal_eager(engines, seeds=(3, 4), atol=1e-5, rtol=1e-5)
