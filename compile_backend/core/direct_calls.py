@@ -35,12 +35,14 @@ def register_direct_impl(name: str, impl: Callable[..., Any]) -> None:
     _DIRECT_IMPLS[check_op_name(name)] = recordable(name, impl, every_call=False)
 
 
-def direct_custom_op(name: str, *, mutates_args, schema: str):
+def direct_custom_op(name: str, *, mutates_args, schema: str, same_launches: bool = False,
+                     into: Callable[..., Any] | None = None):
     """`define_op(name, ...)(impl)` (core/op_definition.py) that also registers
     `impl` as the op's direct implementation (one name for both)."""
 
     def wrap(impl: Callable[..., Any]):
-        op = define_op(name, mutates_args=mutates_args, schema=schema)(impl)
+        op = define_op(name, mutates_args=mutates_args, schema=schema,
+                       same_launches=same_launches, into=into)(impl)
         register_direct_impl(name, impl)
         return op
 

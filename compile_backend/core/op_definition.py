@@ -23,11 +23,14 @@ from compile_backend.core.op_recording import recordable
 _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
-def define_op(qualname: str, *, mutates_args: Iterable[str] = (), schema: str | None = None):
+def define_op(qualname: str, *, mutates_args: Iterable[str] = (), schema: str | None = None,
+              same_launches: bool = False, into: Callable[..., Any] | None = None):
     """Decorator: define `qualname` ("ns::name") with the decorated function as
     its body (CPU and CUDA) and return the op (`torch.ops.ns.name`). `schema`
     ("(Tensor x, ...) -> Tensor") defaults to the one inferred from the
-    function's annotations, with `mutates_args` marked written."""
+    function's annotations, with `mutates_args` marked written.
+    `same_launches`, `into`: for a layer-keyed op, what a FULL plan's derived
+    mixed graphs need (core/op_recording.py: `recordable`)."""
     ns, name = qualname.split("::")
 
     def wrap(impl: Callable[..., Any]):
@@ -39,7 +42,8 @@ def define_op(qualname: str, *, mutates_args: Iterable[str] = (), schema: str | 
         lib.define(name + text)
         # Through `recordable`: a FULL plan notes where its metadata-reading
         # ops' launches sit in a decode graph (core/op_recording.py).
-        lib.impl(name, recordable(qualname, impl), "CompositeExplicitAutograd")
+        lib.impl(name, recordable(qualname, impl, same_launches=same_launches, into=into),
+                 "CompositeExplicitAutograd")
         return getattr(getattr(torch.ops, ns), name)
 
     return wrap

@@ -9,7 +9,8 @@ graph records, `recording(count)` notes each such call: the op, its arguments
 reuse) and `count()` before and after it (the nodes the capturing graph has).
 Ops take part by being defined through `recordable(name, impl)`
 (core/op_definition.py and core/direct_calls.py do it for every op they
-define); `all_recordable(names)` says whether a step's ops all did.
+define), saying whether their launches ever differ between forms and how
+to write a returned tensor into a given one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ import torch
 from compile_backend.core import forward_context
 
 _RECORDABLE: set[str] = set()  # ops whose every call goes through `recordable`
+# Ops whose launches are the same in every form of a step of one size (they
+# read only the metadata's tensors, no Python int): a recorder skips them.
+_SAME_LAUNCHES: set[str] = set()
+# op -> into(out, *args, **kwargs): the op made again writing its result into
+# `out` (for an op that returns a tensor: the step reads it at that address).
+_INTO: dict[str, Callable[..., Any]] = {}
 
 
 @dataclass
@@ -34,13 +41,24 @@ class OpCall:
     first: int  # nodes the capturing graph had before the call
     end: int  # and after it: the call added nodes [first, end)
     layer_alias: dict | None = None  # the layer names it served (a shared piece's call)
+    out: Any = None  # what it returned (a non-owning alias), if a tensor
 
     def again(self) -> Any:
-        """The call made again, serving the same layers."""
-        fn = (lambda *a: self.impl(*a, **self.kwargs))
+        """The call made again, serving the same layers, writing its result
+        where the first call's was (`into`; an op returning a tensor without
+        one raises: `repeatable` says so first)."""
+        if self.out is not None:
+            into = _INTO[self.name]
+            fn = (lambda *a: into(self.out, *a, **self.kwargs))
+        else:
+            fn = (lambda *a: self.impl(*a, **self.kwargs))
         if self.layer_alias is None:
             return fn(*self.args)
         return forward_context.call_as_layers(self.layer_alias, fn, *self.args)
+
+    @property
+    def repeatable(self) -> bool:
+        return self.out is None or self.name in _INTO
 
 
 class Recorder:
@@ -53,7 +71,7 @@ class Recorder:
         self._inside = False  # a recorded op calling another: one call, the outer one
 
     def call(self, name: str, impl: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if name not in self.names or self._inside:
+        if name not in self.names or self._inside or name in _SAME_LAUNCHES:
             return impl(*args, **kwargs)
         first = self.count()
         self._inside = True
@@ -62,7 +80,8 @@ class Recorder:
         finally:
             self._inside = False
         self.calls.append(OpCall(name, impl, self._aliased(args), self._aliased(kwargs),
-                                 first, self.count(), forward_context._layer_alias))
+                                 first, self.count(), forward_context._layer_alias,
+                                 self.alias(out) if isinstance(out, torch.Tensor) else None))
         return out
 
     def _aliased(self, value: Any) -> Any:
@@ -78,13 +97,21 @@ class Recorder:
 _active: Recorder | None = None
 
 
-def recordable(name: str, impl: Callable[..., Any], *, every_call: bool = True) -> Callable[..., Any]:
+def recordable(name: str, impl: Callable[..., Any], *, every_call: bool = True,
+               same_launches: bool = False, into: Callable[..., Any] | None = None
+               ) -> Callable[..., Any]:
     """`impl` (op `name`'s body), noted by an active recorder. `every_call`:
     this is the body every call of the op runs (the one the dispatcher
     calls), so the op counts as recordable; a second path (a direct call
-    beside the dispatcher's) passes False."""
+    beside the dispatcher's) passes False. `same_launches`: its launches
+    never depend on the step's form (not recorded). `into(out, *args)`: for
+    an op returning a tensor, the op writing it into `out`."""
     if every_call:
         _RECORDABLE.add(name)
+    if same_launches:
+        _SAME_LAUNCHES.add(name)
+    if into is not None:
+        _INTO[name] = into
 
     def call(*args: Any, **kwargs: Any) -> Any:
         rec = _active

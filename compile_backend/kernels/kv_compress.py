@@ -244,20 +244,29 @@ def kv_compress_ref(key, score, compressed_cache, state_max, state_sum, state_ac
     return out
 
 
+def _kv_compress_into(out, key, score, compressed_cache, state_max, state_sum, state_acc,
+                      layer_name, ratio) -> torch.Tensor:
+    """The op, its result written into `out` (None: a new tensor)."""
+    meta = layer_metadata(layer_name, "kv_compress")  # CompressorMetadata
+    args = (key, score, compressed_cache, state_max, state_sum, state_acc,
+            meta.query_start_loc, meta.seq_lens, meta.state_indices, meta.block_table, ratio)
+    if use_triton(key):
+        return kv_compress(*args, meta.max_query_len, out=out)
+    y = kv_compress_ref(*args)
+    return y if out is None else out.copy_(y)
+
+
 @define_op(
     "mrv2::kv_compress",
     mutates_args=("compressed_cache", "state_max", "state_sum", "state_acc"),
     schema="(Tensor key, Tensor score, Tensor(a!) compressed_cache, Tensor(b!) state_max, "
     "Tensor(c!) state_sum, Tensor(d!) state_acc, str layer_name, int ratio) -> Tensor",
+    into=_kv_compress_into,  # a FULL plan's derived mixed graph writes the decode graph's output
 )
 def kv_compress_op(key, score, compressed_cache, state_max, state_sum, state_acc, layer_name,
                    ratio) -> torch.Tensor:  # types: the schema
-    meta = layer_metadata(layer_name, "kv_compress")  # CompressorMetadata
-    args = (key, score, compressed_cache, state_max, state_sum, state_acc,
-            meta.query_start_loc, meta.seq_lens, meta.state_indices, meta.block_table, ratio)
-    if use_triton(key):
-        return kv_compress(*args, meta.max_query_len)
-    return kv_compress_ref(*args)
+    return _kv_compress_into(None, key, score, compressed_cache, state_max, state_sum, state_acc,
+                             layer_name, ratio)
 
 
 # Attention-like: its metadata is capturable for any batch (Note [attention-like

@@ -112,6 +112,7 @@ reshape_and_cache_op = direct_custom_op(
     mutates_args=("key_cache", "value_cache"),
     schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "str layer_name) -> ()",
+    same_launches=True,  # reads only the slot mapping: one launch for every batch of a size
 )(reshape_and_cache_impl)
 # Attention-like: the KV write needs only the slot mapping, a persistent buffer,
 # so it runs inside the piece before attention, off the eager region's host path.

@@ -239,6 +239,7 @@ rope_and_cache_op = direct_custom_op(
     mutates_args=("key_cache", "value_cache"),
     schema="(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
     "Tensor(a!) key_cache, Tensor(b!) value_cache, str layer_name) -> Tensor",
+    same_launches=True,  # reads only the slot mapping: one launch for every batch of a size
 )(rope_and_cache_impl)
 # Attention-like, as reshape_and_cache: the KV write needs only the slot
 # mapping, a persistent buffer, so it runs inside the piece before attention.

@@ -225,11 +225,24 @@ def sconv_ref(x, weight, bias, conv_state, query_start_loc, state_indices,
     return out
 
 
+def _sconv_into(out: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, conv_state: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The op, its result written into `out` (None: a new tensor)."""
+    meta = layer_metadata(layer_name, "sconv")  # SConvMetadata
+    if use_triton(x):
+        return sconv(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
+                     meta.has_initial_state, meta.max_query_len, out=out)
+    y = sconv_ref(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
+                  meta.has_initial_state)
+    return y if out is None else out.copy_(y)
+
+
 @define_op(
     "mrv2::sconv",
     mutates_args=("conv_state",),
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, str layer_name) "
     "-> Tensor",
+    into=_sconv_into,  # a FULL plan's derived mixed graph writes the decode graph's output
 )
 def sconv_op(
     x: torch.Tensor,
@@ -238,12 +251,7 @@ def sconv_op(
     conv_state: torch.Tensor,
     layer_name: str,
 ) -> torch.Tensor:
-    meta = layer_metadata(layer_name, "sconv")  # SConvMetadata
-    if use_triton(x):
-        return sconv(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
-                     meta.has_initial_state, meta.max_query_len)
-    return sconv_ref(x, weight, bias, conv_state, meta.query_start_loc, meta.state_indices,
-                     meta.has_initial_state)
+    return _sconv_into(None, x, weight, bias, conv_state, layer_name)
 
 
 # Attention-like: its metadata is capturable for any batch (Note [attention-like

@@ -88,6 +88,10 @@ class MixedGraphs:
         if missing:
             return self._refuse(f"layer-keyed ops not defined through mrv2's op definitions "
                                 f"(their launches cannot be found): {', '.join(missing)}")
+        lost = sorted({c.name for c in calls if not c.repeatable})
+        if lost:
+            return self._refuse(f"ops returning a tensor without an `into` to write it where the "
+                                f"decode graph has it: {', '.join(lost)}")
         if self.side_pool is None:
             self.side_pool = self.graphs.pool()
         side = self.graphs.new_graph(keep_graph=True)

@@ -71,15 +71,27 @@ def test_recordable_notes_each_call_once_with_its_range_and_aliases():
     assert call.args[0] is not x and call.args[0].data_ptr() == x.data_ptr()
     assert op(x) is not None and len(calls) == 4  # no recorder: plain calls
     assert op_recording.all_recordable(["t::outer", "t::nobody"]) == ["t::nobody"]
+    # a returned tensor: made again into the first call's result (`into`), or not repeatable
+    twice = op_recording.recordable("t::twice", lambda v: v * 2,
+                                    into=lambda out, v: torch.mul(v, 2, out=out))
+    plain = op_recording.recordable("t::plain", lambda v: v * 2)
+    with op_recording.recording({"t::twice", "t::plain"}, lambda: 0, lambda t: t) as rec:
+        first = twice(x)
+        plain(x)
+    x.add_(1)
+    again, lost = rec.calls
+    assert again.repeatable and again.again() is first and torch.equal(first, x * 2)
+    assert not lost.repeatable
     with pytest.raises(AssertionError, match="do not nest"):
         with op_recording.recording(set(), int, lambda t: t), \
                 op_recording.recording(set(), int, lambda t: t):
             pass
 
 
-LAYER_CALLS = {  # the layer-keyed ops a layer calls, in order
-    "hybrid": ["mrv2::sconv", "mrv2::kv_compress", "mrv2::rope_and_cache", "mrv2::unified_attention"],
-    "llama": ["mrv2::rope_and_cache", "mrv2::unified_attention"],
+LAYER_CALLS = {  # the layer-keyed ops a layer calls whose launches differ by form, in order
+    # (rope_and_cache launches the same for every batch of a size: not recorded)
+    "hybrid": ["mrv2::sconv", "mrv2::kv_compress", "mrv2::unified_attention"],
+    "llama": ["mrv2::unified_attention"],
 }
 
 
@@ -88,10 +100,11 @@ def test_derived_mixed_graphs_replay_equal_eager(model, monkeypatch):
     """Every decode size's mixed graph is derived (hybrid: attention, the
     short convolution and the KV compressor differ between the two), each
     from a recording of every layer's layer-keyed calls."""
-    recorded = []
+    recorded, outs = [], []
     keep = MixedGraphs.keep
     monkeypatch.setattr(MixedGraphs, "keep", lambda self, graph, entry, calls: (
-        recorded.append((graph.num_tokens, [c.name for c in calls])), keep(self, graph, entry, calls)))
+        recorded.append((graph.num_tokens, [c.name for c in calls])),
+        outs.append([c.out is not None for c in calls]), keep(self, graph, entry, calls)))
     torch._dynamo.reset()
     cb.reset_counters()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
@@ -104,6 +117,9 @@ def test_derived_mixed_graphs_replay_equal_eager(model, monkeypatch):
         assert cb.counters["mixed_graphs_derived"] == len(decode) > 0
         assert cb.counters["mixed_graph_refusals"] == 0
         assert recorded == [(s, LAYER_CALLS[model] * 2) for s in sorted(decode, reverse=True)]
+        # sconv and kv_compress return their result: made again into its address
+        assert all(o == [n != "mrv2::unified_attention" for n in LAYER_CALLS[model] * 2]
+                   for o in outs)
         plan = engines["derived"].runner.capture_plan()
         assert [g.num_tokens for g in plan] == sorted((g.num_tokens for g in plan), reverse=True)
         _schedules_equal_eager(engines, seeds=(3, 4), atol=1e-5, rtol=1e-5)
