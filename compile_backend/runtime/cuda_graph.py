@@ -418,11 +418,29 @@ class CUDAGraphWrapper:
                 self.graphs.synchronize()  # no replay of it in flight
                 reset()
             graph_pool.forget_graph(old.cuda_graph)
+            self._drop_derived_from(old.cuda_graph)
             self._say(-1, "evict",
                       f"{self.name}: more than graphs_per_shape={self.graphs_per_shape} graphs "
                       f"for one input shape (one per address of the tensors it writes); the "
                       "least recently used is freed. Keep written tensors (caches, state) at "
                       "fixed addresses, or raise graphs_per_shape")
+
+    def _drop_derived_from(self, graph: Any) -> None:
+        """Forget the graphs made from `graph` (runtime/mixed_graphs.py): they
+        address its memory, which is no longer its own."""
+        for key, kept in list(self.variants.items()):
+            alive = [e for e in kept if graph not in getattr(e.cuda_graph, "keep", ())]
+            if len(alive) == len(kept):
+                continue
+            for e in kept:
+                reset = getattr(e.cuda_graph, "reset", None)
+                if e not in alive and reset is not None:
+                    reset()
+            if alive:
+                self.variants[key], self.entries[key] = alive, alive[-1]
+            else:
+                del self.variants[key]
+                self.entries.pop(key, None)
 
     def _input_name(self, i: int) -> str:
         if self.input_names and i < len(self.input_names):

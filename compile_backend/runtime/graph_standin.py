@@ -162,7 +162,9 @@ class StandInGraphs:
         under the context `after_capture` gives it (the derived graph's)."""
         assert all(first <= end and side_first <= side_end
                    for first, end, side_first, side_end in pairs), pairs
-        return self.new_graph()
+        derived = self.new_graph()
+        derived.keep = [source, side]  # as a derived CUDA graph holds them
+        return derived
 
     def pool(self):
         return object()

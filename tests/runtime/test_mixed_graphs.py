@@ -156,6 +156,28 @@ def test_what_cannot_be_derived_is_recorded_said_and_counted(why, said, monkeypa
         _schedules_equal_eager(engines, seeds=(5,), atol=1e-5, rtol=1e-5)
 
 
+def test_a_derived_graph_goes_with_its_source():
+    """A decode graph evicted (graphs_per_shape) takes the graphs made from it:
+    they address its memory."""
+    from compile_backend.core.graph_mode import CUDAGraphMode
+    from compile_backend.runtime.cuda_graph import CapturedGraph, CUDAGraphWrapper
+
+    graphs = StandInGraphs()
+    w = CUDAGraphWrapper(lambda: None, CUDAGraphMode.FULL, graphs=graphs, graphs_per_shape=1,
+                         derive_mixed=True)
+
+    def entry(graph):
+        return CapturedGraph(cuda_graph=graph, inputs=[], tensor_ptrs=(), outputs=None)
+
+    source, other = entry(graphs.new_graph()), entry(graphs.new_graph())
+    w._keep("decode", source)
+    w._keep("mixed", entry(graphs.derive(source.cuda_graph, graphs.new_graph(), [])))
+    w._keep("unrelated", other)
+    w._keep("decode", entry(graphs.new_graph()))  # evicts the source
+    assert "mixed" not in w.entries and "mixed" not in w.variants
+    assert w.entries["unrelated"] is other and w.entries["decode"] is not source
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["hybrid", "llama"])
 def test_derived_mixed_cuda_graphs_replay_equal_eager_on_the_gpu(model):
