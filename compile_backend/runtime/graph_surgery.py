@@ -110,7 +110,7 @@ class Driver:
                 continue
             frm, to = (_P * 1)(dep), (_P * 1)(node)
             self.call("cuGraphRemoveDependencies", _P(graph), ctypes.cast(frm, _P), ctypes.cast(to, _P),
-                      ctypes.byref(edge), ctypes.c_size_t(1), version=12030)
+                      ctypes.pointer(edge), ctypes.c_size_t(1), version=12030)
             self.call("cuGraphAddDependencies", _P(graph), ctypes.cast(frm, _P), ctypes.cast(to, _P),
                       ctypes.c_size_t(1))
 

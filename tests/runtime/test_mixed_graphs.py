@@ -199,3 +199,64 @@ def test_derived_mixed_cuda_graphs_replay_equal_eager_on_the_gpu(model):
         assert refusals == {}, refusals
         assert cb.counters["mixed_graphs_derived"] == len(engines["derived"].runner.decode_sizes)
         _schedules_equal_eager(engines, seeds=(3, 4, 5), atol=2e-4, rtol=2e-4)
+
+
+class _FakeDriver:
+    """Graphs as lists of [type, launch] nodes; what graph_surgery.derive asks of the driver."""
+
+    def __init__(self, graphs):
+        self.graphs, self.destroyed, self.plain = graphs, [], []
+
+    def nodes(self, g):
+        return [(g, i) for i in range(len(self.graphs[g]))]
+
+    def node_type(self, node):
+        return self.graphs[node[0]][node[1]][0]
+
+    def clone(self, g):
+        self.graphs["clone"] = [list(n) for n in self.graphs[g]]
+        return "clone"
+
+    def in_clone(self, node, clone):
+        return (clone, node[1])
+
+    def take_launch(self, g, node, other):
+        self.graphs[g][node[1]][1] = self.graphs[other[0]][other[1]][1]
+        self.plain.append(node[1])
+
+    def instantiate(self, g):
+        return "exec"
+
+    def destroy(self, g, e):
+        self.destroyed.append((g, e))
+
+
+class _Raw:
+    def __init__(self, name):
+        self.name = name
+
+    def raw_cuda_graph(self):
+        return self.name
+
+
+def test_derive_pairs_launches_one_for_one_and_refuses_what_does_not_pair(monkeypatch):
+    """runtime/graph_surgery.derive against a model of the driver (the GPU
+    test and bench/graph_surgery.py run the real one)."""
+    from compile_backend.runtime import graph_surgery
+
+    K = 0  # a kernel node
+    fake = _FakeDriver({"decode": [[K, "norm"], [K, "split"], [K, "reduce"], [K, "o"]],
+                        "side": [[K, "prefill"], [K, "pad"]]})
+    monkeypatch.setattr(graph_surgery, "_driver", fake)
+    made = graph_surgery.derive(_Raw("decode"), _Raw("side"), [(1, 3, 0, 2)])
+    assert [n[1] for n in fake.graphs["clone"]] == ["norm", "prefill", "pad", "o"]
+    assert [n[1] for n in fake.graphs["decode"]] == ["norm", "split", "reduce", "o"]  # a clone's
+    assert fake.plain == [1, 2] and made.exec_ == "exec"
+    made.keep = []
+    made.graph = made.exec_ = 0  # nothing real to destroy
+    for pairs, kinds in (([(1, 3, 0, 1)], None), ([(3, 5, 0, 2)], None), ([(1, 3, 0, 2)], 1)):
+        if kinds is not None:
+            fake.graphs["side"][0][0] = kinds  # a memcpy node, say
+        with pytest.raises(graph_surgery.GraphSurgeryError):
+            graph_surgery.derive(_Raw("decode"), _Raw("side"), pairs)
+        assert fake.destroyed[-1] == ("clone", 0)  # the clone is not left behind
