@@ -57,6 +57,7 @@ class Driver:
         except OSError as e:
             raise GraphSurgeryError(f"no CUDA driver library: {e}") from None
         self._fns: dict[tuple[str, int], int] = {}
+        self._calls: dict[tuple[str, int, tuple], Any] = {}
 
     def _fn(self, name: str, version: int) -> int:
         key = (name, version)
@@ -71,8 +72,12 @@ class Driver:
         return self._fns[key]
 
     def call(self, name: str, *args: Any, version: int = 12000) -> None:
-        proto = ctypes.CFUNCTYPE(ctypes.c_int, *[type(a) for a in args])
-        rc = proto(self._fn(name, version))(*args)
+        types = tuple(type(a) for a in args)
+        fn = self._calls.get((name, version, types))
+        if fn is None:  # a prototype per signature, once (making one costs microseconds)
+            fn = self._calls[(name, version, types)] = ctypes.CFUNCTYPE(ctypes.c_int, *types)(
+                self._fn(name, version))
+        rc = fn(*args)
         if rc != 0:
             raise GraphSurgeryError(f"{name} returned CUresult {rc}")
 
