@@ -120,6 +120,9 @@ def test_derived_mixed_graphs_replay_equal_eager(model, monkeypatch):
         # sconv and kv_compress return their result: made again into its address
         assert all(o == [n != "mrv2::unified_attention" for n in LAYER_CALLS[model] * 2]
                    for o in outs)
+        records = engines["derived"].runner.captures
+        assert [r.graph for r in records if r.derived] == [
+            r.graph for r in records if not r.graph.uniform_decode and r.graph.num_tokens in decode]
         plan = engines["derived"].runner.capture_plan()
         assert [g.num_tokens for g in plan] == sorted((g.num_tokens for g in plan), reverse=True)
         _schedules_equal_eager(engines, seeds=(3, 4), atol=1e-5, rtol=1e-5)
