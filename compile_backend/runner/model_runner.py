@@ -61,7 +61,8 @@ class CaptureRecord:
     record_s: float = 0.0
     instantiate_s: float = 0.0
     # made from the decode graph of its size, not recorded (derive_mixed_graphs;
-    # its record_s is then the side capture of the other form's launches)
+    # its record_s is then the side capture of the other form's launches, its
+    # instantiate_s the clone, its launches replaced and its instantiation)
     derived: bool = False
 
     def summary(self) -> dict[str, Any]:

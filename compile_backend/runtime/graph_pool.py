@@ -116,9 +116,15 @@ class TorchCUDAGraphs:
         return graph_surgery.driver().capturing_nodes(torch.cuda.current_stream().cuda_stream)
 
     def derive(self, source: Any, side: Any, pairs: Sequence[tuple[int, int, int, int]]) -> Any:
+        """A graph made from `source` (runtime/graph_surgery.py); its clone,
+        patch and instantiate count as the capture profile's "instantiate"."""
         from compile_backend.runtime import graph_surgery
 
-        return graph_surgery.derive(source, side, pairs)
+        t0 = time.perf_counter()
+        try:
+            return graph_surgery.derive(source, side, pairs)
+        finally:
+            capture_seconds["instantiate"] += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any, args: Sequence[Any] = (), instantiate: bool = True):
