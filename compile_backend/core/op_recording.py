@@ -16,6 +16,7 @@ to write a returned tensor into a given one.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -113,16 +114,13 @@ def recordable(name: str, impl: Callable[..., Any], *, every_call: bool = True,
     if into is not None:
         _INTO[name] = into
 
+    @functools.wraps(impl)
     def call(*args: Any, **kwargs: Any) -> Any:
         rec = _active
         if rec is None:
             return impl(*args, **kwargs)
         return rec.call(name, impl, args, kwargs)
 
-    call.__wrapped__ = impl  # type: ignore[attr-defined]
-    call.__name__ = getattr(impl, "__name__", "op")
-    call.__doc__ = impl.__doc__
-    call.__annotations__ = getattr(impl, "__annotations__", {})
     return call
 
 

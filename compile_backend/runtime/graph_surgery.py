@@ -81,10 +81,15 @@ class Driver:
         if rc != 0:
             raise GraphSurgeryError(f"{name} returned CUresult {rc}")
 
-    def nodes(self, graph: int) -> list[int]:
-        """The graph's nodes, in the order they were made."""
+    def count(self, graph: int) -> int:
+        """How many nodes the graph has."""
         count = ctypes.c_size_t(0)
         self.call("cuGraphGetNodes", _P(graph), _P(None), ctypes.pointer(count))
+        return count.value
+
+    def nodes(self, graph: int) -> list[int]:
+        """The graph's nodes, in the order they were made."""
+        count = ctypes.c_size_t(self.count(graph))
         arr = (_P * max(1, count.value))()
         self.call("cuGraphGetNodes", _P(graph), ctypes.cast(arr, _P), ctypes.pointer(count))
         return [arr[i] for i in range(count.value)]
@@ -128,9 +133,7 @@ class Driver:
                   ctypes.pointer(ndeps), version=12030)
         if status.value != 1:  # CU_STREAM_CAPTURE_STATUS_ACTIVE
             raise GraphSurgeryError("the stream is not capturing")
-        count = ctypes.c_size_t(0)
-        self.call("cuGraphGetNodes", graph, _P(None), ctypes.pointer(count))
-        return count.value
+        return self.count(graph.value)
 
     def clone(self, graph: int) -> int:
         out = _P()

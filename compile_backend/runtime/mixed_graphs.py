@@ -6,8 +6,8 @@ records, its calls of those ops are noted with the nodes each added
 (core/op_recording.py); the noted calls are then made again, under the mixed
 step's metadata and on the same tensors, in one side capture, and the mixed
 graph is a clone of the decode graph whose nodes of each call take the side
-capture's launches, one for one (runtime/graph_surgery.py). The step's Python runs once per size, not twice.
-Where that cannot be done the wrapper records the mixed graph as before; the
+capture's launches, one for one (runtime/graph_surgery.py). The step's Python
+runs once per size, not twice. Where that cannot be done the wrapper records the mixed graph as before; the
 reason is logged once and counted (`mixed_graph_refusals`, and per reason in
 `refusals`). docs/design.md, "A mixed graph derived from the decode graph".
 """
@@ -51,8 +51,15 @@ class MixedGraphs:
             return False
         if self._cannot is None:
             self._cannot = self.graphs.can_derive() or ""
-        if self._cannot:
-            self._refuse(self._cannot)
+        # Checked before recording: an op whose dispatcher path is not watched
+        # would keep its decode launches in a derived graph.
+        why = self._cannot
+        missing = op_recording.all_recordable(OpRegistry().layer_keyed_ops())
+        if not why and missing:
+            why = (f"layer-keyed ops not defined through mrv2's op definitions (their launches "
+                   f"cannot be found): {', '.join(missing)}")
+        if why:
+            self._refuse(why)
             return False
         return True
 
@@ -84,10 +91,6 @@ class MixedGraphs:
 
         if not addresses_match(args, entry):
             return self._refuse("the step's inputs are not where its decode graph reads them")
-        missing = op_recording.all_recordable(OpRegistry().layer_keyed_ops())
-        if missing:
-            return self._refuse(f"layer-keyed ops not defined through mrv2's op definitions "
-                                f"(their launches cannot be found): {', '.join(missing)}")
         lost = sorted({c.name for c in calls if not c.repeatable})
         if lost:
             return self._refuse(f"ops returning a tensor without an `into` to write it where the "
