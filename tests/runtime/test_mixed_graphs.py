@@ -263,3 +263,25 @@ def test_derive_pairs_launches_one_for_one_and_refuses_what_does_not_pair(monkey
         with pytest.raises(graph_surgery.GraphSurgeryError):
             graph_surgery.derive(_Raw("decode"), _Raw("side"), pairs)
         assert fake.destroyed[-1] == ("clone", 0)  # the clone is not left behind
+
+
+def test_sconv_into_writes_the_op_result_into_the_tensor_given():
+    """What a derived graph's side capture runs for an op that returns a
+    tensor: the same result and state update as the op, written into `out`."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from compile_backend.runner.attention_metadata import SConvMetadata
+
+    g = torch.Generator().manual_seed(41)
+    C, K = 6, 4
+    meta = SConvMetadata(query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+                         state_indices=torch.tensor([1, 0], dtype=torch.int32),
+                         has_initial_state=torch.tensor([True, False]), num_reqs=2, max_query_len=3)
+    x, w, b = torch.randn(4, C, generator=g), torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    state = torch.randn(2, C, K - 1, generator=g)
+    state_op, state_into = state.clone(), state.clone()
+    out = torch.full((4, C), float("nan"))
+    with set_forward_context(ForwardContext({"l0": meta})):
+        want = torch.ops.mrv2.sconv(x, w, b, state_op, "l0")
+        got = op_recording._INTO["mrv2::sconv"](out, x, w, b, state_into, "l0")
+    assert got is out and torch.equal(out, want)
+    assert torch.equal(state_into, state_op) and not torch.equal(state_op, state)
