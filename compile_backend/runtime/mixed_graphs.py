@@ -7,9 +7,10 @@ records, its calls of those ops are noted with the nodes each added
 step's metadata and on the same tensors, in one side capture, and the mixed
 graph is a clone of the decode graph whose nodes of each call take the side
 capture's launches, one for one (runtime/graph_surgery.py). The step's Python
-runs once per size, not twice. Where that cannot be done the wrapper records the mixed graph as before; the
-reason is logged once and counted (`mixed_graph_refusals`, and per reason in
-`refusals`). docs/design.md, "A mixed graph derived from the decode graph".
+runs once per size, not twice. Where that cannot be done the wrapper records
+the mixed graph as before; the reason is logged once and counted
+(`mixed_graph_refusals`, per reason in `refusals`). docs/design.md, "A mixed
+graph derived from the decode graph".
 """
 
 from __future__ import annotations
