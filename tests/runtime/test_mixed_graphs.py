@@ -34,6 +34,8 @@ def _engine(mode, derive, device="cpu", dtype=torch.float32, model="hybrid", siz
 
 
 def _schedules_equal_eager(engines, seeds, atol, rtol):
+    """Each step's logits and every buffer of each engine's model equal the
+    eager engine's, after every step of every schedule."""
     ref = engines["none"]
     for seed in seeds:  # one runner, several schedules: request churn, new slots
         for step, batch in enumerate(random_schedule(seed, steps=12)):
@@ -44,6 +46,12 @@ def _schedules_equal_eager(engines, seeds, atol, rtol):
                 got = e.runner.execute(copy_batch(batch))
                 torch.testing.assert_close(got, want, atol=atol, rtol=rtol,
                                            msg=lambda s: f"{name}, seed {seed}, step {step}: {s}")
+                # every KV cache, conv state and compressor state the step wrote
+                ref_buffers = dict(ref.runner.model.named_buffers())
+                for b_name, b in e.runner.model.named_buffers():
+                    torch.testing.assert_close(
+                        b, ref_buffers[b_name], atol=atol, rtol=rtol,
+                        msg=lambda s: f"{name}, seed {seed}, step {step}, {b_name}: {s}")
 
 
 def test_recordable_notes_each_call_once_with_its_range_and_aliases():
@@ -265,7 +273,11 @@ def test_derive_pairs_launches_one_for_one_and_refuses_what_does_not_pair(monkey
         assert fake.destroyed[-1] == ("clone", 0)  # the clone is not left behind
 
 
-def test_sconv_into_writes_the_op_result_into_the_tensor_given():
+KERNEL_PATHS = ["reference", pytest.param("triton", marks=pytest.mark.interpreted_kernels)]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_sconv_into_writes_the_op_result_into_the_tensor_given(path):
     """What a derived graph's side capture runs for an op that returns a
     tensor: the same result and state update as the op, written into `out`."""
     from compile_backend.core.forward_context import ForwardContext, set_forward_context
@@ -285,3 +297,41 @@ def test_sconv_into_writes_the_op_result_into_the_tensor_given():
         got = op_recording._INTO["mrv2::sconv"](out, x, w, b, state_into, "l0")
     assert got is out and torch.equal(out, want)
     assert torch.equal(state_into, state_op) and not torch.equal(state_op, state)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_kv_compress_into_writes_the_op_result_into_the_tensor_given(path):
+    """kv_compress's `into`: the op's result, compressed cache and running
+    state, with the result written into `out` (the launcher's `out=` under
+    the interpreter). Requests start mid-group, cross a group end and carry
+    state; ratio 4 so every request emits at least one compressed entry."""
+    from compile_backend.core.forward_context import ForwardContext, set_forward_context
+    from compile_backend.runner.attention_metadata import CompressorMetadata
+
+    g = torch.Generator().manual_seed(43)
+    T, KVH, D, ratio = 9, 2, 16, 4
+    # request 0: positions 2..6 (5 tokens), request 1: 8..11, request 2: padding
+    meta = CompressorMetadata(query_start_loc=torch.tensor([0, 5, 9, 9], dtype=torch.int32),
+                              seq_lens=torch.tensor([7, 12, 0], dtype=torch.int32),
+                              state_indices=torch.tensor([2, 0, -1], dtype=torch.int32),
+                              block_table=torch.tensor([[3, 1], [2, 0], [0, 0]], dtype=torch.int32),
+                              num_reqs=3, max_query_len=5)
+    key, score = torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, generator=g)
+    tensors = {"cache": torch.randn(4, 2, KVH, D, generator=g),
+               "max": torch.randn(3, KVH, generator=g), "sum": torch.rand(3, KVH, generator=g) + 0.5,
+               "acc": torch.randn(3, KVH, D, generator=g)}
+    by_op = {k: v.clone() for k, v in tensors.items()}
+    by_into = {k: v.clone() for k, v in tensors.items()}
+    out = torch.full((T, KVH, D), float("nan"))
+
+    def state(t):
+        return t["cache"], t["max"], t["sum"], t["acc"]
+
+    with set_forward_context(ForwardContext({"l0": meta})):
+        want = torch.ops.mrv2.kv_compress(key, score, *state(by_op), "l0", ratio)
+        got = op_recording._INTO["mrv2::kv_compress"](out, key, score, *state(by_into), "l0",
+                                                      ratio)
+    assert got is out and torch.equal(out, want)
+    for name in tensors:
+        assert torch.equal(by_into[name], by_op[name]), name
+    assert not torch.equal(by_op["cache"], tensors["cache"])  # a group ended: an entry written
