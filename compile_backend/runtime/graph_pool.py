@@ -283,6 +283,26 @@ def shared_graph_pool(graphs: Any) -> Any:
     return _shared_pool
 
 
+class ReusedPool:
+    """One memory pool handle for graphs captured one after another (a FULL
+    plan's side captures: runtime/mixed_graphs.py), renewed once every graph
+    captured into it has died. The CUDA caching allocator frees a pool with
+    its last graph, and until empty_cache runs a capture into that handle
+    fails its internal assert (`use_count > 0`); the stand-in fails alike."""
+
+    def __init__(self, graphs: Any) -> None:
+        self.graphs = graphs
+        self.handle: Any = None
+        self.live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def for_capture(self, graph: Any) -> Any:
+        """The handle `graph` captures into (it now keeps the pool alive)."""
+        if self.handle is None or not self.live:
+            self.handle = self.graphs.pool()
+        self.live.add(graph)
+        return self.handle
+
+
 def release_graphs() -> int:
     """Free every captured graph and the shared pool's memory; returns how
     many graphs were freed. Each wrapper forgets its graphs, so a later call

@@ -16,6 +16,7 @@ section "The CPU stand-in is as strict as a GPU".
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -127,18 +128,37 @@ class StandInGraph:
                 held.copy_(new)
 
 
+class _StandInPool:
+    """A memory pool handle with the CUDA caching allocator's rule: the pool
+    is freed with the last graph captured into it, and a capture into its
+    handle after that fails (torch asserts `use_count > 0`)."""
+
+    def __init__(self) -> None:
+        self.graphs: "weakref.WeakSet[StandInGraph]" = weakref.WeakSet()
+        self.used = False
+
+    def take(self, graph: StandInGraph) -> None:
+        if self.used and not self.graphs:
+            raise RuntimeError("capture into a memory pool whose graphs have all died: the CUDA "
+                               "caching allocator has freed it; capture into a new pool handle")
+        self.used = True
+        self.graphs.add(graph)
+
+
 class StandInGraphs:
     def __init__(self):
-        self.graphs = []
+        self.graphs: list[weakref.ref[StandInGraph]] = []  # every graph made (dead ones too)
         self._mode: _UndoWrites | None = None  # the capture in progress
 
     def new_graph(self, keep_graph: bool = False):
         g = StandInGraph()
-        self.graphs.append(g)
+        self.graphs.append(weakref.ref(g))  # a graph dies when its holders drop it, as on a GPU
         return g
 
     @contextlib.contextmanager
     def capture(self, graph: StandInGraph, pool: Any, args: Sequence[Any] = (), instantiate: bool = True):
+        if isinstance(pool, _StandInPool):
+            pool.take(graph)
         mode = self._mode = _UndoWrites(args)
         try:
             with mode:
@@ -167,7 +187,7 @@ class StandInGraphs:
         return derived
 
     def pool(self):
-        return object()
+        return _StandInPool()
 
     def memory_allocated(self):
         return 0

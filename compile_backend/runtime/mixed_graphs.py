@@ -37,14 +37,14 @@ class MixedGraphs:
     def __init__(self, graphs: Any) -> None:
         self.graphs = graphs
         self.sources: dict[int, tuple[Any, list[op_recording.OpCall]]] = {}  # tokens -> (entry, calls)
-        self.side_pool: Any = None  # the side captures' memory, apart from the step's
+        self.side_pool = graph_pool.ReusedPool(graphs)  # the side captures' memory, apart from the step's
         self.refusals: dict[str, int] = {}
         self._said: set[str] = set()
         self._cannot: str | None = None  # why graphs cannot be derived here ("": they can)
 
     def forget(self) -> None:
         self.sources.clear()
-        self.side_pool = None
+        self.side_pool = graph_pool.ReusedPool(self.graphs)
 
     def is_source(self, graph: StepGraph | None) -> bool:
         """Record `graph` as a source (a decode graph, where graphs can be derived here)?"""
@@ -96,14 +96,12 @@ class MixedGraphs:
         if lost:
             return self._refuse(f"ops returning a tensor without an `into` to write it where the "
                                 f"decode graph has it: {', '.join(lost)}")
-        if self.side_pool is None:
-            self.side_pool = self.graphs.pool()
         side = self.graphs.new_graph(keep_graph=True)
         pairs = []
         outer = ctx.capturing, ctx.capture_plans
         ctx.capturing, ctx.capture_plans = True, {}  # attention plans stay the capture's
         try:
-            with self.graphs.capture(side, self.side_pool, (), instantiate=False):
+            with self.graphs.capture(side, self.side_pool.for_capture(side), (), instantiate=False):
                 pad = None
                 for call in calls:
                     first = self.graphs.node_count()

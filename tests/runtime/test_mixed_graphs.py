@@ -335,3 +335,58 @@ def test_kv_compress_into_writes_the_op_result_into_the_tensor_given(path):
     for name in tensors:
         assert torch.equal(by_into[name], by_op[name]), name
     assert not torch.equal(by_op["cache"], tensors["cache"])  # a group ended: an entry written
+
+
+def test_a_side_pool_is_renewed_once_its_graphs_died():
+    """The allocator frees a pool with its last graph (the stand-in, like
+    torch, then refuses a capture into its handle); ReusedPool takes a new
+    handle then, and shares the old one while a graph captured into it lives."""
+    import gc
+
+    from compile_backend.runtime.graph_pool import ReusedPool
+
+    graphs = StandInGraphs()
+    pool = ReusedPool(graphs)
+    kept = []
+    for _ in range(2):
+        g = graphs.new_graph()
+        with graphs.capture(g, pool.for_capture(g)):
+            pass
+        kept.append(g)
+    first = pool.handle
+    del g, kept[:]
+    gc.collect()
+    late = graphs.new_graph()
+    with pytest.raises(RuntimeError, match="whose graphs have all died"):
+        with graphs.capture(late, first):
+            pass
+    with graphs.capture(late, pool.for_capture(late)):
+        pass
+    assert pool.handle is not first
+
+
+def test_a_refused_size_leaves_the_next_sizes_derivable(monkeypatch):
+    """The largest size's derivation fails after its side capture (whose
+    graph then dies, and with it the side pool's only graph): that size's
+    mixed graph is recorded and every smaller size is still derived."""
+    calls = []
+    derive = StandInGraphs.derive
+
+    def failing_first(self, source, side, pairs):
+        calls.append(len(pairs))
+        if len(calls) == 1:
+            raise RuntimeError("nodes that do not pair")
+        return derive(self, source, side, pairs)
+
+    monkeypatch.setattr(StandInGraphs, "derive", failing_first)
+    torch._dynamo.reset()
+    cb.reset_counters()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engines = {"none": _engine("none", False), "derived": _engine("full", True)}
+        for e in engines.values():
+            e.runner.capture()
+        decode = engines["derived"].runner.decode_sizes
+        assert len(calls) == len(decode) > 1
+        assert cb.counters["mixed_graph_refusals"] == 1
+        assert cb.counters["mixed_graphs_derived"] == len(decode) - 1
+        _schedules_equal_eager(engines, seeds=(6,), atol=1e-5, rtol=1e-5)
