@@ -1,4 +1,6 @@
-"""The speculative-decoding draft path (CPU, graphs are the stand-in)."""
+"""The speculative-decoding draft path (CPU, graphs are the stand-in; the
+sessions test also on the GPU): tokens, and every buffer after each call,
+against eager."""
 
 import pytest
 import torch
@@ -73,3 +75,105 @@ def test_draft_path_rejects_a_batch_that_is_not_decode():
             draft.propose(InputBatch([1, 2], [2], [2], [0], block_ids=[[1]], compressed_block_ids=[[1]]))
     with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
         DraftRunner(engine.runner, 0)
+
+
+def _draft_engine(mode, derive=False, device="cpu"):
+    from compile_backend.demo.engine import Engine
+    from compile_backend.demo.models import build_model, preset
+    from runtime_helpers import CAPTURE_SIZES, kv_config
+
+    model = build_model("hybrid", preset("tiny", num_layers=2, dtype=torch.float32)).to(device)
+    cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=CAPTURE_SIZES,
+                               piece_compiler="eager", derive_mixed_graphs=derive)
+    engine = Engine(model, kv_config(), cfg, device, prefill_chunk=8, progress=False)
+    engine.runner.capture()
+    draft = DraftRunner(engine.runner, K)
+    draft.capture()
+    return engine, draft
+
+
+def _draft_calls(seed, sessions=4, slots=4):
+    """Each session's calls as a caller makes them: new requests (1-4, in
+    random slots, prompts of random lengths, starting at position 0)
+    prefilled, then two proposals, the second from the first's last
+    token. Yields (what, call(engine, draft) -> tensor)."""
+    import random
+
+    rng = random.Random(seed)
+    for session in range(sessions):
+        count = (3, 1, 4, 2)[session % 4]  # 3: padded to a captured 4
+        chosen = sorted(rng.sample(range(slots), count))
+        prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in chosen]
+        lens = [len(p) for p in prompts]
+        blocks = [[1 + 4 * s + i for i in range(4)] for s in chosen]
+        cblocks = [[1 + s] for s in chosen]
+        state = {}
+
+        def prefill(engine, draft, prompts=prompts, lens=lens, chosen=chosen, blocks=blocks,
+                    cblocks=cblocks, state=state):
+            logits = engine.runner.execute(InputBatch(
+                [t for p in prompts for t in p], lens, lens, chosen, block_ids=blocks,
+                compressed_block_ids=cblocks))
+            last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
+            state.setdefault("first", logits[last.to(logits.device)].argmax(-1).tolist())
+            return logits
+
+        def propose(engine, draft, round, lens=lens, chosen=chosen, blocks=blocks,
+                    cblocks=cblocks, state=state):
+            # the reference's tokens feed both engines: a flipped argmax shows in the
+            # compared output, never in the next call's inputs
+            tokens, seq = (state["first"], [n + 1 for n in lens]) if round == 0 else \
+                state[f"after{round - 1}"]
+            out = draft.propose(InputBatch(tokens, [1] * len(tokens), seq, chosen,
+                                           block_ids=blocks, compressed_block_ids=cblocks))
+            state.setdefault(f"after{round}", ([int(t) for t in out[:, -1]],
+                                               [s + K for s in seq]))
+            return out
+
+        yield f"session {session} prefill", prefill
+        for r in range(2):
+            yield f"session {session} proposal {r}", lambda e, d, r=r: propose(e, d, r)
+
+
+def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11):
+    ref, ref_draft = _draft_engine("none", device=device)
+    engine, draft = _draft_engine(mode, derive, device)
+    for what, call in _draft_calls(seed):
+        want = call(ref, ref_draft).clone()
+        got = call(engine, draft)
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"{mode}, {what}: {m}")
+        else:
+            assert torch.equal(got, want), (mode, what, got, want)
+        ref_buffers = dict(ref.runner.model.named_buffers())
+        for name, b in engine.runner.model.named_buffers():
+            torch.testing.assert_close(b, ref_buffers[name], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"{mode}, {what}, {name}: {m}")
+    return engine
+
+
+@pytest.mark.parametrize("mode, derive", [("full", False), ("full", True),
+                                          ("full_and_piecewise", False), ("piecewise", False)])
+def test_draft_sessions_equal_eager_after_every_call(mode, derive):
+    """Several sessions through one runner and draft loop, as a caller makes
+    them (new requests in reused slots, batches of 1-4 requests padded to
+    the captured sizes), each call's output and every buffer of the model
+    (KV caches, conv and compressor states) against eager's."""
+    torch._dynamo.reset()
+    cb.reset_counters()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        _draft_sessions_equal_eager(mode, derive)
+    if mode != "piecewise":
+        assert cb.counters["cudagraph_replays"] >= 8
+    if derive:
+        assert cb.counters["mixed_graphs_derived"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, derive", [("full", False), ("full", True), ("piecewise", False)])
+def test_draft_sessions_equal_eager_after_every_call_on_the_gpu(mode, derive):
+    """The same sessions with CUDA graphs and the Triton kernels, fp32."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _draft_sessions_equal_eager(mode, derive, device="cuda")
