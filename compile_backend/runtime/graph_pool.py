@@ -202,15 +202,17 @@ def graph_backend_overridden() -> bool:
 def use_graph_backend(graphs: Any):
     """Capture with a stand-in graph object (new_graph/capture/pool/...) instead
     of CUDA: lets CPU tests drive capture, dispatch and address checks. Graph
-    modes are not lowered to NONE while it is active."""
-    global _graph_backend, _shared_pool
-    previous, previous_pool = _graph_backend, _shared_pool
-    _graph_backend, _shared_pool = graphs, None
+    modes are not lowered to NONE while it is active. The shared pool and the
+    graphs that keep it alive are the backend's own: a graph of another
+    backend's pool must not keep this one's handle in use."""
+    global _graph_backend, _shared_pool, _shared_graphs
+    previous = _graph_backend, _shared_pool, _shared_graphs
+    _graph_backend, _shared_pool, _shared_graphs = graphs, None, weakref.WeakSet()
     _pool_outputs.clear()
     try:
         yield graphs
     finally:
-        _graph_backend, _shared_pool = previous, previous_pool
+        _graph_backend, _shared_pool, _shared_graphs = previous
 
 
 _pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every live graph, for release_graphs

@@ -215,3 +215,28 @@ def test_plain_compile_full_gives_up_the_whole_graph_when_an_int_input_changes(c
     step = cb.compiled_steps()[-1]
     assert step.full_graph is None and "change between calls of one input shape" in step.full_blocker
     assert report["full"].replays > 0  # the pieces were captured instead
+
+
+def test_the_shared_pool_is_renewed_once_its_backends_graphs_died():
+    """A graph outliving its backend (Dynamo's cache holds wrappers, and with
+    them graphs) keeps its own pool alive, not the next backend's: once that
+    backend's graphs all died, its shared pool is taken anew. The stand-in's
+    pools refuse a capture into a freed pool's handle, as the allocator does."""
+    import gc
+
+    from compile_backend.runtime.graph_pool import register_graph, shared_graph_pool
+
+    def capture_one(graphs):
+        g, pool = graphs.new_graph(), shared_graph_pool(graphs)
+        register_graph(g, shared=True)  # as a wrapper's capture does
+        with graphs.capture(g, pool):
+            pass
+        return g
+
+    with use_graph_backend(StandInGraphs()) as first:
+        outliving = capture_one(first)
+    with use_graph_backend(StandInGraphs()) as second:
+        for _ in range(2):  # the second capture comes after the first graph died
+            capture_one(second)
+            gc.collect()
+    assert outliving is not None
