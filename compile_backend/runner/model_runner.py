@@ -170,7 +170,9 @@ class ModelRunner:
         self.full_graph = CUDAGraphWrapper(
             self._run_compiled, CUDAGraphMode.FULL, name="full_step",
             debug_checks=self.config.debug_checks, graphs=current_graph_backend(),
-            derive_mixed=self.config.derive_mixed_graphs)
+            # only where mixed batches replay FULL graphs: elsewhere the decode
+            # graphs' recordings would be kept for nothing
+            derive_mixed=self.config.derive_mixed_graphs and self.mode is CUDAGraphMode.FULL)
         self.captures: list[CaptureRecord] = []
         # What capture() compiled ahead: kernels_recorded (the Triton kernels
         # the first step and the plan asked for), graphs_waited, compile_wait_s

@@ -390,3 +390,18 @@ def test_a_refused_size_leaves_the_next_sizes_derivable(monkeypatch):
         assert cb.counters["mixed_graph_refusals"] == 1
         assert cb.counters["mixed_graphs_derived"] == len(decode) - 1
         _schedules_equal_eager(engines, seeds=(6,), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full_decode_only"])
+def test_modes_without_full_mixed_graphs_record_no_source(mode):
+    """Where mixed batches do not replay FULL graphs, the switch changes
+    nothing: no decode graph is recorded as a source, none is derived."""
+    torch._dynamo.reset()
+    cb.reset_counters()
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        engines = {"none": _engine("none", False), mode: _engine(mode, True)}
+        for e in engines.values():
+            e.runner.capture()
+        assert engines[mode].runner.full_graph.mixed is None
+        assert cb.counters["mixed_graphs_derived"] == cb.counters["mixed_graph_refusals"] == 0
+        _schedules_equal_eager(engines, seeds=(7,), atol=1e-5, rtol=1e-5)
