@@ -91,7 +91,9 @@ class CompilationConfig:
         docs/design.md, "A mixed graph derived from the decode graph"); where
         it cannot (an op not defined through mrv2's op definitions, a driver
         without the graph API) the mixed graph is recorded as before, the
-        reason logged and counted. Off until the GPU has run it.
+        reason logged and counted. Only cudagraph_mode="full" has FULL mixed
+        graphs; other modes ignore it. Off until the startup bench has
+        measured it (its replays equal eager on an H100).
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
     compile_workers: worker processes that compile distinct Inductor pieces
