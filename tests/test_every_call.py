@@ -212,13 +212,13 @@ def test_plain_callers_own_their_outputs_after_a_runner_style_capture():
             f(torch.randn(6, 16))
 
         def shared_capture():
-            # graphs of their own: the stand-in keeps every graph it made
+            # a backend of its own: its graph dies with the wrapper on return
             w = CUDAGraphWrapper(lambda x: x + 1, cb.CUDAGraphMode.PIECEWISE, name="runner_piece",
                                  graphs=StandInGraphs())
             ctx = cb.ForwardContext(graph=cb.StepGraph(cb.CUDAGraphMode.PIECEWISE, 4, 4))
             with cb.set_forward_context(ctx):
                 w(torch.randn(4))
-            return graph_pool._shared_pool
+            return graph_pool._shared.handle
 
         first = shared_capture()  # its wrapper and graph die on return
         gc.collect()

@@ -329,8 +329,9 @@ class CUDAGraphWrapper:
                                                   dtype=args[i].dtype, device=args[i].device)
             capture_args[i].copy_(args[i])
         cuda_graph = self.graphs.new_graph(keep_graph=True) if source else self.graphs.new_graph()
-        pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs)
-        graph_pool.register_graph(cuda_graph, shared=not own_pool)
+        pool = self.graphs.pool() if own_pool else graph_pool.shared_graph_pool(self.graphs,
+                                                                               cuda_graph)
+        graph_pool.register_graph(cuda_graph)
         # Alone (lazily, late, or for a new address), a capture settles the
         # device and empties the allocator's cache first, as torch.cuda.graph
         # did; in a plan that is done once for all graphs (plan_capture).

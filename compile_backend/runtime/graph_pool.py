@@ -186,7 +186,7 @@ class TorchCUDAGraphs:
         torch.cuda.empty_cache()
 
 
-_shared_pool: Any = None
+_shared: "ReusedPool | None" = None  # the runners' graphs' one pool (shared_graph_pool)
 _graph_backend: Any = None  # a stand-in set by use_graph_backend (tests)
 
 
@@ -202,21 +202,20 @@ def graph_backend_overridden() -> bool:
 def use_graph_backend(graphs: Any):
     """Capture with a stand-in graph object (new_graph/capture/pool/...) instead
     of CUDA: lets CPU tests drive capture, dispatch and address checks. Graph
-    modes are not lowered to NONE while it is active. The shared pool and the
-    graphs that keep it alive are the backend's own: a graph of another
+    modes are not lowered to NONE while it is active. The shared pool, with
+    the graphs that keep it alive, is the backend's own: a graph of another
     backend's pool must not keep this one's handle in use."""
-    global _graph_backend, _shared_pool, _shared_graphs
-    previous = _graph_backend, _shared_pool, _shared_graphs
-    _graph_backend, _shared_pool, _shared_graphs = graphs, None, weakref.WeakSet()
+    global _graph_backend, _shared
+    previous = _graph_backend, _shared
+    _graph_backend, _shared = graphs, None
     _pool_outputs.clear()
     try:
         yield graphs
     finally:
-        _graph_backend, _shared_pool, _shared_graphs = previous
+        _graph_backend, _shared = previous
 
 
 _pool_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every live graph, for release_graphs
-_shared_graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those in the shared pool
 _wrappers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every wrapper, for release_graphs
 # Storage addresses of graph outputs (any pool's): what `own_outputs` clones
 # for plain callers, and what a lazy capture does not take for a caller's
@@ -274,21 +273,11 @@ def plan_capture(graphs: Any):
         graphs.empty_cache()
 
 
-def shared_graph_pool(graphs: Any) -> Any:
-    """One memory pool for the runner's graphs (captured largest first, so
-    smaller graphs reuse the blocks of larger ones). The allocator frees a
-    pool when its last graph dies, so a handle is reused only while a graph
-    captured into it lives (graphs in pools of their own do not count)."""
-    global _shared_pool
-    if _shared_pool is None or not _shared_graphs:
-        _shared_pool = graphs.pool()
-    return _shared_pool
-
-
 class ReusedPool:
-    """One memory pool handle for graphs captured one after another (a FULL
-    plan's side captures: runtime/mixed_graphs.py), renewed once every graph
-    captured into it has died. The CUDA caching allocator frees a pool with
+    """One memory pool handle for graphs captured one after another (the
+    runners' shared pool below; a FULL plan's side captures:
+    runtime/mixed_graphs.py), renewed once every graph captured into it has
+    died. The CUDA caching allocator frees a pool with
     its last graph, and until empty_cache runs a capture into that handle
     fails its internal assert (`use_count > 0`); the stand-in fails alike."""
 
@@ -305,6 +294,17 @@ class ReusedPool:
         return self.handle
 
 
+def shared_graph_pool(graphs: Any, graph: Any) -> Any:
+    """The handle `graph` captures into: one memory pool for the runners'
+    graphs (captured largest first, so smaller graphs reuse the blocks of
+    larger ones), renewed once every graph captured into it has died
+    (graphs in pools of their own do not count)."""
+    global _shared
+    if _shared is None:
+        _shared = ReusedPool(graphs)
+    return _shared.for_capture(graph)
+
+
 def release_graphs() -> int:
     """Free every captured graph and the shared pool's memory; returns how
     many graphs were freed. Each wrapper forgets its graphs, so a later call
@@ -315,10 +315,10 @@ def release_graphs() -> int:
     (`__compiled_fn_*`). Without this, switching models keeps the old
     model's graphs (and pool) alive, and the new model's graphs share that
     pool. Call it when no graph is in flight on another stream."""
-    global _shared_pool
+    global _shared
     graphs = list(_pool_graphs)
     wrappers = list(_wrappers)
-    _shared_pool = None
+    _shared = None
     if not graphs and not wrappers:
         return 0
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -331,7 +331,6 @@ def release_graphs() -> int:
         if reset is not None:
             reset()
     _pool_graphs.clear()
-    _shared_graphs.clear()
     _pool_outputs.clear()
     if cuda:
         torch.cuda.synchronize()
@@ -375,17 +374,16 @@ def register_wrapper(wrapper: Any) -> None:
     _wrappers.add(wrapper)
 
 
-def register_graph(graph: Any, shared: bool) -> None:
-    """A captured graph (in the shared pool when `shared`)."""
+def register_graph(graph: Any) -> None:
+    """A captured graph (release_graphs frees it)."""
     _pool_graphs.add(graph)
-    if shared:
-        _shared_graphs.add(graph)
 
 
 def forget_graph(graph: Any) -> None:
     """A graph its wrapper evicted (its pool frees with its last graph)."""
     _pool_graphs.discard(graph)
-    _shared_graphs.discard(graph)
+    if _shared is not None:
+        _shared.live.discard(graph)
 
 
 def register_output(t: torch.Tensor) -> None:

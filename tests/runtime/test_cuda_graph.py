@@ -339,7 +339,7 @@ def test_released_graphs_are_captured_again_on_the_next_call():
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)
         assert cb.counters["cudagraph_captures"] == 2
         assert cb.release_graphs() == 2
-        assert not graph_pool._pool_graphs and graph_pool._shared_pool is None
+        assert not graph_pool._pool_graphs and graph_pool._shared is None
         for _ in range(2):  # the shape is warm: capture, then replay
             x = torch.randn(6, 16)
             torch.testing.assert_close(f(x), eager(x), atol=1e-5, rtol=1e-5)

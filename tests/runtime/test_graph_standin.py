@@ -227,8 +227,9 @@ def test_the_shared_pool_is_renewed_once_its_backends_graphs_died():
     from compile_backend.runtime.graph_pool import register_graph, shared_graph_pool
 
     def capture_one(graphs):
-        g, pool = graphs.new_graph(), shared_graph_pool(graphs)
-        register_graph(g, shared=True)  # as a wrapper's capture does
+        g = graphs.new_graph()
+        pool = shared_graph_pool(graphs, g)
+        register_graph(g)  # as a wrapper's capture does
         with graphs.capture(g, pool):
             pass
         return g
