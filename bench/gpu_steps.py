@@ -8,7 +8,9 @@ ones after it. Each line of the steps file is `<name> <cut seconds>
 `timeout` at min(cut, what is left of the budget), its output goes to
 <out>/<name>.log (commands see that folder as $OUT), and a table of name, exit status, seconds and last line
 is printed at the end (124: cut). Steps are skipped once less than 10 s is
-left. Exit status: 0 when every step ran and returned 0, else 1.
+left. With --pack NAME, each finished step's files move into <out>/NAME.tar
+(a device call returns 8 files at most; a cut call still returns the steps
+done). Exit status: 0 when every step ran and returned 0, else 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -46,7 +49,23 @@ def parse_steps(text: str) -> list[tuple[str, float, str]]:
     return steps
 
 
-def run_steps(steps: list[tuple[str, float, str]], out: Path, budget: float) -> list[dict]:
+def pack(out: Path, name: str) -> int:
+    """Move every file under `out` but the pack and steps.md into
+    <out>/<name>.tar (appended, paths relative to `out`); the count moved."""
+    archive = out / f"{name}.tar"
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p not in (archive, out / "steps.md"))
+    with tarfile.open(archive, "a") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(out)))
+            f.unlink()
+    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return len(files)
+
+
+def run_steps(steps: list[tuple[str, float, str]], out: Path, budget: float,
+              pack_name: str | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + budget
     rows = []
@@ -66,6 +85,8 @@ def run_steps(steps: list[tuple[str, float, str]], out: Path, budget: float) -> 
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
         rows.append({"name": name, "rc": rc, "s": time.monotonic() - t0,
                      "last": lines[-1][:160] if lines else ""})
+        if pack_name:
+            pack(out, pack_name)
     return rows
 
 
@@ -83,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for the logs (on a device run: $OUT)")
     ap.add_argument("--budget", type=float, required=True, help="seconds for all steps together")
     ap.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
+    ap.add_argument("--pack", metavar="NAME", default=None,
+                    help="move each finished step's files into <out>/NAME.tar")
     args = ap.parse_args(argv)
     steps = parse_steps(Path(args.steps).read_text())
     if args.only:
@@ -92,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_steps: no step named {', '.join(sorted(unknown))} in {args.steps}")
             return 2
         steps = [s for s in steps if s[0] in wanted]
-    rows = run_steps(steps, Path(args.out), args.budget)
+    rows = run_steps(steps, Path(args.out), args.budget, args.pack)
     print(table(rows))
     (Path(args.out) / "steps.md").write_text(table(rows) + "\n" + "\n".join(
         f"- {n}: {shlex.quote(c)}" for n, _, c in steps) + "\n")

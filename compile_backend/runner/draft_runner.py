@@ -102,8 +102,8 @@ class DraftRunner:
             return self.loop_graph(ids, pos)
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
-        """Draft tokens [B, k] for a uniform decode batch (each request's last
-        token). Every request's seq_len grows to seq_len + k - 1 in the loop:
+        """Draft tokens [B, k] (int64, on the runner's device, whichever path
+        ran) for a uniform decode batch (each request's last token). Every request's seq_len grows to seq_len + k - 1 in the loop:
         that must fit max_model_len and its block_ids (ValueError, naming the
         request, before anything is written)."""
         if not batch.uniform_decode:
@@ -128,14 +128,14 @@ class DraftRunner:
         # PIECEWISE / NONE / too large: step by step through the main runner.
         out = []
         for i in range(self.k):
-            logits = r.execute(batch)
+            logits = r.execute(batch)  # [tokens, vocab]: one token per request
             tokens = logits.argmax(-1).tolist()
             out.append(tokens)
             # The next step's batch: the same requests, one token each.
             batch = InputBatch(tokens, [1] * batch.num_reqs, [s + 1 for s in batch.seq_lens],
                                batch.req_slots, block_ids=batch.block_ids,
                                compressed_block_ids=batch.compressed_block_ids)
-        return torch.tensor(out, dtype=torch.int64).T
+        return torch.tensor(out, dtype=torch.int64, device=logits.device).T.contiguous()
 
     def _check_room(self, batch: InputBatch) -> None:
         """Refuse a batch whose draft tokens outgrow max_model_len or the

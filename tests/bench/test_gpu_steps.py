@@ -22,6 +22,21 @@ def test_steps_run_in_order_each_cut_and_logged(tmp_path, monkeypatch):
     assert "| first | 0 |" in table and "| slow | 124 |" in table and "| failing | 3 |" in table
 
 
+def test_pack_moves_each_steps_files_into_one_archive(tmp_path, monkeypatch):
+    import tarfile
+
+    gs = load_bench_script("gpu_steps", monkeypatch)
+    steps = tmp_path / "s.steps"
+    steps.write_text("a 5 mkdir -p $OUT/deep/er; echo x > $OUT/deep/er/f.txt\n"
+                     "b 5 echo y > $OUT/g.txt\n")
+    out = tmp_path / "out"
+    assert gs.main([str(steps), "--out", str(out), "--budget", "60", "--pack", "all"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["all.tar", "steps.md"]
+    with tarfile.open(out / "all.tar") as tar:
+        assert sorted(tar.getnames()) == ["a.log", "b.log", "deep/er/f.txt", "g.txt"]
+        assert tar.extractfile("deep/er/f.txt").read() == b"x\n"
+
+
 def test_a_spent_budget_skips_the_rest(tmp_path, monkeypatch):
     gs = load_bench_script("gpu_steps", monkeypatch)
     rows = gs.run_steps([("a", 5, "true"), ("b", 5, "true")], tmp_path, budget=5)

@@ -141,6 +141,8 @@ def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11):
     for what, call in _draft_calls(seed):
         want = call(ref, ref_draft).clone()
         got = call(engine, draft)
+        # every path hands its result back on the runner's device
+        assert got.device.type == want.device.type == device, (what, got.device, want.device)
         if want.is_floating_point():
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
                                        msg=lambda m: f"{mode}, {what}: {m}")
