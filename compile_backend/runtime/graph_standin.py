@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -174,6 +174,12 @@ class StandInGraphs:
     def node_count(self) -> int:
         """The ops the capture in progress ran so far (a CUDA graph counts nodes)."""
         return self._mode.ops
+
+    def node_counter(self) -> Callable[[], int]:
+        """`node_count` for the capture in progress."""
+        mode = self._mode
+        assert mode is not None, "node_counter outside a capture"
+        return lambda: mode.ops
 
     def derive(self, source: StandInGraph, side: StandInGraph,
                pairs: Sequence[tuple[int, int, int, int]]) -> StandInGraph:

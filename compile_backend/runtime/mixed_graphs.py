@@ -68,7 +68,7 @@ class MixedGraphs:
     def recording(self) -> Iterator[op_recording.Recorder]:
         """Around a source's capture (inside it: node counts need a capture)."""
         names = OpRegistry().layer_keyed_ops()
-        with op_recording.recording(names, self.graphs.node_count, graph_pool.weak_ref) as rec:
+        with op_recording.recording(names, self.graphs.node_counter(), graph_pool.weak_ref) as rec:
             yield rec
 
     def keep(self, graph: StepGraph, entry: Any, calls: list[op_recording.OpCall]) -> None:
@@ -102,14 +102,14 @@ class MixedGraphs:
         ctx.capturing, ctx.capture_plans = True, {}  # attention plans stay the capture's
         try:
             with self.graphs.capture(side, self.side_pool.for_capture(side), (), instantiate=False):
-                pad = None
+                pad, count = None, self.graphs.node_counter()
                 for call in calls:
-                    first = self.graphs.node_count()
+                    first = count()
                     call.again()
-                    short = (call.end - call.first) - (self.graphs.node_count() - first)
+                    short = (call.end - call.first) - (count() - first)
                     if short > 0:  # fewer launches (decode's split and reduce: one here)
                         pad = self._pad(pad, short)
-                    pairs.append((call.first, call.end, first, self.graphs.node_count()))
+                    pairs.append((call.first, call.end, first, count()))
             made = self.graphs.derive(entry.cuda_graph, side, pairs)
         except Exception as e:  # noqa: BLE001 - any failure: record the graph instead
             from compile_backend.runtime.jit_guard import CompileInCapture
