@@ -39,7 +39,7 @@ class AttentionMetadata(Metadata):
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token, -1 = none
     num_reqs: int  # B
     max_query_len: int  # 1 => uniform single-token decode (split-KV path)
-    max_seq_len: int  # upper bound of seq_lens (max_model_len when for_capture)
+    max_seq_len: int  # upper bound of seq_lens (the runner's builder: max_model_len)
     for_capture: bool = False
     # This step's launch plans of unified attention's direct path: None, then
     # {key: plan} (Note [attention plans] in compile_backend/kernels/attention_plan.py, which

@@ -78,7 +78,14 @@ class AttentionMetadataBuilder(BaseMetadataBuilder):
             max_seq_len = self.cfg.max_model_len
         else:
             max_query_len = batch.max_query_len
-            max_seq_len = max(batch.seq_lens, default=0)
+            # The bound here too (an upper bound is all the op asks): decode's
+            # split count then depends on the padded request count alone, so an
+            # eager decode step (PIECEWISE, NONE) launches a kernel variant its
+            # plan's capture compiled; the exact value made a new one whenever
+            # a context crossed a split boundary (docs/design.md, "The
+            # metadata contract"). A request's splits still follow its runtime
+            # length (Note [one-launch decode]).
+            max_seq_len = self.cfg.max_model_len
         return AttentionMetadata(
             query_start_loc=self.buffers.query_start_loc[: B + 1],
             seq_lens=self.buffers.seq_lens[:B],
