@@ -22,7 +22,8 @@ def prepare_inputs_to_capture(graph: StepGraph, model_state: ModelState) -> dict
     built at every capture, with `for_capture=graph.for_capture` (exactly when
     the graph is FULL): a FULL graph captures the attention kernels too, whose
     metadata must hold worst-case bounds; in PIECEWISE, attention runs eagerly
-    between graphs and gets exact metadata (some backends cannot build
+    between graphs and gets exact metadata, but for max_seq_len's bound
+    (metadata_builders.py says why) (some backends cannot build
     capturable metadata for prefill at all), while attention-like builders
     are capturable whatever the flag (see Note [attention-like metadata is
     always capturable]). `graph.uniform_decode` says whether a FULL graph
