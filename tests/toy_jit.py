@@ -83,6 +83,11 @@ def config_of(t: int) -> tuple:
     return (t == 1, t % 4 == 0)
 
 
+def eager_config_of(t: int) -> tuple:
+    """The breakpoint op's: new at a size (4 of 1..16) where the piece's is not."""
+    return ("eager", t >= 8)
+
+
 @torch.library.custom_op("toy::jit_ahead", mutates_args=())
 def jit_ahead(x: torch.Tensor) -> torch.Tensor:
     if not toy_kernel.run(config_of(x.shape[0])):
@@ -98,35 +103,56 @@ def _(x):
 cb.register_capture_safe("toy::jit_ahead")
 
 
+@torch.library.custom_op("toy::jit_eager", mutates_args=())
+def jit_eager(x: torch.Tensor) -> torch.Tensor:
+    """The toy kernel as a breakpoint (PIECEWISE runs it eagerly between its
+    pieces, as attention), with configurations of its own (eager_config_of)."""
+    if not toy_kernel.run(eager_config_of(x.shape[0])):
+        return torch.full_like(x, float("nan"))  # skipped: the values are never read
+    return x * 3 - 1
+
+
+@jit_eager.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+cb.register_op("toy::jit_eager", role="breakpoint", capture_safe=True)
+
+
 class ToyStepModel(nn.Module):
     """A runner's model (forward(input_ids, positions) -> logits) whose one
     kernel is the toy op named `op` (torch.ops.toy.<op>)."""
 
     vocab_size = 64
 
-    def __init__(self, op: str = "jit_ahead"):
+    def __init__(self, op: str = "jit_ahead", eager_op: bool = False):
         super().__init__()
-        self.op = op
+        self.op, self.eager_op = op, eager_op
         self.embed = nn.Embedding(64, 32)
         self.proj = nn.Linear(32, 32)
         self.head = nn.Linear(32, 8)
 
     def forward(self, input_ids, positions):
         h = self.embed(input_ids) + positions[:, None].float()
-        return self.head(getattr(torch.ops.toy, self.op)(self.proj(h)))
+        h = getattr(torch.ops.toy, self.op)(self.proj(h))
+        if self.eager_op:  # between two pieces in PIECEWISE
+            h = self.proj(torch.ops.toy.jit_eager(h))
+        return self.head(h)
 
 
-def toy_runner(mode, sizes, cache_dir=None, state=None, **options):
+def toy_runner(mode, sizes, cache_dir=None, state=None, eager_op=False, **options):
     """A new ModelRunner over a new ToyStepModel (CPU, eager pieces), as a
     new process builds it: Dynamo and the counters reset, seed 0, `state`
-    loaded when given. Returns (runner, model)."""
+    loaded when given, `eager_op`: the model's toy breakpoint op too.
+    Returns (runner, model)."""
     from compile_backend.runner.model_runner import ModelRunner
     from runtime_helpers import kv_config
 
     torch._dynamo.reset()
     cb.reset_counters()
     torch.manual_seed(0)
-    model = ToyStepModel("jit_ahead")
+    model = ToyStepModel("jit_ahead", eager_op)
     if state is not None:
         model.load_state_dict(state)
     config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=sizes, piece_compiler="eager",

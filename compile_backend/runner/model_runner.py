@@ -443,8 +443,13 @@ class ModelRunner:
             warmup_s = self._warmup_for_capture(graph, meta, trace)
             self._forward(graph, meta, trace)  # capture
         else:
+            # PIECEWISE: the kernels its eager ops (attention between the
+            # pieces) meet go to the workers, not compiled in line one by one.
+            eager = (pre.deferring_eager() if pre is not None and graph.mode is CUDAGraphMode.PIECEWISE
+                     else contextlib.nullcontext())
             try:  # capture first: a warm-up only where a kernel would compile or tune
-                self._forward(graph, meta, trace)
+                with eager:
+                    self._forward(graph, meta, trace)
                 if earlier is None:
                     counters["capture_warmups_skipped"] += 1
             except jit_guard.CompileInCapture as e:

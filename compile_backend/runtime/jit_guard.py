@@ -51,6 +51,11 @@ def compiling_ahead_here() -> bool:
     return getattr(_worker, "active", False)
 
 
+def capturing() -> bool:
+    """Is a graph being captured on this thread now (CUDA or a stand-in)?"""
+    return _capturing()
+
+
 def _capturing() -> bool:
     if has_forward_context() and get_forward_context().capturing:
         return True  # the wrapper's capture (CUDA or a stand-in)

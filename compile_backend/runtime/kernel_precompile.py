@@ -8,6 +8,8 @@ start (docs/design.md, "Kernels compiled ahead, in parallel").
         pre.preload(saved)        # a warm start: the list a cold start saved
         with pre.deferring():     # a dry warm-up: requests go to the pool, launches skipped
             step(...)
+        with pre.deferring_eager():   # a PIECEWISE capture: its eager ops' requests
+            capture_pieces(...)       # go to the pool; the captures' own are refused
         pre.wait()                # compiled, modules loaded on this thread
     pre.saved_list()              # [(kernel, specialization)] for the next start
 A request: a JITFunction and its serialised specialisation, which
@@ -85,6 +87,7 @@ class KernelPrecompiler:
         self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}  # not yet waited for
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._deferring = False
+        self._deferring_eager = False
         self._active = False
         self.last_request: tuple[str, str] | None = None
         self.wait_s = 0.0  # host seconds wait() blocked
@@ -102,7 +105,7 @@ class KernelPrecompiler:
                 key = (kernel_name(jit_function), spec)
                 self.specs.add(key)
                 self.last_request = key  # a capture refused it, if the guard raises next
-                if self._deferring:
+                if self._deferring or (self._deferring_eager and not jit_guard.capturing()):
                     self._submit(key, jit_function, compile_.get("device"))
                     return True  # Triton: do not compile or launch now
             return previous(*args, **kwargs) if previous is not None else None
@@ -139,6 +142,21 @@ class KernelPrecompiler:
             yield
         finally:
             self._deferring = before
+
+    @contextlib.contextmanager
+    def deferring_eager(self) -> Iterator[None]:
+        """While active, a request made outside a graph capture (a PIECEWISE
+        step's eager attention between its pieces' captures) is submitted to
+        the pool and its launch skipped: in a plan its outputs are a dummy
+        batch's, read by nothing but the next captures, which do not read
+        values. A request inside a capture goes on to the guard, which
+        refuses it (the graph waits for the pool). Without it a cold plan
+        compiled those kernels one after another in line."""
+        self._deferring_eager, before = True, self._deferring_eager
+        try:
+            yield
+        finally:
+            self._deferring_eager = before
 
     # ---- compiling -------------------------------------------------------------
 

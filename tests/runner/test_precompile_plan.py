@@ -18,7 +18,7 @@ from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 
 import toy_jit  # noqa: F401  (toy::jit_ahead)
-from toy_jit import config_of, toy_kernel, toy_runner
+from toy_jit import config_of, eager_config_of, toy_kernel, toy_runner
 
 triton = pytest.importorskip("triton")
 if not kernel_precompile.available():
@@ -34,11 +34,11 @@ def _toy_compiles(monkeypatch):
     monkeypatch.setattr(kernel_precompile, "compiles_here", lambda: True)
 
 
-def _runner(mode, cache_dir=None, state=None):
+def _runner(mode, cache_dir=None, state=None, eager_op=False):
     """A new runner, as a new process builds it: the toy kernel's cache empty."""
     toy_kernel.reset()
     toy_kernel.delay_s = 0.02
-    runner, model = toy_runner(mode, SIZES, cache_dir, state, precompile_threads=3)
+    runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, precompile_threads=3)
     runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
     return runner, model
 
@@ -94,6 +94,33 @@ def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
         assert all(r.seconds >= r.warmup_s >= 0 for r in runner.captures)
         last = [r.graph for r in runner.captures[-waits:]]
         assert set(last) <= set(meets_new) and last == [g for g in plan if g in last]
+        _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
+    """PIECEWISE runs a breakpoint op (attention) eagerly between its pieces'
+    captures. In a plan the new kernels it meets go to the workers (their
+    launches skipped: a dummy batch's values, read by no capture), none
+    compiles in line on the main thread; by the plan's end each is compiled
+    once and loaded, and every replay equals eager. Regression: a cold plan
+    compiled them in line, one after another (4 on an H100, llama8b, ~2.4 s
+    of a cold PIECEWISE capture). FULL captures the op inside its graphs:
+    its kernels wait in the graphs' way."""
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        runner, model = _runner(mode, eager_op=True)
+        at_warmup = {c for c, _, _ in toy_kernel.log}
+        runner.capture()
+        plan = runner.capture_plan()
+        eager_new = {eager_config_of(g.num_tokens) for g in plan} - at_warmup
+        # new at T=4, where the piece's kernel is not (no dry warm-up there sends it)
+        assert eager_new == {eager_config_of(4)} and config_of(4) in at_warmup
+        compiled = [c for c, _, _ in toy_kernel.log]
+        assert eager_new <= set(compiled) and len(compiled) == len(set(compiled))  # each once
+        assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log), toy_kernel.log
+        assert cb.counters["triton_compiles"] == 0  # none in line
+        assert eager_new <= {c for c, t in toy_kernel.handles if t == "MainThread"}  # loaded
+        assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
         _sessions_equal_eager(runner, model)
 
 
