@@ -7,9 +7,7 @@ start (docs/design.md, "Kernels compiled ahead, in parallel").
     with pre.active():            # the jit_cache_hook: every compile request recorded
         pre.preload(saved)        # a warm start: the list a cold start saved
         with pre.deferring():     # a dry warm-up: requests go to the pool, launches skipped
-            step(...)
-        with pre.deferring_eager():   # a PIECEWISE capture: its eager ops' requests
-            capture_pieces(...)       # go to the pool; the captures' own are refused
+            step(...)             # (deferring_eager: only those made outside a capture)
         pre.wait()                # compiled, modules loaded on this thread
     pre.saved_list()              # [(kernel, specialization)] for the next start
 A request: a JITFunction and its serialised specialisation, which
