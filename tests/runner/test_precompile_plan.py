@@ -104,9 +104,9 @@ def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
     launches skipped: a dummy batch's values, read by no capture), none
     compiles in line on the main thread; by the plan's end each is compiled
     once and loaded, and every replay equals eager. Regression: a cold plan
-    compiled them in line, one after another (4 on an H100, llama8b, ~2.4 s
-    of a cold PIECEWISE capture). FULL captures the op inside its graphs:
-    its kernels wait in the graphs' way."""
+    compiled them in line, one after another (4 on an H100, llama8b: the
+    cold PIECEWISE plan's "other" 3.11 s against the warm one's 0.68).
+    FULL captures the op inside its graphs: its kernels wait as graphs do."""
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         runner, model = _runner(mode, eager_op=True)
         at_warmup = {c for c, _, _ in toy_kernel.log}
