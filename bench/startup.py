@@ -33,6 +33,7 @@ _T0 = time.perf_counter()
 _WALL0 = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -119,6 +120,31 @@ def capture_profile(captures) -> dict:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def triton_requests():
+    """The Triton kernels asked for inside (a JIT cache miss: a compile, or
+    a load from Triton's disk cache), by name: Triton's jit_cache_hook,
+    chained to one already set. Empty where Triton has no hook or
+    interprets (it compiles nothing)."""
+    asked: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield asked
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        asked.append(str(kwargs.get("repr") or "a kernel").split("[", 1)[0])
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield asked
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
 def child(spec: dict) -> dict:
     interpreter_s = process_age()
     if interpreter_s is not None:  # the age now, less what the script has done so far
@@ -152,8 +178,9 @@ def child(spec: dict) -> dict:
         build_total_s = time.perf_counter() - t
         batch = decode_batch(min(spec["batch"], max_reqs), setup.context, kv, model.cfg.vocab_size)
         t = time.perf_counter()
-        out = runner.execute(batch)
-        sync(setup)
+        with triton_requests() as asked:
+            out = runner.execute(batch)
+            sync(setup)
         t_end = time.perf_counter()
         wall_end = time.time()
         first_step_s = t_end - t
@@ -184,6 +211,7 @@ def child(spec: dict) -> dict:
         "first_call_path": getattr(runner.compiled, "path", None),
         "dynamo_importer": _DYNAMO.importer, "dynamo_import_s": _DYNAMO.seconds,
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
+        "first_step_triton_requests": asked,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         # graphs captured, and mixed FULL graphs made from decode graphs
         # (CompilationConfig.derive_mixed_graphs) beside them
@@ -416,6 +444,12 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "them.", ["Python µs", "dispatch µs"],
                    lambda r: [f"{r['host_speed']['python_us']:.0f}",
                               f"{r['host_speed']['dispatch_us']:.2f}"])
+    L += run_table([r for r in ok if "first_step_triton_requests" in r],
+                   "The first step's Triton kernel requests (a JIT cache miss: a compile, or a "
+                   "load from Triton's disk cache, on the step's own time; 0 where nothing of the "
+                   "step was left to the first real batch).", ["requests", "kernels"],
+                   lambda r: [len(r["first_step_triton_requests"]),
+                              ", ".join(sorted(set(r["first_step_triton_requests"]))) or "-"])
     L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)

@@ -113,6 +113,26 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
     assert "The host's speed" not in text  # rows without it (older runs): no table
     odd = startup.tables(meta, [_startup_row("cold", first_step_ran_as="none")])
     assert "First step not as expected" in odd and "ran as none" in odd
+    asked = startup.tables(meta, [_startup_row("cold", first_step_triton_requests=[
+        "_decode_kernel", "_decode_kernel", "_rms_norm_kernel"]), _startup_row(
+        "warm", first_step_triton_requests=[])])
+    assert "| llama | llama8b | piecewise | cold | 3 | _decode_kernel, _rms_norm_kernel |" in asked
+    assert "| llama | llama8b | piecewise | warm | 0 | - |" in asked
+    assert "Triton kernel requests" not in text  # rows without it (older runs): no table
+
+
+def test_startup_counts_the_triton_requests_inside_and_restores_the_hook(startup, monkeypatch):
+    """triton_requests chains to a hook already set, names what was asked for,
+    and puts the earlier hook back."""
+    knobs = pytest.importorskip("triton").knobs
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **k: earlier.append(k) or None)
+    before = knobs.runtime.jit_cache_hook
+    with startup.triton_requests() as asked:
+        assert knobs.runtime.jit_cache_hook(repr="_decode_kernel[grid](...)") is None
+        knobs.runtime.jit_cache_hook(fn=None)
+    assert asked == ["_decode_kernel", "a kernel"] and len(earlier) == 2
+    assert knobs.runtime.jit_cache_hook is before
 
 
 @pytest.mark.slow  # full tier: a subprocess or a long run
