@@ -119,7 +119,6 @@ def capture_profile(captures) -> dict:
     return out
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def triton_requests():
     """The Triton kernels asked for inside (a JIT cache miss: a compile, or
@@ -145,6 +144,7 @@ def triton_requests():
         knobs.runtime.jit_cache_hook = previous
 
 
+@torch.no_grad()
 def child(spec: dict) -> dict:
     interpreter_s = process_age()
     if interpreter_s is not None:  # the age now, less what the script has done so far
