@@ -45,7 +45,7 @@ class ToyJit:
     def preload(self, spec: str) -> ToyCompiled:
         cfg = tuple(json.loads(spec))
         time.sleep(self.delay_s)
-        self.log.append((cfg, threading.current_thread().name, jit_guard._capturing()))
+        self.log.append((cfg, threading.current_thread().name, jit_guard.capturing()))
         kernel = self.cache[cfg] = ToyCompiled(self, cfg)
         return kernel
 

@@ -103,9 +103,10 @@ class DraftRunner:
 
     def propose(self, batch: InputBatch) -> torch.Tensor:
         """Draft tokens [B, k] (int64, on the runner's device, whichever path
-        ran) for a uniform decode batch (each request's last token). Every request's seq_len grows to seq_len + k - 1 in the loop:
-        that must fit max_model_len and its block_ids (ValueError, naming the
-        request, before anything is written)."""
+        ran) for a uniform decode batch (each request's last token). Every
+        request's seq_len grows to seq_len + k - 1 in the loop: that must fit
+        max_model_len and its block_ids (ValueError, naming the request,
+        before anything is written)."""
         if not batch.uniform_decode:
             raise ValueError("the draft path takes uniform decode batches (one token per request)")
         r = self.runner

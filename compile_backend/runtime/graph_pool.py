@@ -301,6 +301,10 @@ class ReusedPool:
         self.live.add(graph)
         return self.handle
 
+    def forget(self, graph: Any) -> None:
+        """`graph` was freed before it died (an evicted graph's reset)."""
+        self.live.discard(graph)
+
 
 def shared_graph_pool(graphs: Any, graph: Any) -> Any:
     """The handle `graph` captures into: one memory pool for the runners'
@@ -391,7 +395,7 @@ def forget_graph(graph: Any) -> None:
     """A graph its wrapper evicted (its pool frees with its last graph)."""
     _pool_graphs.discard(graph)
     if _shared is not None:
-        _shared.live.discard(graph)
+        _shared.forget(graph)
 
 
 def register_output(t: torch.Tensor) -> None:

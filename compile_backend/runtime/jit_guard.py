@@ -53,10 +53,6 @@ def compiling_ahead_here() -> bool:
 
 def capturing() -> bool:
     """Is a graph being captured on this thread now (CUDA or a stand-in)?"""
-    return _capturing()
-
-
-def _capturing() -> bool:
     if has_forward_context() and get_forward_context().capturing:
         return True  # the wrapper's capture (CUDA or a stand-in)
     return (torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -100,7 +96,7 @@ def no_compile_in_capture() -> Iterator[None]:
     def hook(*args: Any, **kwargs: Any) -> Any:
         if compiling_ahead_here():  # a worker thread, never the capturing one
             return previous(*args, **kwargs) if previous is not None else None
-        if _capturing():
+        if capturing():
             name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "a kernel")
             raise CompileInCapture(str(name).split("[", 1)[0])
         counters["triton_compiles"] += 1
@@ -135,7 +131,7 @@ def _no_inductor_tuning_in_capture() -> Iterator[None]:
 
     def refusing(name: str, original: Any) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _capturing():
+            if capturing():
                 kernel = getattr(getattr(self, "fn", None), "__name__", "an Inductor kernel")
                 raise CompileInCapture(f"{kernel} ({name})")
             return original(self, *args, **kwargs)

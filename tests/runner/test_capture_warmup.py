@@ -38,7 +38,7 @@ def jit_scale(x: torch.Tensor) -> torch.Tensor:
         if hook is not None:
             hook(key=cfg, repr=f"toy_jit_scale[{cfg}]", fn=None, compile={},
                  is_manual_warmup=False, already_compiled=False)
-        COMPILED.append((cfg, jit_guard._capturing()))
+        COMPILED.append((cfg, jit_guard.capturing()))
     return x * 2 + 1
 
 
