@@ -9,7 +9,9 @@ kept as self time (a piece's figure leaves out the ops it called).
     # "piece": the loaded Inductor pieces' own code; "step": the compiled
     # step's own (its split graph, the eager pieces between graphs);
     # "replay": a CUDA graph's replay call; "capture inputs": the runner's
-    # inputs and metadata for each graph of the plan
+    # inputs and metadata for each graph of the plan; and what a cold start
+    # adds: "triton compile in line", "precompile wait", "inductor autotune",
+    # "synchronize", "gc.collect" (the region's thread only)
 
 For measurement only (bench/startup.py --by-op): it swaps the packets'
 `default` attributes and the loaded pieces' `__call__` while active, and
@@ -18,6 +20,7 @@ puts them back after. Costs about 1 µs a timed call.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -38,6 +41,34 @@ class _Timed:
         return getattr(self._overload, name)
 
 
+def _cold_callees() -> list[tuple[Any, str, str]]:
+    """What a cold start adds to a capture, where this torch and Triton have
+    it: Triton's compiles (or disk-cache loads) in line, the precompiler's
+    waits for its workers, Inductor's first-launch tuning (its benchmarks),
+    the device syncs and the garbage collections."""
+    import gc
+
+    from compile_backend.runtime import kernel_precompile
+
+    found: list[tuple[Any, str, str]] = [
+        (kernel_precompile.KernelPrecompiler, "wait", "precompile wait"),
+        (torch.cuda, "synchronize", "synchronize"), (gc, "collect", "gc.collect")]
+    try:
+        from triton.runtime.jit import JITFunction
+
+        found.append((JITFunction, "_do_compile", "triton compile in line"))
+    except ImportError:
+        pass
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        found += [(CachingAutotuner, "benchmark_all_configs", "inductor autotune"),
+                  (CachingAutotuner, "precompile", "inductor precompile")]
+    except ImportError:
+        pass
+    return [(owner, attr, name) for owner, attr, name in found if attr in owner.__dict__]
+
+
 class OpTimer:
     def __init__(self, namespaces: tuple[str, ...] = ("mrv2",)) -> None:
         self.namespaces = namespaces
@@ -49,9 +80,11 @@ class OpTimer:
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         stack, calls, self_s = self._stack, self.calls, self.self_s
-        clock = time.perf_counter
+        clock, thread = time.perf_counter, threading.get_ident()
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != thread:  # a worker thread's (precompiles): not the region's
+                return fn(*args, **kwargs)
             stack.append(0.0)
             t0 = clock()
             try:
@@ -81,7 +114,8 @@ class OpTimer:
 
         for owner, attr, name in ((_Loaded, "__call__", "piece"), (CompiledStep, "__call__", "step"),
                                   (CUDAGraphWrapper, "_replay", "replay"),
-                                  (model_runner, "prepare_inputs_to_capture", "capture inputs")):
+                                  (model_runner, "prepare_inputs_to_capture", "capture inputs"),
+                                  *_cold_callees()):
             self._swap(owner, attr, name)
         self._t0 = time.perf_counter()
         return self
@@ -90,8 +124,8 @@ class OpTimer:
         """Time `owner.attr` (a class's method or a module's function) as `name`."""
         original = owner.__dict__[attr]
         timed = self._timed(name, original)
-        setattr(owner, attr, (lambda obj, *args, _t=timed: _t(obj, *args)) if isinstance(owner, type)
-                else timed)
+        setattr(owner, attr, (lambda obj, *args, _t=timed, **kwargs: _t(obj, *args, **kwargs))
+                if isinstance(owner, type) else timed)
         self._undo.append(lambda: setattr(owner, attr, original))
 
     def __exit__(self, *exc: Any) -> None:

@@ -40,3 +40,26 @@ def test_nested_calls_count_only_their_own_time(monkeypatch):
     outer()
     assert timer.calls == {"inner": 2, "outer": 1}
     assert 0 < timer.self_s["outer"] and 0 < timer.self_s["inner"]
+
+
+def test_a_cold_starts_callees_are_timed_on_the_regions_thread_only(monkeypatch):
+    """gc.collect stands for the cold callees (Triton's in-line compiles, the
+    precompiler's waits, Inductor's tuning): timed on the region's thread,
+    passed through on another (a precompile worker's), keyword arguments
+    kept, all put back after."""
+    import gc
+    import threading
+
+    from compile_backend.runtime.kernel_precompile import KernelPrecompiler
+
+    op_timer = load_bench_script("op_timer", monkeypatch)
+    collect, wait = gc.collect, KernelPrecompiler.wait
+    with op_timer.OpTimer() as timer:
+        gc.collect(generation=0)
+        KernelPrecompiler(threads=1).wait()
+        worker = threading.Thread(target=gc.collect)
+        worker.start()
+        worker.join()
+    rows = {name: calls for name, calls, _ in timer.rows()}
+    assert rows["gc.collect"] == 1 and rows["precompile wait"] == 1
+    assert gc.collect is collect and KernelPrecompiler.wait is wait
