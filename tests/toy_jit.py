@@ -4,11 +4,14 @@ way Triton's `run` asks `triton.knobs.runtime.jit_cache_hook` before it
 compiles a specialisation it has not seen (a True answer skips the compile
 and the launch). `toy::jit_ahead` runs it, with the configuration taken from
 the token count (T == 1, T % 4 == 0), so a plan of sizes needs new kernels
-at some sizes and not at others."""
+at some sizes and not at others. With DISK_ENV set, compiles leave a file
+there that any process's later compile loads instead (a compile worker's)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -34,6 +37,7 @@ class ToyJit:
         self.cache: dict[tuple, ToyCompiled] = {}
         self.log: list[tuple[tuple, str, bool]] = []  # (cfg, thread, capturing) per compile
         self.handles: list[tuple[tuple, str]] = []
+        self.loads: list[tuple] = []  # cfgs loaded from DISK_ENV's folder
         self.delay_s = 0.0
 
     def reset(self) -> None:
@@ -41,11 +45,22 @@ class ToyJit:
         self.cache.clear()
         self.log.clear()
         self.handles.clear()
+        self.loads.clear()
 
     def preload(self, spec: str) -> ToyCompiled:
+        """Compile (log it), or with DISK_ENV set, load what a process wrote
+        there before (Triton's disk cache: a compile worker's binary)."""
         cfg = tuple(json.loads(spec))
-        time.sleep(self.delay_s)
-        self.log.append((cfg, threading.current_thread().name, jit_guard.capturing()))
+        disk = os.environ.get(DISK_ENV)
+        path = os.path.join(disk, hashlib.sha256(spec.encode()).hexdigest()) if disk else None
+        if path is not None and os.path.exists(path):
+            self.loads.append(cfg)
+        else:
+            time.sleep(self.delay_s)
+            self.log.append((cfg, threading.current_thread().name, jit_guard.capturing()))
+            if path is not None:
+                with open(path, "w") as f:
+                    json.dump({"cfg": cfg, "pid": os.getpid()}, f)
         kernel = self.cache[cfg] = ToyCompiled(self, cfg)
         return kernel
 
@@ -62,6 +77,21 @@ class ToyJit:
             return False
         self.preload(spec)
         return True
+
+
+# A folder shared by processes, where a compile leaves its binary: Triton's
+# disk cache as the toy has it ({"cfg", "pid"} of the compiling process).
+DISK_ENV = "TOY_JIT_DISK"
+
+
+def compiled_on_disk(folder: str) -> dict[tuple, int]:
+    """cfg -> pid of the process that compiled it into `folder`."""
+    out = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            entry = json.load(f)
+        out[tuple(entry["cfg"])] = entry["pid"]
+    return out
 
 
 def _triton_hook():

@@ -79,12 +79,13 @@ class _Job:
 
 class CompileWorkers:
     """`n` worker processes, started at construction; `preload`: modules
-    each imports before its first job (while the caller traces)."""
+    each imports before its first job (while the caller traces); `env`:
+    variables set for them beside the caller's."""
 
-    def __init__(self, n: int, preload: Sequence[str] = ()) -> None:
+    def __init__(self, n: int, preload: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         assert n >= 1, n
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         # The caller's import path (a source checkout, a test's folders; "" is its cwd).
         env["PYTHONPATH"] = os.pathsep.join(
             os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir))

@@ -39,8 +39,9 @@ GEMMS_SUFFIX = ".gemms.json"
 # (which sizes it captures, and when it warms up: the step is traced with a
 # symbolic token count, so a runner of other sizes loads the same entry). A
 # loaded step takes this runner's values of them (guard_free._adopt).
-NOT_IN_KEY = ("cache_dir", "debug_dump_path", "precompile_threads", "compile_workers",
-              "warm_gemms", "capture_sizes", "capture_warmup", "derive_mixed_graphs")
+NOT_IN_KEY = ("cache_dir", "debug_dump_path", "precompile_threads", "precompile_workers",
+              "compile_workers", "warm_gemms", "capture_sizes", "capture_warmup",
+              "derive_mixed_graphs")
 
 
 def steps_dir(cache_dir: str) -> str:

@@ -96,6 +96,13 @@ class CompilationConfig:
         measured it (its replays equal eager on an H100).
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
+    precompile_workers: worker processes that compile a cold plan's Triton
+        kernels into Triton's disk cache, holding no GPU, so that the
+        capture keeps Python's lock (runtime/kernel_workers.py); the threads
+        above then only load them. Started with the first step of a start
+        without a saved kernel list. None: one per two cores beside this
+        process's, at most 8 (none on 4 cores or fewer); 0: the threads
+        compile.
     compile_workers: worker processes that compile distinct Inductor pieces
         in parallel with each other and with the caller, started when a
         compile begins (compile/compile_workers.py); None: one per two cores
@@ -148,6 +155,7 @@ class CompilationConfig:
     capture_warmup: str = "on_demand"
     derive_mixed_graphs: bool = False
     precompile_threads: int = 0
+    precompile_workers: int | None = None
     compile_workers: int | None = None
     warm_gemms: bool = True
     graphs_per_shape: int = 4
@@ -209,6 +217,13 @@ class CompilationConfig:
             raise ValueError(
                 f"precompile_threads must be an int >= 0, got {self.precompile_threads!r}; "
                 "0 uses one thread per CPU core (at most 16)")
+        if self.precompile_workers is not None and (
+                not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
+                or self.precompile_workers < 0):
+            raise ValueError(
+                f"precompile_workers must be None or an int >= 0, got {self.precompile_workers!r}; "
+                "None picks one per two cores beside this process's (at most 8), 0 compiles a "
+                "plan's Triton kernels on threads of this process")
         if self.compile_workers is not None and (
                 not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool)
                 or self.compile_workers < 0):

@@ -34,7 +34,7 @@ from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
 from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
-from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile
+from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile, kernel_workers
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.runner.input_batch import InputBatch
@@ -183,9 +183,12 @@ class ModelRunner:
         # Records the Triton kernels the first step and the plan compile (the
         # list saved beside the warm-start entry) and compiles ahead for
         # capture() (runtime/kernel_precompile.py); None where Triton cannot.
-        self._precompiler = (kernel_precompile.KernelPrecompiler(self.config.precompile_threads)
-                             if self.config.capture_warmup == "on_demand"
-                             and kernel_precompile.available() else None)
+        # A start without a saved kernel list compiles them in worker
+        # processes (runtime/kernel_workers.py), started with its first step.
+        workers = self.config.precompile_workers
+        self._precompiler = (kernel_precompile.KernelPrecompiler(
+            self.config.precompile_threads, kernel_workers.auto_workers() if workers is None else workers)
+            if self.config.capture_warmup == "on_demand" and kernel_precompile.available() else None)
         self.captured = False
         self._stepped = False  # has a step run (the model compiled or loaded)?
         # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
@@ -257,7 +260,15 @@ class ModelRunner:
     def capture(self, trace: list | None = None) -> list[CaptureRecord]:
         """Capture every graph the mode needs. With mode NONE this only warms
         up (compiles) once, at the largest capture size (without one: the
-        largest batch, KVCacheConfig.max_batch_tokens)."""
+        largest batch, KVCacheConfig.max_batch_tokens). The plan's kernel
+        compile workers, if any started, go after it."""
+        try:
+            return self._capture_plan(trace)
+        finally:
+            if self._precompiler is not None:
+                self._precompiler.close_workers()
+
+    def _capture_plan(self, trace: list | None) -> list[CaptureRecord]:
         plan = self.capture_plan()
         if not plan:  # mode NONE (a mode with graphs and no plan is refused in __init__)
             sizes = self.capture_sizes
@@ -336,16 +347,39 @@ class ModelRunner:
 
     # ---- cuBLAS's first calls, beside the first step (runtime/gemm_warmup.py) ----
 
-    def _gemm_entry(self, num_tokens: int) -> str | None:
+    def _entry(self, num_tokens: int) -> str | None:
         """The warm-start entry the first step (at `num_tokens`) saves or
-        loads, where a GEMM list beside it applies: warm_gemms on, a device
-        gemm_warmup.DEVICES names, a cache; else None."""
+        loads; None without a cache."""
         entry_for = getattr(self.compiled, "entry_for", None)
-        if (not self.config.warm_gemms or entry_for is None
-                or self.device.type not in gemm_warmup.DEVICES):
+        if entry_for is None:
             return None
         ids = self.input_buffers.input_ids[:num_tokens]
         return entry_for((ids, self.input_buffers.positions[:num_tokens]))
+
+    def _gemm_entry(self, num_tokens: int) -> str | None:
+        """`_entry`, where a GEMM list beside it applies: warm_gemms on, a
+        device gemm_warmup.DEVICES names; else None."""
+        if not self.config.warm_gemms or self.device.type not in gemm_warmup.DEVICES:
+            return None
+        return self._entry(num_tokens)
+
+    def _start_kernel_workers(self, num_tokens: int) -> None:
+        """Before the first step of a start whose entry has no saved kernel
+        list (a cold start): the precompiler's worker processes, which
+        import while the step compiles and then compile its kernels and the
+        plan's. A warm start loads its list from Triton's cache instead."""
+        pre = self._precompiler
+        if pre is None or not pre.workers or not kernel_precompile.compiles_here():
+            return
+        entry = self._entry(num_tokens)
+        if entry is not None:
+            from compile_backend.compile import step_cache
+
+            if step_cache.read_kernels(entry):
+                return
+        from compile_backend.compile.compile_workers import CompileWorkers
+
+        pre.start_workers(CompileWorkers)
 
     def _start_gemms(self, entry: str | None, sizes: set[int]) -> gemm_warmup.Warmup | None:
         """The GEMMs saved beside `entry`, run on a thread at every size in
@@ -405,6 +439,8 @@ class ModelRunner:
         entry = self._gemm_entry(num_tokens) if sizes else None
         # A warm start's saved GEMMs run on a thread while the step loads.
         gemms = self._start_gemms(entry, sizes)
+        if first:
+            self._start_kernel_workers(num_tokens)
         try:
             pre = self._precompiler
             if first and pre is not None and kernel_precompile.compiles_here():

@@ -3,15 +3,15 @@ threads, instead of one at a time in per-size warm-ups; what a plan compiled
 is saved beside the warm-start entry and loaded, all at once, by the next
 start (docs/design.md, "Kernels compiled ahead, in parallel").
 
-    pre = KernelPrecompiler(threads=8)
+    pre = KernelPrecompiler(threads=8, workers=7)
+    pre.start_workers(CompileWorkers)  # a cold start: processes compile (kernel_workers.py)
     with pre.active():            # the jit_cache_hook: every compile request recorded
         pre.preload(saved)        # a warm start: the list a cold start saved
         with pre.deferring():     # a dry warm-up: requests go to the pool, launches skipped
             step(...)             # (deferring_eager: only those made outside a capture)
         pre.wait()                # compiled, modules loaded on this thread
     pre.saved_list()              # [(kernel, specialization)] for the next start
-A request: a JITFunction and its serialised specialisation, which
-`JITFunction.preload` compiles (or loads from Triton's cache) without arguments.
+A request: a JITFunction and its serialised specialisation (JITFunction.preload).
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from compile_backend.core.counters import counters
 from compile_backend.core.qualified_names import qualified_name
 from compile_backend.core.qualified_names import resolve as resolve_name
-from compile_backend.runtime import jit_guard
+from compile_backend.runtime import jit_guard, kernel_workers
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,14 @@ def resolve(name: str) -> Any:
 class KernelPrecompiler:
     """Collects Triton compile requests and compiles them on a thread pool."""
 
-    def __init__(self, threads: int = 0) -> None:
+    def __init__(self, threads: int = 0, workers: int = 0) -> None:
         self.threads = threads or default_threads()
+        self.workers = workers  # processes that compile, once started (start_workers)
+        self._procs: Any = None  # their CompileWorkers
+        self._target: dict[str, Any] | None = None
+        self._where: dict[tuple[str, str], str] = {}  # request -> the counter its compile adds to
+        self._worker_failures = 0
+        self._said = threading.Lock()
         self.specs: set[tuple[str, str]] = set()  # every request seen: (kernel name, specialization)
         self._sent: set[tuple[str, str]] = set()  # submitted once per process of this plan
         self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}  # not yet waited for
@@ -167,8 +174,62 @@ class KernelPrecompiler:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self.threads, thread_name_prefix="mrv2-precompile")
         counters["kernels_precompiled"] += 1
-        self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
+        if self._procs is not None:  # a worker process compiles, a thread then loads
+            remote = self._procs.submit(kernel_workers.REMOTE,
+                                        kernel_workers.compile_job(*key, self._target))
+            self._futures[key] = self._pool.submit(self._compile_after, remote, jit_function, key,
+                                                   device)
+        else:
+            self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
         return True
+
+    def _compile_after(self, remote: concurrent.futures.Future, jit_function: Any,
+                       key: tuple[str, str], device: Any) -> Any:
+        """On a thread: wait for a worker process's compile of `key`, then
+        load it from Triton's disk cache (or, where the worker failed,
+        compile it here: counted, the first failure logged as a warning)."""
+        try:
+            remote.result()
+            self._where[key] = "kernels_compiled_in_workers"  # counted by wait(), on the caller
+        except Exception as e:  # noqa: BLE001 - compiled here instead, as without workers
+            self._where[key] = "kernel_worker_fallbacks"
+            with self._said:
+                self._worker_failures += 1
+                level = logging.WARNING if self._worker_failures == 1 else logging.DEBUG
+            logger.log(level, "mrv2: a compile worker could not compile %s (%s); it compiles in "
+                       "this process (counted in kernel_worker_fallbacks)", key[0],
+                       str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return _compile(jit_function, key[1], device)
+
+    # ---- worker processes ------------------------------------------------------
+
+    def start_workers(self, spawn: Callable[..., Any], target: dict[str, Any] | None = None) -> bool:
+        """Start the worker processes (they import torch and the kernels while
+        this process goes on); requests from now on compile there. `spawn`:
+        `CompileWorkers` (compile/compile_workers.py), called as spawn(n,
+        preload, env=...). `target`: the Triton target to compile for
+        (default: this process's, which needs a driver: Triton compiling
+        here). False where none start."""
+        if self._procs is not None:
+            return True
+        if self.workers <= 0 or not available() or (target is None and not compiles_here()):
+            return False
+        if target is None:
+            try:
+                target = kernel_workers.current_target()
+            except Exception as e:  # noqa: BLE001 - no driver to name one: the threads compile
+                logger.info("mrv2: no Triton target for compile workers (%s: %s); the plan's "
+                            "kernels compile on threads", type(e).__name__, e)
+                return False
+        self._target = target
+        self._procs = spawn(self.workers, kernel_workers.PRELOAD, env=kernel_workers.WORKER_ENV)
+        return True
+
+    def close_workers(self) -> None:
+        """Let the worker processes go (each exits once its job is answered)."""
+        if self._procs is not None:
+            self._procs.close()
+            self._procs = None
 
     def preload(self, saved: list[tuple[str, str]]) -> int:
         """Submit every (kernel name, specialization) of a saved list; one
@@ -194,6 +255,10 @@ class KernelPrecompiler:
         t0 = time.perf_counter()
         while self._futures:
             key, future = self._futures.popitem()
+            concurrent.futures.wait([future])
+            where = self._where.pop(key, None)  # a worker process's compile, or its fallback
+            if where is not None:
+                counters[where] += 1
             try:
                 kernel = future.result()
             except Exception as e:  # noqa: BLE001 - the launch compiles again and reports it

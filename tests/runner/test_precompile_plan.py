@@ -17,7 +17,7 @@ from compile_backend.runtime import kernel_precompile
 from compile_backend.runtime.graph_pool import use_graph_backend
 from compile_backend.runtime.graph_standin import StandInGraphs
 
-import toy_jit  # noqa: F401  (toy::jit_ahead)
+import toy_jit  # toy::jit_ahead
 from toy_jit import config_of, eager_config_of, toy_kernel, toy_runner
 
 triton = pytest.importorskip("triton")
@@ -34,11 +34,13 @@ def _toy_compiles(monkeypatch):
     monkeypatch.setattr(kernel_precompile, "compiles_here", lambda: True)
 
 
-def _runner(mode, cache_dir=None, state=None, eager_op=False):
-    """A new runner, as a new process builds it: the toy kernel's cache empty."""
+def _runner(mode, cache_dir=None, state=None, eager_op=False, precompile_workers=0):
+    """A new runner, as a new process builds it: the toy kernel's cache empty
+    (compiles on threads unless `precompile_workers`)."""
     toy_kernel.reset()
     toy_kernel.delay_s = 0.02
-    runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, precompile_threads=3)
+    runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, precompile_threads=3,
+                               precompile_workers=precompile_workers)
     runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
     return runner, model
 
@@ -183,3 +185,47 @@ def test_an_unreadable_kernel_list_is_an_empty_one(tmp_path):
     step_cache.write_kernels(entry, [("m:k", "{}")])
     step_cache.write_kernels(entry, [("m:k", "{}"), ("m:j", "{}")])  # merged, not replaced
     assert step_cache.read_kernels(entry) == [("m:j", "{}"), ("m:k", "{}")]
+
+
+@pytest.mark.slow  # full tier: two compile worker processes (each imports torch)
+def test_a_cold_start_compiles_in_worker_processes_and_a_warm_one_starts_none(tmp_path,
+                                                                             monkeypatch):
+    """A start without a saved kernel list starts its worker processes with
+    its first step: every kernel of the first step and the plan compiles
+    there (into the shared folder), this process only loads them, and the
+    workers are let go after the plan. A warm start loads the saved list on
+    threads and starts none. Replays equal eager in both."""
+    from compile_backend.compile import compile_workers
+    from compile_backend.runtime import kernel_workers
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    monkeypatch.setenv(toy_jit.DISK_ENV, str(disk))
+    monkeypatch.setattr(kernel_workers, "current_target",
+                        lambda: {"backend": "cuda", "arch": 90, "warp_size": 32})
+    started = []
+
+    class Recorded(compile_workers.CompileWorkers):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(compile_workers, "CompileWorkers", Recorded)
+    cache = str(tmp_path / "cache")
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cold, model = _runner("full", cache_dir=cache, precompile_workers=2)
+        cold.capture()
+        assert len(started) == 1 and started[0].closed  # let go after the plan
+        on_disk = toy_jit.compiled_on_disk(str(disk))
+        assert len(on_disk) == 3 and os.getpid() not in on_disk.values()  # all in workers
+        assert toy_kernel.log == [] and sorted(toy_kernel.loads) == sorted(on_disk)  # loaded here
+        assert cb.counters["kernels_compiled_in_workers"] == cb.counters["kernels_precompiled"] == 3
+        assert cb.counters["kernel_worker_fallbacks"] == 0
+        _sessions_equal_eager(cold, model)
+
+        warm, model = _runner("full", cache_dir=cache, state=model.state_dict(), precompile_workers=2)
+        warm.capture()
+        assert len(started) == 1  # none for a warm start
+        assert toy_kernel.log == [] and sorted(toy_kernel.loads) == sorted(on_disk)
+        assert cb.counters["kernels_compiled_in_workers"] == 0
+        _sessions_equal_eager(warm, model)
