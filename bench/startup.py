@@ -71,7 +71,8 @@ COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dyna
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
             "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
             "first_step_dry_runs", "compile_worker_compiles", "compile_worker_fallbacks",
-            "mixed_graphs_derived", "mixed_graph_refusals")
+            "mixed_graphs_derived", "mixed_graph_refusals", "kernels_compiled_in_workers",
+            "kernel_worker_fallbacks")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
@@ -382,14 +383,16 @@ def tables(meta: dict, rows: list[dict]) -> str:
           "new Triton kernel and waited for the workers after a dry warm-up; ahead: Triton kernels "
           "the first step and the plan asked for (compiled in line, on workers, or loaded from "
           "the saved list); preloaded: of those, loaded from the warm-start entry's list before "
-          "the first capture; wait s: host seconds the plan blocked on the workers. A graph "
+          "the first capture; in processes: of those, compiled by a worker process "
+          "(precompile_workers, a cold start; '+N here': N its workers could not compile); "
+          "wait s: host seconds the plan blocked on the workers. A graph "
           "that waited has its refused attempt (other) and its dry warm-up (warm-up) in its "
           "record. Plan outside graphs s: capture s less every graph's total and the wait "
           "(the plan's collection, synchronizes and the saved kernels' submission).", ""]
     L += table(["model", "preset", "mode", "phase", "capture_warmup", "graph kind", "steps", "warm-ups",
                 "total s", "warm-up s", "record s", "instantiate s", "other s", "per step ms",
-                "waited", "ahead", "preloaded", "wait s", "plan outside graphs s"],
-               "l" * 6 + "r" * 13,
+                "waited", "ahead", "preloaded", "in processes", "wait s", "plan outside graphs s"],
+               "l" * 6 + "r" * 14,
                [[r["model"], r["preset"], r["mode"], r["phase"], r.get("capture_warmup", "every_size"),
                  kind, p["graphs"], p.get("warmups", "-"), f"{p['total_s']:.2f}", f"{p['warmup_s']:.2f}",
                  f"{p['record_s']:.2f}", f"{p['instantiate_s']:.2f}", f"{p['other_s']:.2f}",
@@ -511,13 +514,17 @@ def outside_graphs(r: dict) -> str:
 
 
 def precompile_cells(r: dict) -> list:
-    """waited, ahead, preloaded, wait s of one row ('-' where the run had no precompiler)."""
+    """waited, ahead, preloaded, in processes, wait s of one row ('-' where
+    the run had no precompiler)."""
     st, c = r.get("capture_stats") or {}, r.get("counters", {})
     if not st:
-        return ["-"] * 4
+        return ["-"] * 5
+    here = c.get("kernel_worker_fallbacks", 0)
     # kernels_recorded: "kernels_precompiled" in earlier runs (the counter's name)
     return [st.get("graphs_waited", 0), st.get("kernels_recorded", st.get("kernels_precompiled", 0)),
-            c.get("kernels_preloaded", 0), f"{st.get('compile_wait_s', 0.0):.2f}"]
+            c.get("kernels_preloaded", 0),
+            f"{c.get('kernels_compiled_in_workers', 0)}" + (f" +{here} here" if here else ""),
+            f"{st.get('compile_wait_s', 0.0):.2f}"]
 
 
 def anchor_table(ok: list[dict]) -> list[str]:

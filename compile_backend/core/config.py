@@ -31,6 +31,11 @@ def default_capture_sizes() -> list[int]:
     return [1, 2, 4] + list(range(8, 257, 8))
 
 
+def _is_count(value: object) -> bool:
+    """An int >= 0 (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class CompilationConfig:
     """Options of the `mrv2` backend. Every field is an option name.
@@ -212,21 +217,16 @@ class CompilationConfig:
             raise ValueError(
                 f"capture_warmup must be one of {', '.join(map(repr, CAPTURE_WARMUPS))}, got "
                 f"{self.capture_warmup!r}")
-        if (not isinstance(self.precompile_threads, int) or isinstance(self.precompile_threads, bool)
-                or self.precompile_threads < 0):
+        if not _is_count(self.precompile_threads):
             raise ValueError(
                 f"precompile_threads must be an int >= 0, got {self.precompile_threads!r}; "
                 "0 uses one thread per CPU core (at most 16)")
-        if self.precompile_workers is not None and (
-                not isinstance(self.precompile_workers, int) or isinstance(self.precompile_workers, bool)
-                or self.precompile_workers < 0):
+        if self.precompile_workers is not None and not _is_count(self.precompile_workers):
             raise ValueError(
                 f"precompile_workers must be None or an int >= 0, got {self.precompile_workers!r}; "
                 "None picks one per two cores beside this process's (at most 8), 0 compiles a "
                 "plan's Triton kernels on threads of this process")
-        if self.compile_workers is not None and (
-                not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool)
-                or self.compile_workers < 0):
+        if self.compile_workers is not None and not _is_count(self.compile_workers):
             raise ValueError(
                 f"compile_workers must be None or an int >= 0, got {self.compile_workers!r}; "
                 "None picks one per two cores beside this process's (at most 3), 0 compiles every "

@@ -119,6 +119,11 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
     assert "| llama | llama8b | piecewise | cold | 3 | _decode_kernel, _rms_norm_kernel |" in asked
     assert "| llama | llama8b | piecewise | warm | 0 | - |" in asked
     assert "Triton kernel requests" not in text  # rows without it (older runs): no table
+    procs = startup.tables(meta, [_startup_row("cold", capture_stats={
+        "graphs_waited": 4, "kernels_recorded": 30, "compile_wait_s": 0.5}, counters={
+        **_startup_row("cold")["counters"], "kernels_compiled_in_workers": 28,
+        "kernel_worker_fallbacks": 2})])
+    assert "| 4 | 30 | 0 | 28 +2 here | 0.50 |" in procs  # waited, ahead, preloaded, in processes
 
 
 def test_startup_counts_the_triton_requests_inside_and_restores_the_hook(startup, monkeypatch):

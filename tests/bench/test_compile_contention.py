@@ -6,14 +6,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench_scripts import BENCH
 
 
-def test_each_pool_compiles_its_kernels_beside_the_main_loop(tmp_path):
+@pytest.mark.parametrize("main", ["python", "torch"])
+def test_each_pool_compiles_its_kernels_beside_the_main_loop(tmp_path, main):
     out = tmp_path / "contention.md"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
     run = subprocess.run([sys.executable, os.path.join(BENCH, "compile_contention.py"),
-                          "--kernels", "2", "--workers", "1", "--out", str(out)],
+                          "--kernels", "2", "--workers", "1", "--main", main, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
@@ -23,6 +26,7 @@ def test_each_pool_compiles_its_kernels_beside_the_main_loop(tmp_path):
     for r in rows:
         assert float(r[2]) > 0  # the compiles took time and finished
     assert all(int(r[3]) >= 1 for r in rows[1:])  # the main loop ran beside them
+    assert f"main thread: {main} rounds" in out.read_text()
 
 
 def test_refuses_to_run_under_the_interpreter():

@@ -149,3 +149,11 @@ def test_a_real_kernel_compiled_by_a_worker_is_a_cache_hit_here(tmp_path, monkey
     assert cb.counters["kernel_worker_fallbacks"] == 0
     assert hits == [True]  # this process compiled nothing: it loaded the worker's binary
     assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*"))
+
+
+def test_precompile_workers_is_none_or_a_count():
+    assert cb.CompilationConfig().precompile_workers is None
+    assert cb.CompilationConfig(precompile_workers=0).precompile_workers == 0
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="precompile_workers must be None or an int >= 0"):
+            cb.CompilationConfig(precompile_workers=bad)
