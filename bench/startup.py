@@ -53,7 +53,7 @@ from decode import Setup, build, sync  # noqa: E402  (puts the repo on sys.path)
 from report import (  # noqa: E402
     add_dry_run, add_out, comma_list, command_line, dash, heading, table, utc_now, write_md_and_json)
 from timing import host_speed  # noqa: E402
-from workload import config_options, decode_batch  # noqa: E402
+from workload import config_options, decode_batch, mixed_batch  # noqa: E402
 from compile_backend.core.counters import counters  # noqa: E402
 from compile_backend.runtime.graph_standin import StandInGraphs  # noqa: E402
 
@@ -70,9 +70,9 @@ CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
             "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
-            "first_step_dry_runs", "compile_worker_compiles", "compile_worker_fallbacks",
-            "mixed_graphs_derived", "mixed_graph_refusals", "kernels_compiled_in_workers",
-            "kernel_worker_fallbacks")
+            "first_step_dry_runs", "prefill_dry_runs", "compile_worker_compiles",
+            "compile_worker_fallbacks", "mixed_graphs_derived", "mixed_graph_refusals",
+            "kernels_compiled_in_workers", "kernel_worker_fallbacks")
 # What to compare with (issue #21).
 ANCHORS = [  # (figure, vLLM, target, phase, field)
     ("cold compile s", "~19 (Dynamo 4.6 + Inductor 14.8)", "<= 15", "cold", "compile_s"),
@@ -187,6 +187,17 @@ def child(spec: dict) -> dict:
         first_step_s = t_end - t
         finite = bool(torch.isfinite(out.float()).all())
         step_mode = runner.dispatch(batch).mode.value
+        # Then the first prefill: one request of a prompt of a token count
+        # 16 does not divide (a serving engine's first step is one; a plan's
+        # dummy batches never run the prefill kernels).
+        prefill = mixed_batch(max(sizes) - 3 if max(sizes) > 4 else max(sizes), 0, setup.context,
+                              kv, model.cfg.vocab_size)
+        t = time.perf_counter()
+        with triton_requests() as asked_prefill:
+            runner.execute(prefill)
+            sync(setup)
+        first_prefill_s = time.perf_counter() - t
+        prefill_mode = runner.dispatch(prefill).mode.value
     return {
         **{k: spec[k] for k in ("model", "preset", "mode", "phase")},
         "interpreter_s": interpreter_s, "import_s": _T_IMPORTED - _T0,
@@ -213,6 +224,8 @@ def child(spec: dict) -> dict:
         "dynamo_importer": _DYNAMO.importer, "dynamo_import_s": _DYNAMO.seconds,
         "compile_s": s["compile_s"], "capture_s": s["capture_s"], "first_step_s": first_step_s,
         "first_step_triton_requests": asked,
+        "first_prefill_s": first_prefill_s, "first_prefill_tokens": prefill.num_tokens,
+        "first_prefill_ran_as": prefill_mode, "first_prefill_triton_requests": asked_prefill,
         "since_first_line_s": t_end - _T0, "wall_end": wall_end, "wall_first_line": _WALL0,
         # graphs captured, and mixed FULL graphs made from decode graphs
         # (CompilationConfig.derive_mixed_graphs) beside them
@@ -453,6 +466,15 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "step was left to the first real batch).", ["requests", "kernels"],
                    lambda r: [len(r["first_step_triton_requests"]),
                               ", ".join(sorted(set(r["first_step_triton_requests"]))) or "-"])
+    L += run_table([r for r in ok if "first_prefill_triton_requests" in r],
+                   "The first prefill, after the first step: one request of a prompt (max size "
+                   "- 3 tokens), as a serving engine's first step; its seconds, how it ran, and "
+                   "its Triton kernel requests (a cold plan runs prefill shapes dry: "
+                   "runner/capture.py, PREFILL_DRY_SHAPES).",
+                   ["tokens", "ran as", "seconds", "requests", "kernels"],
+                   lambda r: [r["first_prefill_tokens"], r["first_prefill_ran_as"],
+                              f"{r['first_prefill_s']:.3f}", len(r["first_prefill_triton_requests"]),
+                              ", ".join(sorted(set(r["first_prefill_triton_requests"]))) or "-"])
     L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)

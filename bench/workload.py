@@ -46,11 +46,11 @@ def decode_batch(batch: int, context: int, kv: KVCacheConfig, vocab: int, seed: 
 
 def mixed_batch(num_tokens: int, num_decodes: int, context: int, kv: KVCacheConfig,
                 vocab: int) -> InputBatch:
-    """`num_decodes` decode requests plus one prefill of the remaining tokens."""
+    """`num_decodes` decode requests (0: none) plus one prefill of the remaining tokens."""
     d = decode_batch(num_decodes, context, kv, vocab)
     n = num_tokens - num_decodes
-    first = 1 + num_decodes * len(d.block_ids[0])
-    cfirst = 1 + num_decodes * len(d.compressed_block_ids[0])
+    first = 1 + sum(map(len, d.block_ids))  # the prefill's blocks after the decodes'
+    cfirst = 1 + sum(map(len, d.compressed_block_ids))
     g = torch.Generator().manual_seed(1)
     return InputBatch(
         token_ids=d.token_ids + torch.randint(0, vocab, (n,), generator=g).tolist(),

@@ -150,15 +150,33 @@ def _(x):
 cb.register_op("toy::jit_eager", role="breakpoint", capture_safe=True)
 
 
+@torch.library.custom_op("toy::jit_prefill", mutates_args=())
+def jit_prefill(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A breakpoint op with a configuration of its own for long prefills (a
+    token at position 8 or later): what a plan's dummy batches, a few tokens
+    a request, never meet."""
+    if not toy_kernel.run(("prefill", bool(positions.max() >= 8))):
+        return torch.full_like(x, float("nan"))  # skipped: the values are never read
+    return x * 0.5 + 2
+
+
+@jit_prefill.register_fake
+def _(x, positions):
+    return torch.empty_like(x)
+
+
+cb.register_op("toy::jit_prefill", role="breakpoint", capture_safe=True)
+
+
 class ToyStepModel(nn.Module):
     """A runner's model (forward(input_ids, positions) -> logits) whose one
     kernel is the toy op named `op` (torch.ops.toy.<op>)."""
 
     vocab_size = 64
 
-    def __init__(self, op: str = "jit_ahead", eager_op: bool = False):
+    def __init__(self, op: str = "jit_ahead", eager_op: bool = False, prefill_op: bool = False):
         super().__init__()
-        self.op, self.eager_op = op, eager_op
+        self.op, self.eager_op, self.prefill_op = op, eager_op, prefill_op
         self.embed = nn.Embedding(64, 32)
         self.proj = nn.Linear(32, 32)
         self.head = nn.Linear(32, 8)
@@ -168,21 +186,24 @@ class ToyStepModel(nn.Module):
         h = getattr(torch.ops.toy, self.op)(self.proj(h))
         if self.eager_op:  # between two pieces in PIECEWISE
             h = self.proj(torch.ops.toy.jit_eager(h))
+        if self.prefill_op:
+            h = self.proj(torch.ops.toy.jit_prefill(h, positions))
         return self.head(h)
 
 
-def toy_runner(mode, sizes, cache_dir=None, state=None, eager_op=False, **options):
+def toy_runner(mode, sizes, cache_dir=None, state=None, eager_op=False, prefill_op=False,
+               **options):
     """A new ModelRunner over a new ToyStepModel (CPU, eager pieces), as a
     new process builds it: Dynamo and the counters reset, seed 0, `state`
-    loaded when given, `eager_op`: the model's toy breakpoint op too.
-    Returns (runner, model)."""
+    loaded when given, `eager_op` / `prefill_op`: the model's toy breakpoint
+    ops too. Returns (runner, model)."""
     from compile_backend.runner.model_runner import ModelRunner
     from runtime_helpers import kv_config
 
     torch._dynamo.reset()
     cb.reset_counters()
     torch.manual_seed(0)
-    model = ToyStepModel("jit_ahead", eager_op)
+    model = ToyStepModel("jit_ahead", eager_op, prefill_op)
     if state is not None:
         model.load_state_dict(state)
     config = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=sizes, piece_compiler="eager",

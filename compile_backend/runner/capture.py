@@ -1,6 +1,7 @@
 """Capture-time input preparation: the dummy batch a graph is captured with,
 written where the graphs read, and its metadata (docs/design.md, "The
-metadata contract")."""
+metadata contract"); and the prefill shapes a cold plan runs dry, whose
+kernels no capture meets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from typing import Any
 
 from compile_backend.core.graph_mode import StepGraph
 from compile_backend.runner.input_batch import InputBatch
+from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.runner.model_state import ModelState
+
+# (requests, tokens) of the prefills a cold plan runs dry: one request and
+# several, a token count 16 divides and one it does not (Triton specialises
+# an int argument on both: a kernel taking the request and token counts,
+# such as prefill attention, has a variant per pair of those).
+PREFILL_DRY_SHAPES = ((1, 17), (1, 32), (3, 17), (3, 48))
 
 
 def prepare_inputs_to_capture(graph: StepGraph, model_state: ModelState) -> dict[str, Any]:
@@ -36,3 +44,13 @@ def prepare_inputs_to_capture(graph: StepGraph, model_state: ModelState) -> dict
     batch.pad_to(graph)
     model_state.write(batch)
     return model_state.prepare_attn(batch)
+
+
+def dry_prefill_graphs(kv: KVCacheConfig) -> list[StepGraph]:
+    """Eager steps of PREFILL_DRY_SHAPES that these caches can hold. A plan's
+    dummy batches look like decode (one token a request), so a PIECEWISE
+    plan's eager attention never meets the prefill kernels, and a cold
+    start's first prefill compiled them in line."""
+    return [StepGraph.eager(tokens, reqs) for reqs, tokens in PREFILL_DRY_SHAPES
+            if reqs <= kv.max_num_reqs and tokens <= kv.max_batch_tokens
+            and -(-tokens // reqs) <= kv.max_model_len]

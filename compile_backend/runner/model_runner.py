@@ -26,7 +26,7 @@ import torch
 from compile_backend.compile.backend import Mrv2Backend
 from compile_backend.runtime.machine import check_device, graph_mode_on_this_machine
 from compile_backend.compile.guard_free import GuardFreeModel
-from compile_backend.runner.capture import prepare_inputs_to_capture
+from compile_backend.runner.capture import dry_prefill_graphs, prepare_inputs_to_capture
 from compile_backend.core.config import CompilationConfig
 from compile_backend.core.counters import counters
 from compile_backend.core.frozen_gc import frozen_gc
@@ -312,6 +312,8 @@ class ModelRunner:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
                     waiting.append((graph, earlier))
+            if pre is not None and not saved and kernel_precompile.compiles_here():
+                self._dry_prefills(pre)  # a cold plan: the first prefills' kernels too
             if waiting:
                 pre.wait()
             for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures
@@ -324,6 +326,17 @@ class ModelRunner:
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
+
+    def _dry_prefills(self, pre: kernel_precompile.KernelPrecompiler) -> None:
+        """Eager prefill steps on dummy batches (runner/capture.py's
+        PREFILL_DRY_SHAPES), run dry: the kernels they need that no capture
+        asked for go to the workers, beside the plan's, and into the saved
+        list, instead of compiling in line at the first real prefill."""
+        for graph in dry_prefill_graphs(self.kv_cache_config):
+            meta = prepare_inputs_to_capture(graph, self.model_state)
+            with pre.deferring():
+                self._forward(graph, meta, None)
+            counters["prefill_dry_runs"] += 1
 
     def _saved_kernels(self) -> list[tuple[str, str]]:
         """The kernel list saved beside this runner's warm-start entry ([] without one)."""

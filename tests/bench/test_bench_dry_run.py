@@ -119,6 +119,11 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
     assert "| llama | llama8b | piecewise | cold | 3 | _decode_kernel, _rms_norm_kernel |" in asked
     assert "| llama | llama8b | piecewise | warm | 0 | - |" in asked
     assert "Triton kernel requests" not in text  # rows without it (older runs): no table
+    prefill = startup.tables(meta, [_startup_row("cold", first_prefill_s=0.0123, first_prefill_tokens=253,
+                                                 first_prefill_ran_as="piecewise",
+                                                 first_prefill_triton_requests=["_prefill_kernel"])])
+    assert "| llama | llama8b | piecewise | cold | 253 | piecewise | 0.012 | 1 | _prefill_kernel |" in prefill
+    assert "The first prefill" not in text  # rows without it (older runs): no table
     procs = startup.tables(meta, [_startup_row("cold", capture_stats={
         "graphs_waited": 4, "kernels_recorded": 30, "compile_wait_s": 0.5}, counters={
         **_startup_row("cold")["counters"], "kernels_compiled_in_workers": 28,

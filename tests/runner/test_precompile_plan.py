@@ -5,6 +5,7 @@ saved kernel list before its first capture, so no capture or warm-up asks
 Triton for a kernel. Every replay equals eager, over several sessions. The
 kernel is tests/toy_jit.py's stand-in for a Triton JITFunction."""
 
+import json
 import os
 
 import pytest
@@ -34,13 +35,14 @@ def _toy_compiles(monkeypatch):
     monkeypatch.setattr(kernel_precompile, "compiles_here", lambda: True)
 
 
-def _runner(mode, cache_dir=None, state=None, eager_op=False, precompile_workers=0):
+def _runner(mode, cache_dir=None, state=None, eager_op=False, precompile_workers=0,
+            prefill_op=False):
     """A new runner, as a new process builds it: the toy kernel's cache empty
     (compiles on threads unless `precompile_workers`)."""
     toy_kernel.reset()
     toy_kernel.delay_s = 0.02
-    runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, precompile_threads=3,
-                               precompile_workers=precompile_workers)
+    runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, prefill_op,
+                               precompile_threads=3, precompile_workers=precompile_workers)
     runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
     return runner, model
 
@@ -124,6 +126,37 @@ def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
         assert eager_new <= {c for c, t in toy_kernel.handles if t == "MainThread"}  # loaded
         assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
         _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_cold_plan_runs_prefills_dry_so_the_first_real_one_compiles_nothing_in_line(
+        mode, tmp_path):
+    """A plan's dummy batches are a few tokens a request, so an op's prefill
+    kernel (toy::jit_prefill's, from position 8) is met by no capture: a
+    cold plan runs its prefill shapes dry, the kernel compiles on a worker,
+    is saved, and the steps after (prefills among them) ask for nothing in
+    line; a warm start, with the list, runs none. Replays equal eager."""
+    from compile_backend.runner.capture import PREFILL_DRY_SHAPES
+
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cold, model = _runner(mode, cache_dir=str(tmp_path), prefill_op=True)
+        at_warmup = {c for c, _, _ in toy_kernel.log}
+        assert ("prefill", True) not in at_warmup  # the first step's dummy batch: 4 tokens a request
+        cold.capture()
+        assert cb.counters["prefill_dry_runs"] == len(PREFILL_DRY_SHAPES)
+        ahead = [t for c, t, _ in toy_kernel.log if c == ("prefill", True)]
+        assert len(ahead) == 1 and ahead[0].startswith("mrv2-precompile")  # on a worker, once
+        saved = step_cache.read_kernels(cold.compiled.cache_path)
+        assert json.dumps(["prefill", True]) in {spec for _, spec in saved}
+        _sessions_equal_eager(cold, model)
+        assert not any(t == "MainThread" for _, t, _ in toy_kernel.log)  # nothing in line
+
+        warm, model = _runner(mode, cache_dir=str(tmp_path), state=model.state_dict(),
+                              prefill_op=True)
+        warm.capture()
+        assert cb.counters["prefill_dry_runs"] == 0
+        _sessions_equal_eager(warm, model, sessions=1)
+        assert not any(t == "MainThread" for _, t, _ in toy_kernel.log)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
