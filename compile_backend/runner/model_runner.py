@@ -312,8 +312,13 @@ class ModelRunner:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
                     waiting.append((graph, earlier))
-            if pre is not None and not saved and kernel_precompile.compiles_here():
-                self._dry_prefills(pre)  # a cold plan: the first prefills' kernels too
+            # A cold plan: the first prefills' kernels too. Their eager steps
+            # run collectives under tensor parallelism, so there every rank
+            # runs them, whatever its own saved list says.
+            tp = getattr(self.model, "tp", None)
+            if pre is not None and kernel_precompile.compiles_here() and (
+                    not saved or getattr(tp, "size", 1) > 1):
+                self._dry_prefills(pre)
             if waiting:
                 pre.wait()
             for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures

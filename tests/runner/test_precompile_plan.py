@@ -7,6 +7,7 @@ kernel is tests/toy_jit.py's stand-in for a Triton JITFunction."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,6 +158,14 @@ def test_a_cold_plan_runs_prefills_dry_so_the_first_real_one_compiles_nothing_in
         assert cb.counters["prefill_dry_runs"] == 0
         _sessions_equal_eager(warm, model, sessions=1)
         assert not any(t == "MainThread" for _, t, _ in toy_kernel.log)
+
+        # Under tensor parallelism every rank runs them (their steps' collectives
+        # must match), whatever its own saved list says.
+        rank, model = _runner(mode, cache_dir=str(tmp_path), state=model.state_dict(),
+                              prefill_op=True)
+        rank.model.tp = SimpleNamespace(size=2)
+        rank.capture()
+        assert cb.counters["prefill_dry_runs"] == len(PREFILL_DRY_SHAPES)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
