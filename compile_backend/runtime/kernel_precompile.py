@@ -176,7 +176,8 @@ class KernelPrecompiler:
         counters["kernels_precompiled"] += 1
         if self._procs is not None:  # a worker process compiles, a thread then loads
             remote = self._procs.submit(kernel_workers.REMOTE,
-                                        kernel_workers.compile_job(*key, self._target))
+                                        kernel_workers.compile_job(*key, self._target),
+                                        local=_not_taken)
             self._futures[key] = self._pool.submit(self._compile_after, remote, jit_function, key,
                                                    device)
         else:
@@ -186,11 +187,14 @@ class KernelPrecompiler:
     def _compile_after(self, remote: concurrent.futures.Future, jit_function: Any,
                        key: tuple[str, str], device: Any) -> Any:
         """On a thread: wait for a worker process's compile of `key`, then
-        load it from Triton's disk cache (or, where the worker failed,
-        compile it here: counted, the first failure logged as a warning)."""
+        load it from Triton's disk cache. Where no worker process took it
+        (none serving while the caller waits: still importing, or dead), or
+        the worker failed (counted, the first failure logged as a warning),
+        the thread compiles it here."""
         try:
-            remote.result()
-            self._where[key] = "kernels_compiled_in_workers"  # counted by wait(), on the caller
+            where, _ = remote.result()
+            if where == "worker":
+                self._where[key] = "kernels_compiled_in_workers"  # counted by wait(), on the caller
         except Exception as e:  # noqa: BLE001 - compiled here instead, as without workers
             self._where[key] = "kernel_worker_fallbacks"
             with self._said:
@@ -255,7 +259,7 @@ class KernelPrecompiler:
         t0 = time.perf_counter()
         while self._futures:
             key, future = self._futures.popitem()
-            concurrent.futures.wait([future])
+            self._wait_for(future)
             where = self._where.pop(key, None)  # a worker process's compile, or its fallback
             if where is not None:
                 counters[where] += 1
@@ -271,6 +275,18 @@ class KernelPrecompiler:
                 init()
         self.wait_s += time.perf_counter() - t0
 
+    def _wait_for(self, future: concurrent.futures.Future) -> None:
+        """Until `future` is done. With worker processes, while none of them
+        takes requests (none imported yet, or all dead), the queued ones go
+        to the threads (CompileWorkers.run_queued_here): never a wait on a
+        worker that is not there."""
+        procs = self._procs
+        while True:
+            if procs is not None and procs.serving() == 0:
+                procs.run_queued_here()
+            if concurrent.futures.wait([future], timeout=None if procs is None else 0.5).done:
+                return
+
     def last_request_sent(self) -> bool:
         """Was the latest request already handed to the workers (a capture
         that needs it can wait for them rather than warm up again)?"""
@@ -283,6 +299,11 @@ class KernelPrecompiler:
     def saved_list(self) -> list[tuple[str, str]]:
         """Every request seen, as a list a later process can `preload`."""
         return sorted(self.specs)
+
+
+def _not_taken() -> None:
+    """A worker request's form here (CompileWorkers.run_queued_here): nothing;
+    the thread waiting for it compiles the kernel itself."""
 
 
 def _current_device() -> int | None:

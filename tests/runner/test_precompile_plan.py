@@ -251,6 +251,9 @@ def test_a_cold_start_compiles_in_worker_processes_and_a_warm_one_starts_none(tm
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self)
+            # Ready by the first request, as beside a model's compile (seconds);
+            # the toy's compiles in no time.
+            assert self.wait_ready(120)
 
     monkeypatch.setattr(compile_workers, "CompileWorkers", Recorded)
     cache = str(tmp_path / "cache")

@@ -49,6 +49,12 @@ class _Pool:
             future.set_exception(e)
         return future
 
+    def run_queued_here(self):
+        return 0  # every job was answered at once
+
+    def serving(self):
+        return self.n
+
     def close(self):
         self.closed = True
 
@@ -96,6 +102,43 @@ def test_a_failed_worker_compile_is_counted_said_once_and_compiled_here(caplog):
     assert "no ptxas here" in said[0].getMessage()
 
 
+class _BusyPool(_Pool):
+    """Workers that take no job (still importing, or dead): each waits in the
+    queue until the caller runs the queued ones here."""
+
+    def serving(self):
+        return 0
+
+    def submit(self, remote, job, local=None):
+        self.jobs.append((remote, job, local, Future()))
+        return self.jobs[-1][3]
+
+    def run_queued_here(self):
+        for _, _, local, future in self.jobs:
+            if not future.done():
+                future.set_result(("here", local()))
+        return len(self.jobs)
+
+
+def test_requests_no_worker_took_compile_on_the_threads_when_the_caller_waits():
+    """No hang where no worker process serves (still importing, or dead):
+    wait() hands what is queued to the threads (the caller only waits then,
+    so they cost it nothing)."""
+    pools = []
+    pre = KernelPrecompiler(threads=2, workers=2)
+    pre.start_workers(lambda *a, **k: pools.append(_BusyPool(*a, **k)) or pools[-1], target=SM90)
+    with pre.active():
+        with pre.deferring():
+            toy_kernel.run((True, False))
+            toy_kernel.run((False, False))
+        pre.wait()
+        assert toy_kernel.run((True, False)) and toy_kernel.run((False, False))
+    assert len(pools[0].jobs) == 2
+    assert sorted(c for c, _, _ in toy_kernel.log) == [(False, False), (True, False)]
+    assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
+    assert cb.counters["kernels_compiled_in_workers"] == cb.counters["kernel_worker_fallbacks"] == 0
+
+
 def test_no_workers_start_without_a_count_or_where_triton_does_not_compile(monkeypatch):
     spawned = []
 
@@ -134,8 +177,13 @@ def test_a_real_kernel_compiled_by_a_worker_is_a_cache_hit_here(tmp_path, monkey
     hits = []
     monkeypatch.setattr(triton.knobs.compilation, "listener",
                         lambda **kw: hits.append(kw.get("cache_hit")))
+    def ready_workers(*args, **kwargs):  # as after a model's compile: imported when asked
+        workers = CompileWorkers(*args, **kwargs)
+        assert workers.wait_ready(120)
+        return workers
+
     pre = KernelPrecompiler(threads=1, workers=1)
-    assert pre.start_workers(CompileWorkers, target=SM90)
+    assert pre.start_workers(ready_workers, target=SM90)
     try:
         gen = torch.Generator().manual_seed(37)
         x, y = torch.randn(300, generator=gen), torch.empty(300)
