@@ -97,15 +97,9 @@ class CompileWorkers:
         self._threads = [threading.Thread(target=self._serve, args=(p, e), daemon=True,
                                           name=f"mrv2-compile-worker-{p.pid}")
                          for p, e in zip(self._procs, self._ready)]
-        self._serving = 0  # workers that imported their preloads and take jobs now
-        self._count_lock = threading.Lock()
         for t in self._threads:
             t.start()
         self.closed = False
-
-    def serving(self) -> int:
-        """How many workers take jobs now (imported, alive, not closed)."""
-        return self._serving
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every worker has imported its preloads (or died)."""
@@ -166,9 +160,6 @@ class CompileWorkers:
             ready = _recv(proc.stdout) == ("ready", None)
         except (OSError, EOFError, pickle.PickleError, ValueError):
             ready = False
-        if ready:
-            with self._count_lock:
-                self._serving += 1
         started.set()
         try:
             while ready:
@@ -196,9 +187,6 @@ class CompileWorkers:
                 else:
                     job.future.set_exception(WorkerError(value))
         finally:
-            if ready:
-                with self._count_lock:
-                    self._serving -= 1
             try:
                 proc.stdin.close()
             except OSError:

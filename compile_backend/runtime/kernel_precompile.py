@@ -187,10 +187,9 @@ class KernelPrecompiler:
     def _compile_after(self, remote: concurrent.futures.Future, jit_function: Any,
                        key: tuple[str, str], device: Any) -> Any:
         """On a thread: wait for a worker process's compile of `key`, then
-        load it from Triton's disk cache. Where no worker process took it
-        (none serving while the caller waits: still importing, or dead), or
-        the worker failed (counted, the first failure logged as a warning),
-        the thread compiles it here."""
+        load it from Triton's disk cache. Where no worker process had taken
+        it when the caller waited, or the worker failed (counted, the first
+        failure logged as a warning), the thread compiles it here."""
         try:
             where, _ = remote.result()
             if where == "worker":
@@ -257,9 +256,14 @@ class KernelPrecompiler:
         this thread (a launch inside a capture then loads nothing). A compile
         that failed is logged and left to the launch (which raises its error)."""
         t0 = time.perf_counter()
+        if self._procs is not None:
+            # The requests no worker process has taken yet go to the threads:
+            # this thread only waits now, so their compiles cost it nothing,
+            # and none waits on a worker still importing, or dead.
+            self._procs.run_queued_here()
         while self._futures:
             key, future = self._futures.popitem()
-            self._wait_for(future)
+            concurrent.futures.wait([future])
             where = self._where.pop(key, None)  # a worker process's compile, or its fallback
             if where is not None:
                 counters[where] += 1
@@ -274,18 +278,6 @@ class KernelPrecompiler:
             if init is not None:
                 init()
         self.wait_s += time.perf_counter() - t0
-
-    def _wait_for(self, future: concurrent.futures.Future) -> None:
-        """Until `future` is done. With worker processes, while none of them
-        takes requests (none imported yet, or all dead), the queued ones go
-        to the threads (CompileWorkers.run_queued_here): never a wait on a
-        worker that is not there."""
-        procs = self._procs
-        while True:
-            if procs is not None and procs.serving() == 0:
-                procs.run_queued_here()
-            if concurrent.futures.wait([future], timeout=None if procs is None else 0.5).done:
-                return
 
     def last_request_sent(self) -> bool:
         """Was the latest request already handed to the workers (a capture

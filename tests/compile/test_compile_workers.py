@@ -40,12 +40,9 @@ def test_a_failing_job_fails_its_future_with_the_workers_traceback(workers):
 
 
 def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(workers):
-    assert workers.wait_ready(60) and workers.serving() == 1
     dead = workers.submit("os:_exit", 3)
     with pytest.raises(WorkerError, match=r"died \(exit code 3\)"):
         dead.result(timeout=60)
-    workers._threads[0].join(60)  # its thread has let it go
-    assert workers.serving() == 0  # what kernel_precompile's wait reads: the caller takes over
     left = workers.submit("zlib:crc32", b"xyz", local=lambda: "ran here")
     assert workers.run_queued_here() == 1
     assert left.result(timeout=1) == ("here", "ran here")
@@ -59,7 +56,7 @@ def test_jobs_wait_for_a_worker_that_is_still_importing_and_the_caller_may_take_
     try:
         first = pool.submit("zlib:crc32", b"a", local=lambda: "first, here")
         second = pool.submit("zlib:crc32", b"b", local=None)  # a worker's only
-        assert not pool.wait_ready(timeout=0.1) and pool.serving() == 0
+        assert not pool.wait_ready(timeout=0.1)
         assert pool.run_queued_here() == 1  # the worker is still importing
         assert first.result(timeout=1) == ("here", "first, here")
         assert second.result(timeout=60) == ("worker", zlib.crc32(b"b"))

@@ -248,12 +248,16 @@ def test_a_cold_start_compiles_in_worker_processes_and_a_warm_one_starts_none(tm
     started = []
 
     class Recorded(compile_workers.CompileWorkers):
+        """Recorded, and leaving every job to the workers (the runner's waits
+        would hand one not yet taken to the threads: tests/runtime/
+        test_kernel_workers.py has that path)."""
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self)
-            # Ready by the first request, as beside a model's compile (seconds);
-            # the toy's compiles in no time.
-            assert self.wait_ready(120)
+
+        def run_queued_here(self):
+            return 0
 
     monkeypatch.setattr(compile_workers, "CompileWorkers", Recorded)
     cache = str(tmp_path / "cache")
