@@ -174,6 +174,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 # zero row p when p lies in [qsl[B], T) (`pad_row`, -1 otherwise). The grid
 # depends only on shapes and Python ints, so the kernels stay capturable.
 SEARCH = 256
+# Note [batch ints unspecialised]: the request and token counts a request-tile
+# kernel takes (num_reqs, num_tokens) feed only its prologue's index math, so
+# Triton's specialisation of an int (equal to 1, a multiple of 16, neither)
+# buys nothing there and made a variant, compiled and loaded, of each kernel
+# per class of each: up to 3 of a decode kernel per split count, 4 of the
+# prefill kernel. `@triton.jit(do_not_specialize=BATCH_INTS)` compiles one.
+BATCH_INTS = ("num_reqs", "num_tokens")
 
 
 def request_grid(num_tokens: int, num_reqs: int, tile: int, one_token: bool) -> int:

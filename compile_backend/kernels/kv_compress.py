@@ -26,11 +26,11 @@ from compile_backend.core.op_registry import OpRole, register_op
 from ._checks import (
     FLOAT_DTYPES, check_device, check_ids, check_int, check_paged_metadata, check_tensor,
 )
-from ._device import SEARCH, next_pow2, request_grid, request_tile, use_triton
+from ._device import BATCH_INTS, SEARCH, next_pow2, request_grid, request_tile, use_triton
 from ._metadata import layer_metadata
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _kv_compress_kernel(
     key_ptr, score_ptr, cache_ptr, state_max_ptr, state_sum_ptr, state_acc_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, state_idx_ptr, block_table_ptr, num_reqs, num_tokens,

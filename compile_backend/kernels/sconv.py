@@ -22,7 +22,7 @@ from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import OpRole, register_op
 
 from ._checks import FLOAT_DTYPES, check_device, check_ids, check_int, check_tensor
-from ._device import SEARCH, cdiv, interpreting, next_pow2, request_grid, request_tile, use_triton
+from ._device import BATCH_INTS, SEARCH, cdiv, interpreting, next_pow2, request_grid, request_tile, use_triton
 from ._metadata import layer_metadata
 
 
@@ -50,7 +50,7 @@ def _conv_rows(x_ptr, state_row, weight_ptr, q_start, tok, t_ok, c, c_ok, c_init
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _sconv_kernel(
     x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, qsl_ptr, state_idx_ptr, has_init_ptr,
     stride_x_t, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_o_t,

@@ -37,7 +37,7 @@ from ._checks import (
 )
 from ._debug import debug_checks_on
 from ._device import (
-    SEARCH, cdiv, dot_precision, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait,
+    BATCH_INTS, SEARCH, cdiv, dot_precision, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait,
     request_grid, request_tile, upcast_dots, use_triton,
 )
 from ._device import sm_count as _sm_count  # a module name tests replace (a GPU's count)
@@ -115,7 +115,7 @@ def _kv_tile_step(
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
     scale_log2, num_reqs, num_tokens,
@@ -166,7 +166,7 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -340,7 +340,7 @@ def _decode_split_kernel(
     tl.store(part_acc_ptr + pa, acc, mask=h_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, qsl_ptr, num_reqs, num_tokens,
     stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,

@@ -70,3 +70,30 @@ def test_a_remembered_layout_is_keyed_by_the_switches_of_its_launch(monkeypatch)
     monkeypatch.delenv("MRV2_PDL")
     monkeypatch.delenv("TRITON_INTERPRET")
     assert LayoutMemo.key(cpu, ("layout",)) == plain
+
+
+def test_request_tile_kernels_compile_one_variant_for_every_batch_size():
+    """Note [batch ints unspecialised] (kernels/_device.py): the request and
+    token counts of the request-tile kernels are not specialised by Triton,
+    so a plan's sizes (1, multiples of 16, the rest) share one compiled
+    variant. Checked on the JITFunctions Triton builds where it compiles
+    (TRITON_INTERPRET=0, a fresh interpreter; no GPU needed)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, json\n"
+        "m = lambda name: importlib.import_module('compile_backend.kernels.' + name)\n"
+        "ua = m('unified_attention')\n"
+        "kernels = [ua._prefill_kernel, ua._decode_kernel, ua._decode_reduce_kernel,\n"
+        "           m('sconv')._sconv_kernel, m('kv_compress')._kv_compress_kernel]\n"
+        "print(json.dumps({k.fn.__name__: [p.name for p in k.params if p.do_not_specialize]\n"
+        "                  for k in kernels}))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    unspecialised = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(unspecialised) == 5
+    assert all(names == ["num_reqs", "num_tokens"] for names in unspecialised.values()), unspecialised
