@@ -62,9 +62,11 @@ class Spec:
 def _signature(spec: Spec) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) as Triton's launcher specializes a call:
     an int equal to 1 becomes a constant, one divisible by 16 (and every
-    pointer: torch allocates 16-byte aligned) carries tt.divisibility 16."""
+    pointer: torch allocates 16-byte aligned) carries tt.divisibility 16;
+    not an int the kernel leaves unspecialised (do_not_specialize)."""
     fn = getattr(spec.kernel, "fn", spec.kernel)
     names = list(spec.kernel.arg_names)
+    plain = {p.name for p in getattr(spec.kernel, "params", ()) if getattr(p, "do_not_specialize", False)}
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
         if name in spec.meta:
@@ -81,6 +83,8 @@ def _signature(spec: Spec) -> tuple[dict, dict, dict]:
             raise TypeError(f"{spec.name}: {name}={value!r}: give a pointer type, int or float")
         elif isinstance(value, float):
             sig[name] = "fp32"
+        elif name in plain:
+            sig[name] = "i32"
         elif value == 1:
             sig[name] = "constexpr"
             consts[(i,)] = 1
