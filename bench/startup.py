@@ -475,6 +475,12 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    lambda r: [r["first_prefill_tokens"], r["first_prefill_ran_as"],
                               f"{r['first_prefill_s']:.3f}", len(r["first_prefill_triton_requests"]),
                               ", ".join(sorted(set(r["first_prefill_triton_requests"]))) or "-"])
+    L += run_table([r for r in ok if (r.get("capture_stats") or {}).get("kernels_by_name")],
+                   "The Triton kernels the first step and the plan asked for, by kernel: how many "
+                   "specialisations of each (compiled or loaded; the 'ahead' column's parts).",
+                   ["kernels"],
+                   lambda r: [", ".join(f"{k} {n}" for k, n in
+                                        r["capture_stats"]["kernels_by_name"].items())])
     L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)

@@ -325,9 +325,14 @@ class ModelRunner:
                 self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
+            by_name: dict[str, int] = {}  # variants of each kernel (its specialisations)
+            for name, _ in pre.specs:
+                short = name.rsplit(":", 1)[-1]
+                by_name[short] = by_name.get(short, 0) + 1
             self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
                                        "compile_wait_s": pre.wait_s - waited_before,
-                                       "kernels_unsaved": _unsaved(pre.specs, saved)})
+                                       "kernels_unsaved": _unsaved(pre.specs, saved),
+                                       "kernels_by_name": dict(sorted(by_name.items()))})
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures

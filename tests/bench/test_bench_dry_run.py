@@ -129,6 +129,9 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
         **_startup_row("cold")["counters"], "kernels_compiled_in_workers": 28,
         "kernel_worker_fallbacks": 2})])
     assert "| 4 | 30 | 0 | 28 +2 here | 0.50 |" in procs  # waited, ahead, preloaded, in processes
+    named = startup.tables(meta, [_startup_row("cold", capture_stats={
+        "kernels_by_name": {"_decode_kernel": 5, "_rms_norm_kernel": 1}})])
+    assert "| llama | llama8b | piecewise | cold | _decode_kernel 5, _rms_norm_kernel 1 |" in named
 
 
 def test_startup_counts_the_triton_requests_inside_and_restores_the_hook(startup, monkeypatch):

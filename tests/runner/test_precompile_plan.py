@@ -86,6 +86,7 @@ def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
         assert cb.counters["first_step_dry_runs"] == 1
         assert cb.counters["kernels_precompiled"] == len(new) + len(at_warmup) == 3
         assert runner.capture_stats["kernels_recorded"] == 3  # the first step's and the plan's
+        assert runner.capture_stats["kernels_by_name"] == {"toy_kernel": 3}
         assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
         # The new kernels compiled once each, on workers, none inside a capture.
         ahead = [(c, t) for c, t, _ in toy_kernel.log if c in new]
