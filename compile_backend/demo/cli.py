@@ -132,14 +132,10 @@ def _demo(args: argparse.Namespace) -> int:
 
             end_tensor_parallel()
     code = _report(results, opts, tp.rank)
-    if tp.size > 1:
-        # The group is destroyed and every line printed: leave without the
-        # interpreter's teardown, which on gloo sometimes aborts after
-        # destroy_process_group has returned ("terminate called without an
-        # active exception", SIGABRT), turning a passing run into a failure.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if tp.size > 1:  # the group destroyed, every line printed (Note [gloo teardown])
+        from compile_backend.runner.parallel import exit_process
+
+        exit_process(code)
     return code
 
 

@@ -32,7 +32,8 @@ import compile_backend.kernels  # noqa: E402,F401  (mrv2::all_reduce)
 from compile_backend.core.config import CompilationConfig  # noqa: E402
 from compile_backend.core.counters import counters, reset_counters  # noqa: E402
 from compile_backend.core.parallel import RanksDisagree, init_from_env  # noqa: E402
-from compile_backend.runner.parallel import RankAgreement, end_tensor_parallel  # noqa: E402
+from compile_backend.runner.parallel import (  # noqa: E402
+    RankAgreement, end_tensor_parallel, exit_process)
 
 
 class _Records(logging.Handler):
@@ -172,16 +173,8 @@ def main(argv=None) -> None:
             json.dump(result, f, indent=1)
     except BaseException:
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    # Results written and the group destroyed: leave without the interpreter's
-    # teardown, which on gloo sometimes aborts after destroy_process_group has
-    # returned ("terminate called without an active exception", SIGABRT; once
-    # in CI here, as tests/runner/tp_worker.py saw before).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        exit_process(1)
+    exit_process(0)  # results written, the group destroyed (Note [gloo teardown])
 
 
 if __name__ == "__main__":

@@ -296,3 +296,16 @@ def test_a_gloo_collective_in_a_cuda_graph_falls_back_with_a_counted_reason(one_
     g, *_ = _all_reduce_graph("cpu", one_rank_gloo.group_name)
     assert not CaptureSafetyPass(OpRegistry())(g).changed  # a CPU graph is never captured
     assert cb.counters["collective_fallbacks"] == 0
+
+
+def test_exit_process_flushes_what_was_printed_and_exits_with_the_code():
+    """Note [gloo teardown] (runner/parallel.py): a tensor-parallel process
+    leaves with os._exit, so what it printed must be flushed first."""
+    code = ("import sys\n"
+            "from compile_backend.runner.parallel import exit_process\n"
+            "print('a table', end='')\n"
+            "sys.stderr.write('a warning')\n"
+            "exit_process(3)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert (run.returncode, run.stdout, run.stderr) == (3, "a table", "a warning")

@@ -43,7 +43,8 @@ from compile_backend.demo.models import build_model, preset  # noqa: E402
 from compile_backend.runner.input_batch import InputBatch  # noqa: E402
 from compile_backend.runner.kv_cache_config import KVCacheConfig  # noqa: E402
 from compile_backend.runner.model_runner import ModelRunner  # noqa: E402
-from compile_backend.runner.parallel import RanksDisagree, end_tensor_parallel  # noqa: E402
+from compile_backend.runner.parallel import (  # noqa: E402
+    RanksDisagree, end_tensor_parallel, exit_process)
 
 # Up to 8 requests: 6 requests decoding pad to 8 tokens, a uniform-decode FULL graph.
 KV = dict(num_blocks=1 + 8 * 4, block_size=16, max_model_len=64, max_num_reqs=8, max_num_tokens=64)
@@ -183,17 +184,8 @@ def main(argv=None) -> NoReturn:
         # A rank that failed between collectives must not wait in NCCL's
         # teardown for the others: exit now, and torchrun stops them.
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    # Every check passed and the results are written; leave without the
-    # interpreter's teardown. On gloo, torch's C++ teardown at exit sometimes
-    # aborts ("terminate called without an active exception", SIGABRT) after
-    # destroy_process_group has returned: 2 runs in about 90 of the stand-in
-    # test on the CPU machine, one of them in CI.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        exit_process(1)
+    exit_process(0)  # every check passed, the results written (Note [gloo teardown])
 
 
 def _graphs(standin: bool) -> contextlib.AbstractContextManager:
