@@ -115,6 +115,29 @@ def _kv_tile_step(
     return m_new, l, acc
 
 
+@triton.jit
+def _split_attend(q, k_cache_ptr, v_cache_ptr, bt_row, lo, hi, kvh, d, d_ok, scale_log2,
+                  stride_c_blk, stride_c_off, stride_c_h, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One decode split: the query heads q [BLOCK_H, BLOCK_D] of one token
+    over keys [lo, hi) of the request's block table row `bt_row` (every key
+    visible: one query token). Returns the online softmax's m, l [BLOCK_H]
+    and acc [BLOCK_H, BLOCK_D], unnormalised. Shared by both decode forms."""
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, TILE_N):  # q_pos unused (CAUSAL off): m stands in
+        m, l, acc = _kv_tile_step(
+            q, m, l, acc, m, k_cache_ptr, v_cache_ptr, bt_row, start, hi, kvh, d, d_ok,
+            scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
+            DOT_PRECISION=DOT_PRECISION)
+    return m, l, acc
+
+
 @triton.jit(do_not_specialize=BATCH_INTS)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -216,19 +239,10 @@ def _decode_kernel(
         hi = tl.minimum(lo + per_split, seq_len)
         q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
                     + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-        if UPCAST:
-            q = q.to(tl.float32)
-        m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
-        for start in range(lo, hi, TILE_N):
-            # one query token: every key of the split is visible (q_pos unused)
-            m, l, acc = _kv_tile_step(
-                q, m, l, acc, m, k_cache_ptr, v_cache_ptr, bt_row, start, hi, kvh, d, d_ok,
-                scale_log2, stride_c_blk, stride_c_off, stride_c_h,
-                BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
-                DOT_PRECISION=DOT_PRECISION)
+        m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
+                                  lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
+                                  stride_c_h, BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST,
+                                  DOT_PRECISION)
         pdl_release(PDL)
         o_rows = out_ptr + q_start.to(tl.int64) * stride_o_t
         if n_split == 1:  # the whole context in this program: no scratch, no ticket
@@ -317,20 +331,9 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h + d[None, :],
                 mask=(hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :],
                 other=0.0)  # [BLOCK_H, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
-    for start in range(lo, hi, TILE_N):
-        # one query token: every key of the split is visible (q_pos unused)
-        m, l, acc = _kv_tile_step(
-            q, m, l, acc, m, k_cache_ptr, v_cache_ptr, bt_row, start, hi, kvh, d, d_ok,
-            scale_log2, stride_c_blk, stride_c_off, stride_c_h,
-            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, CAUSAL=False, UPCAST=UPCAST,
-            DOT_PRECISION=DOT_PRECISION)
+    m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
+                              lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off, stride_c_h,
+                              BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST, DOT_PRECISION)
     pdl_release(PDL)
 
     pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split
