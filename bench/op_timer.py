@@ -14,8 +14,9 @@ kept as self time (a piece's figure leaves out the ops it called).
     # "synchronize", "gc.collect" (the region's thread only)
 
 For measurement only (bench/startup.py --by-op): it swaps the packets'
-`default` attributes and the loaded pieces' `__call__` while active, and
-puts them back after. Costs about 1 µs a timed call.
+`default` attributes, the direct calls' implementations (core/direct_calls.py)
+and the loaded pieces' `__call__` while active, and puts them back after.
+Costs about 1 µs a timed call.
 """
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ class OpTimer:
             overload = packet.default
             packet.default = _Timed(overload, self._timed(rest, overload))
             self._undo.append(lambda p=packet, o=overload: setattr(p, "default", o))
+        # Eager pieces call breakpoint ops without the dispatcher (PIECEWISE's
+        # attention: core/direct_calls.py); their compiled code holds the
+        # direct implementation's wrapper, so its `impl` is timed in place.
+        from compile_backend.core import direct_calls
+
+        for qualname, wrapper in direct_calls._DIRECT_IMPLS.items():
+            ns, _, rest = qualname.partition("::")
+            if ns in self.namespaces:
+                self._swap_cell(wrapper, "impl", rest)
         from compile_backend.compile.compiled_step import CompiledStep
         from compile_backend.compile.step_artifacts import _Loaded
         from compile_backend.runner import model_runner
@@ -119,6 +129,13 @@ class OpTimer:
             self._swap(owner, attr, name)
         self._t0 = time.perf_counter()
         return self
+
+    def _swap_cell(self, fn: Any, var: str, name: str) -> None:
+        """Time what `fn`'s closure variable `var` holds, as `name`."""
+        cell = fn.__closure__[fn.__code__.co_freevars.index(var)]
+        original = cell.cell_contents
+        cell.cell_contents = self._timed(name, original)
+        self._undo.append(lambda: setattr(cell, "cell_contents", original))
 
     def _swap(self, owner: Any, attr: str, name: str) -> None:
         """Time `owner.attr` (a class's method or a module's function) as `name`."""

@@ -504,11 +504,14 @@ def by_op_tables(ok: list[dict]) -> list[str]:
             continue
         L += ["", f"runner.capture() by callee, {r['model']} {r['preset']} {r['mode']} "
               f"{r['phase']} ({r['capture_s']:.2f} s, unprofiled, bench/op_timer.py): self host "
-              "seconds of each mrv2 op (the default overload, as the pieces call it), of the "
+              "seconds of each mrv2 op (the default overload, as the pieces call it, and its "
+              "direct calls from eager pieces, as PIECEWISE's attention), of the "
               "loaded Inductor pieces' own code (piece: their wrappers, Inductor's launches, the "
               "allocations they make), of the compiled step's own code (step: its split graph, the "
-              "eager pieces between graphs, attention in them), of the replay after each capture "
-              "(replay), of each graph's inputs and metadata (capture inputs) and of the rest "
+              "eager pieces between graphs), of the replay after each capture "
+              "(replay), of each graph's inputs and metadata (capture inputs), of what a cold "
+              "start adds (Triton's compiles in line, the precompiler's waits, Inductor's "
+              "autotune), of synchronize and gc.collect, and of the rest "
               "(outside: the runner's capture loop, capture_begin and capture_end, the "
               "wrappers' own Python).", ""]
         L += table(["callee", "calls", "self s", "µs a call"], "lrrr",

@@ -63,3 +63,23 @@ def test_a_cold_starts_callees_are_timed_on_the_regions_thread_only(monkeypatch)
     rows = {name: calls for name, calls, _ in timer.rows()}
     assert rows["gc.collect"] == 1 and rows["precompile wait"] == 1
     assert gc.collect is collect and KernelPrecompiler.wait is wait
+
+
+def test_an_ops_direct_calls_are_timed_under_its_name_and_put_back(monkeypatch):
+    """Eager pieces call breakpoint ops (PIECEWISE's attention) without the
+    dispatcher, through core/direct_calls.py's wrapper of the op's body: the
+    body inside that wrapper is timed, as the op, and put back after."""
+    from compile_backend.core import direct_calls
+
+    op_timer = load_bench_script("op_timer", monkeypatch)
+    calls = []
+    monkeypatch.setitem(direct_calls._DIRECT_IMPLS, "timedtoy::body", None)  # removed after
+    direct_calls.register_direct_impl("timedtoy::body", lambda x: calls.append(x) or x + 1)
+    wrapper = direct_calls._DIRECT_IMPLS["timedtoy::body"]
+    with op_timer.OpTimer(namespaces=("mrv2", "timedtoy")) as timer:
+        assert wrapper(1) == 2 and wrapper(2) == 3
+    assert calls == [1, 2]
+    rows = {name: calls for name, calls, _ in timer.rows()}
+    assert rows["body"] == 2
+    assert wrapper(3) == 4 and timer.calls["body"] == 2  # the body is back: untimed
+    assert calls == [1, 2, 3]
