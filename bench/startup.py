@@ -464,8 +464,7 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "The first step's Triton kernel requests (a JIT cache miss: a compile, or a "
                    "load from Triton's disk cache, on the step's own time; 0 where nothing of the "
                    "step was left to the first real batch).", ["requests", "kernels"],
-                   lambda r: [len(r["first_step_triton_requests"]),
-                              ", ".join(sorted(set(r["first_step_triton_requests"]))) or "-"])
+                   lambda r: request_cells(r["first_step_triton_requests"]))
     L += run_table([r for r in ok if "first_prefill_triton_requests" in r],
                    "The first prefill, after the first step: one request of a prompt (max size "
                    "- 3 tokens), as a serving engine's first step; its seconds, how it ran, and "
@@ -473,8 +472,8 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    "runner/capture.py, PREFILL_DRY_SHAPES).",
                    ["tokens", "ran as", "seconds", "requests", "kernels"],
                    lambda r: [r["first_prefill_tokens"], r["first_prefill_ran_as"],
-                              f"{r['first_prefill_s']:.3f}", len(r["first_prefill_triton_requests"]),
-                              ", ".join(sorted(set(r["first_prefill_triton_requests"]))) or "-"])
+                              f"{r['first_prefill_s']:.3f}",
+                              *request_cells(r["first_prefill_triton_requests"])])
     L += run_table([r for r in ok if (r.get("capture_stats") or {}).get("kernels_by_name")],
                    "The Triton kernels the first step and the plan asked for, by kernel: how many "
                    "specialisations of each (compiled or loaded; the 'ahead' column's parts).",
@@ -518,6 +517,11 @@ def by_op_tables(ok: list[dict]) -> list[str]:
                    [[n, c or "-", f"{s:.3f}", f"{1e6 * s / c:.1f}" if c else "-"]
                     for n, c, s in r["capture_by_op"]])
     return L
+
+
+def request_cells(asked: list[str]) -> list:
+    """How many Triton kernel requests, and the kernels' names ('-': none)."""
+    return [len(asked), ", ".join(sorted(set(asked))) or "-"]
 
 
 def run_table(rows: list[dict], intro: str, columns: list[str], cells) -> list[str]:

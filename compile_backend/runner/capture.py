@@ -13,9 +13,12 @@ from compile_backend.runner.kv_cache_config import KVCacheConfig
 from compile_backend.runner.model_state import ModelState
 
 # (requests, tokens) of the prefills a cold plan runs dry: one request and
-# several, a token count 16 divides and one it does not (Triton specialises
-# an int argument on both: a kernel taking the request and token counts,
-# such as prefill attention, has a variant per pair of those).
+# several, a token count 16 divides and one it does not. The prefill form of
+# the request-tile kernels (attention, sconv, the KV compressor) takes both
+# counts unspecialised (Note [batch ints unspecialised] in kernels/_device.py)
+# and needs one shape; the others cover the classes Triton makes of an int
+# (equal to 1, a multiple of 16, neither) in any kernel of the step that
+# still specialises one.
 PREFILL_DRY_SHAPES = ((1, 17), (1, 32), (3, 17), (3, 48))
 
 

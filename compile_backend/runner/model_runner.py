@@ -14,6 +14,7 @@ model's vocabulary size (`model.vocab_size`, `get_input_embeddings()` or
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -325,10 +326,8 @@ class ModelRunner:
                 self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
-            by_name: dict[str, int] = {}  # variants of each kernel (its specialisations)
-            for name, _ in pre.specs:
-                short = name.rsplit(":", 1)[-1]
-                by_name[short] = by_name.get(short, 0) + 1
+            # specialisations of each kernel, by its function's name
+            by_name = collections.Counter(name.rsplit(":", 1)[-1] for name, _ in pre.specs)
             self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
                                        "compile_wait_s": pre.wait_s - waited_before,
                                        "kernels_unsaved": _unsaved(pre.specs, saved),
