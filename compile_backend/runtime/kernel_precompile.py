@@ -200,7 +200,8 @@ class KernelPrecompiler:
                 self._worker_failures += 1
                 level = logging.WARNING if self._worker_failures == 1 else logging.DEBUG
             logger.log(level, "mrv2: a compile worker could not compile %s (%s); it compiles in "
-                       "this process (counted in kernel_worker_fallbacks)", key[0],
+                       "this process (counted in kernel_worker_fallbacks; precompile_workers=0 "
+                       "compiles every kernel here from the start)", key[0],
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return _compile(jit_function, key[1], device)
 

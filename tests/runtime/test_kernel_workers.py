@@ -97,6 +97,7 @@ def test_a_failed_worker_compile_is_counted_said_once_and_compiled_here(caplog):
     said = [r for r in caplog.records if "could not compile" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]
     assert "no ptxas here" in said[0].getMessage()
+    assert "precompile_workers=0" in said[0].getMessage()  # what to do about it
 
 
 class _BusyPool(_Pool):
