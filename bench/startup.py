@@ -480,6 +480,13 @@ def tables(meta: dict, rows: list[dict]) -> str:
                    ["kernels"],
                    lambda r: [", ".join(f"{k} {n}" for k, n in
                                         r["capture_stats"]["kernels_by_name"].items())])
+    L += run_table([r for r in ok if (r.get("capture_stats") or {}).get("kernel_timeline")],
+                   "When the kernels were asked for and ready (runtime/kernel_precompile.py's "
+                   "timeline), seconds from the plan's first capture (negative: the first step's "
+                   "dry run); a plan's wait is for its last-asked kernels (the capture order: "
+                   "CompilationConfig.scout_sizes_first). took: the longest from asked to ready.",
+                   ["first step's", "plan's", "last asked s", "last ready s", "took s (max)",
+                    "kernel asked -> ready s"], timeline_cells)
     L += by_op_tables(ok)
     L += ["", "Anchor figures: vLLM's for Llama-3-8B and the targets of issue #21 (\"start in "
           "seconds\"), against this run:", ""] + anchor_table(ok)
@@ -517,6 +524,18 @@ def by_op_tables(ok: list[dict]) -> list[str]:
                    [[n, c or "-", f"{s:.3f}", f"{1e6 * s / c:.1f}" if c else "-"]
                     for n, c, s in r["capture_by_op"]])
     return L
+
+
+def timeline_cells(r: dict) -> list:
+    """A row's kernel timeline (capture_stats["kernel_timeline"]: [name, asked, ready])."""
+    rows = r["capture_stats"]["kernel_timeline"]
+    ready = [done for _, _, done in rows if done is not None]
+    took = [done - at for _, at, done in rows if done is not None]
+    return [sum(at < 0 for _, at, _ in rows), sum(at >= 0 for _, at, _ in rows),
+            f"{max(at for _, at, _ in rows):.2f}", f"{max(ready):.2f}" if ready else "-",
+            f"{max(took):.2f}" if took else "-",
+            "; ".join(f"{name} {at:.2f} -> {'-' if done is None else f'{done:.2f}'}"
+                      for name, at, done in rows)]
 
 
 def request_cells(asked: list[str]) -> list:

@@ -41,7 +41,7 @@ GEMMS_SUFFIX = ".gemms.json"
 # loaded step takes this runner's values of them (guard_free._adopt).
 NOT_IN_KEY = ("cache_dir", "debug_dump_path", "precompile_threads", "precompile_workers",
               "compile_workers", "warm_gemms", "capture_sizes", "capture_warmup",
-              "derive_mixed_graphs")
+              "derive_mixed_graphs", "scout_sizes_first")
 
 
 def steps_dir(cache_dir: str) -> str:

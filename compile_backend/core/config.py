@@ -99,6 +99,11 @@ class CompilationConfig:
         reason logged and counted. Only cudagraph_mode="full" has FULL mixed
         graphs; other modes ignore it. Off until the startup bench has
         measured it (its replays equal eager on an H100).
+    scout_sizes_first: where a plan's kernels compile ahead, it captures
+        the largest size, then every power-of-two size and the smallest,
+        then the rest (core/graph_plan.py, scouts_first): the kernels that
+        only smaller batches use are asked for early and compile while the
+        larger sizes capture. False: largest first throughout.
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
     precompile_workers: worker processes that compile a cold plan's Triton
@@ -159,6 +164,7 @@ class CompilationConfig:
     direct_op_calls: bool = True
     capture_warmup: str = "on_demand"
     derive_mixed_graphs: bool = False
+    scout_sizes_first: bool = True
     precompile_threads: int = 0
     precompile_workers: int | None = None
     compile_workers: int | None = None

@@ -33,7 +33,7 @@ from compile_backend.core.counters import counters
 from compile_backend.core.frozen_gc import frozen_gc
 from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
-from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan
+from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan, scouts_first
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
 from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile, kernel_workers
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
@@ -307,6 +307,13 @@ class ModelRunner:
             saved = self._saved_kernels() if pre is not None else []
             if saved and pre.preload(saved):
                 pre.wait()
+            # Where kernels compile ahead, the sizes where they change come
+            # first (graph_plan.scouts_first), cold or warm: every rank of a
+            # tensor-parallel group captures in the same order, whatever its
+            # saved list.
+            if pre is not None and kernel_precompile.compiles_here() and self.config.scout_sizes_first:
+                plan = scouts_first(plan)
+            t_plan = time.perf_counter()
             for graph in plan:
                 earlier = self._capture_one(graph, trace, on_demand, pre)
                 if earlier is None:
@@ -328,6 +335,7 @@ class ModelRunner:
         if pre is not None:
             # specialisations of each kernel, by its function's name
             by_name = collections.Counter(name.rsplit(":", 1)[-1] for name, _ in pre.specs)
+            self.capture_stats["kernel_timeline"] = _timeline(pre.timeline, t_plan)
             self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
                                        "compile_wait_s": pre.wait_s - waited_before,
                                        "kernels_unsaved": _unsaved(pre.specs, saved),
@@ -601,3 +609,14 @@ def _unsaved(specs: set[tuple[str, str]], saved: list[tuple[str, str]]) -> list[
                     "%d specialisations of it, not this one: %s", name, same, spec)
         out.append({"kernel": name, "saved_of_it": same, "specialization": spec})
     return out
+
+
+def _timeline(stamps: dict[tuple[str, str], list[float | None]], t0: float) -> list[list[Any]]:
+    """[kernel function's name, asked s, ready s] for each request this
+    runner's precompiler submitted, seconds from `t0` (the plan's first
+    capture; the first step's requests come before it, negative), in the
+    order they were asked for; ready None where its compile had not ended."""
+    rows = sorted(((name.rsplit(":", 1)[-1], at, done) for (name, _), (at, done) in stamps.items()),
+                  key=lambda r: r[1])
+    return [[name, round(at - t0, 3), None if done is None else round(done - t0, 3)]
+            for name, at, done in rows]

@@ -96,6 +96,10 @@ class KernelPrecompiler:
         self._active = False
         self.last_request: tuple[str, str] | None = None
         self.wait_s = 0.0  # host seconds wait() blocked
+        # request -> [perf_counter at its submission, at its compile's end]
+        # (None until then): when a plan asked for each kernel, and how long
+        # it took to come (the startup bench's timeline)
+        self.timeline: dict[tuple[str, str], list[float | None]] = {}
 
     # ---- the hook ------------------------------------------------------------
 
@@ -182,6 +186,8 @@ class KernelPrecompiler:
                                                    device)
         else:
             self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
+        stamps = self.timeline[key] = [time.perf_counter(), None]
+        self._futures[key].add_done_callback(lambda _, at=stamps: at.__setitem__(1, time.perf_counter()))
         return True
 
     def _compile_after(self, remote: concurrent.futures.Future, jit_function: Any,

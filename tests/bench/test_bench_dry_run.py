@@ -132,6 +132,12 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
     named = startup.tables(meta, [_startup_row("cold", capture_stats={
         "kernels_by_name": {"_decode_kernel": 5, "_rms_norm_kernel": 1}})])
     assert "| llama | llama8b | piecewise | cold | _decode_kernel 5, _rms_norm_kernel 1 |" in named
+    timed = startup.tables(meta, [_startup_row("cold", capture_stats={"kernel_timeline": [
+        ["_rms_norm_kernel", -0.4, 0.1], ["_skinny_linear_kernel", 0.2, 1.7],
+        ["_decode_kernel", 0.3, None]]})])
+    assert ("| llama | llama8b | piecewise | cold | 1 | 2 | 0.30 | 1.70 | 1.50 | _rms_norm_kernel "
+            "-0.40 -> 0.10; _skinny_linear_kernel 0.20 -> 1.70; _decode_kernel 0.30 -> - |") in timed
+    assert "When the kernels were asked for" not in named  # rows without it: no table
 
 
 def test_startup_counts_the_triton_requests_inside_and_restores_the_hook(startup, monkeypatch):

@@ -1,12 +1,12 @@
-"""The capture plan and the dispatch rule (core/graph_plan.py), as pure
-functions of a lowered mode, the capture sizes and max_num_reqs; and the
-StepGraph they produce (core/graph_mode.py)."""
+"""The capture plan, its cold order (scouts first) and the dispatch rule
+(core/graph_plan.py), as pure functions of a lowered mode, the capture sizes
+and max_num_reqs; and the StepGraph they produce (core/graph_mode.py)."""
 
 import pytest
 
 from compile_backend.core.graph_mode import CUDAGraphMode as Mode
 from compile_backend.core.graph_mode import StepGraph
-from compile_backend.core.graph_plan import NO_GRAPH_MIXED, NO_GRAPH_TOO_LARGE, GraphPlan
+from compile_backend.core.graph_plan import NO_GRAPH_MIXED, NO_GRAPH_TOO_LARGE, GraphPlan, scouts_first
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -80,3 +80,27 @@ def test_a_step_graph_key_is_what_its_graph_is_held_under():
     assert StepGraph.full_decode(4).for_capture and not StepGraph(Mode.PIECEWISE, 4, 4).for_capture
     assert StepGraph(Mode.FULL, 8, 3).summary() == {
         "mode": "full", "num_tokens": 8, "num_reqs": 3, "uniform_decode": False}
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_decode_only", "full_and_piecewise"])
+def test_scouts_first_keeps_the_largest_first_then_powers_of_two_and_the_smallest(mode):
+    """Each mode's run of graphs: its largest size, then every power of two
+    and the smallest size, then the rest, each part largest first; a size's
+    graphs together and in plan order; every graph once."""
+    sizes = (3, 5, 6, 8, 12, 16, 24, 40)
+    plan = GraphPlan(Mode.parse(mode), sizes, 24).captures()
+    ordered = scouts_first(plan)
+    assert sorted(map(repr, ordered)) == sorted(map(repr, plan))
+    for kind in {g.mode for g in plan}:
+        run = [g for g in ordered if g.mode is kind]
+        assert run == ordered[ordered.index(run[0]):][:len(run)]  # one contiguous run a mode
+        tokens = list(dict.fromkeys(g.num_tokens for g in run))  # sizes in capture order
+        largest, smallest = max(tokens), min(tokens)
+        scouts = sorted({t for t in tokens[1:] if t & (t - 1) == 0 or t == smallest}, reverse=True)
+        rest = sorted(set(tokens[1:]) - set(scouts), reverse=True)
+        assert tokens == [largest, *scouts, *rest]
+        for t in tokens:  # a size's graphs as the plan has them (FULL: decode, then mixed)
+            assert [g for g in run if g.num_tokens == t] == [g for g in plan
+                                                             if g.mode is kind and g.num_tokens == t]
+    if mode == "full":
+        assert [g.num_tokens for g in ordered[:7]] == [40, 16, 16, 8, 8, 3, 3]

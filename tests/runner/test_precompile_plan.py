@@ -104,6 +104,39 @@ def test_graphs_that_need_kernels_wait_while_workers_compile_them(mode):
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_plan_meets_its_new_kernels_at_its_scout_sizes_before_the_rest(mode):
+    """Largest first, a plan of these sizes meets the toy kernel's two new
+    configurations at 6 and at 1, its last size; scouts first (the default:
+    16, then 8, 4, 2, 1, then 12, 6, 3) at 2 and 1, before any size that is
+    not a scout, so they compile while the rest capture. The timeline says
+    when each kernel was asked for and came. Replays equal eager either way."""
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16]
+    for scouts in (True, False):
+        with use_graph_backend(StandInGraphs()), torch.no_grad():
+            toy_kernel.reset()
+            toy_kernel.delay_s = 0.02
+            runner, model = toy_runner(mode, sizes, precompile_threads=3, precompile_workers=0,
+                                       scout_sizes_first=scouts)
+            runner.warmup(max(sizes))
+            runner.capture()
+            dry = sorted({r.graph.num_tokens for r in runner.captures if r.warmup_s > 0})
+            assert dry == ([1, 2] if scouts else [1, 6])
+            assert {config_of(t) for t in dry} == {config_of(1), config_of(6)}
+            # the attempts' order, read from the graphs that did not wait (6 and 3
+            # may or may not, as their kernel's compile ends before them or not)
+            waited = runner.capture_stats["graphs_waited"]
+            firsts = list(dict.fromkeys(r.graph.num_tokens for r in runner.captures[:-waited]))
+            assert firsts[:4] == ([16, 8, 4, 12] if scouts else [16, 12, 8, 4])
+            timeline = runner.capture_stats["kernel_timeline"]
+            assert [name for name, _, _ in timeline] == ["toy_kernel"] * 3
+            assert timeline[0][1] < 0 <= timeline[1][1] <= timeline[2][1]  # the first step's, then the plan's
+            assert all(ready is not None and ready >= asked for _, asked, ready in timeline)
+            assert sorted(r.graph.key for r in runner.captures) == sorted(
+                g.key for g in runner.capture_plan())
+            _sessions_equal_eager(runner, model, sessions=2)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
     """PIECEWISE runs a breakpoint op (attention) eagerly between its pieces'
     captures. In a plan the new kernels it meets go to the workers (their
