@@ -111,7 +111,7 @@ class CompilationConfig:
         capture keeps Python's lock (runtime/kernel_workers.py); the threads
         above then only load them. Started with the first step of a start
         without a saved kernel list. None: one per two cores beside this
-        process's, at most 8 (none on 4 cores or fewer); 0: the threads
+        process's, at most 3 (none on 4 cores or fewer); 0: the threads
         compile.
     compile_workers: worker processes that compile distinct Inductor pieces
         in parallel with each other and with the caller, started when a

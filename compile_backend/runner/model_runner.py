@@ -314,19 +314,22 @@ class ModelRunner:
             if pre is not None and kernel_precompile.compiles_here() and self.config.scout_sizes_first:
                 plan = scouts_first(plan)
             t_plan = time.perf_counter()
+            # A cold plan: the first prefills' kernels too, asked for before
+            # the first capture so that they compile while the plan captures
+            # (at its end, on an H100, PIECEWISE waited 1.4 s for the prefill
+            # kernel they asked for). Their eager steps run collectives under
+            # tensor parallelism, so there every rank runs them, whatever its
+            # own saved list says.
+            tp = getattr(self.model, "tp", None)
+            if pre is not None and kernel_precompile.compiles_here() and (
+                    not saved or getattr(tp, "size", 1) > 1):
+                self._dry_prefills(pre)
             for graph in plan:
                 earlier = self._capture_one(graph, trace, on_demand, pre)
                 if earlier is None:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
                     waiting.append((graph, earlier))
-            # A cold plan: the first prefills' kernels too. Their eager steps
-            # run collectives under tensor parallelism, so there every rank
-            # runs them, whatever its own saved list says.
-            tp = getattr(self.model, "tp", None)
-            if pre is not None and kernel_precompile.compiles_here() and (
-                    not saved or getattr(tp, "size", 1) > 1):
-                self._dry_prefills(pre)
             if waiting:
                 pre.wait()
             for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures

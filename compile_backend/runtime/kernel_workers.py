@@ -22,13 +22,18 @@ PRELOAD = ("compile_backend.runtime.kernel_workers", "compile_backend.kernels")
 REMOTE = "compile_backend.runtime.kernel_workers:compile_in_worker"
 # A worker sees no GPU: no CUDA context (and its memory) in any of them.
 WORKER_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"}
-MAX_WORKERS = 8
+# At most 3: a cold llama8b FULL start on a 16-core H100 host (25 kernels) gave mrv2's
+# share 10.87 s with 3 workers, 11.29-11.39 with 7 (their imports slowed the
+# model's compile beside them: 7.1 against 7.5 s) and 12.23-12.27 with none
+# (16 threads; bench/results/startup_workers_h100.md).
+MAX_WORKERS = 3
 
 
 def auto_workers() -> int:
     """Workers for `precompile_workers=None`: one per two cores beside this
-    process's, at most MAX_WORKERS; none on 4 cores or fewer, where they
-    would take the capture's cores (each imports torch before its first job)."""
+    process's, at most MAX_WORKERS (measured, above); none on 4 cores or
+    fewer, where they would take the capture's cores (each imports torch
+    before its first job)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

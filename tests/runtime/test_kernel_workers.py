@@ -148,7 +148,7 @@ def test_no_workers_start_without_a_count_or_where_triton_does_not_compile(monke
 
 
 def test_auto_workers_leave_small_machines_alone(monkeypatch):
-    for cores, want in ((2, 0), (4, 0), (8, 3), (16, 7), (64, 8)):
+    for cores, want in ((2, 0), (4, 0), (6, 2), (8, 3), (16, 3), (64, 3)):
         monkeypatch.setattr(kernel_workers.os, "sched_getaffinity", lambda pid, c=cores: set(range(c)))
         assert kernel_workers.auto_workers() == want, cores
 
