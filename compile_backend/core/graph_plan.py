@@ -79,8 +79,8 @@ class GraphPlan:
 
 
 def scouts_first(graphs: list[StepGraph]) -> list[StepGraph]:
-    """A plan (`GraphPlan.captures()`) in the order a cold start captures it:
-    in each mode, the largest size's graphs first (the pool's blocks are
+    """A plan (`GraphPlan.captures()`) in the order a runner whose kernels
+    compile ahead captures it, cold or warm: in each mode, the largest size's graphs first (the pool's blocks are
     sized by them), then those of every power-of-two size and of the
     smallest, then the rest, each part largest first. A size's graphs stay
     together and in order (FULL's decode graph before its mixed one).
@@ -102,10 +102,13 @@ def scouts_first(graphs: list[StepGraph]) -> list[StepGraph]:
             j += 1
         first, rest = units[i], units[i + 1:j]
         smallest = min((u[0].num_tokens for u in rest), default=0)
-        scout = [u[0].num_tokens & (u[0].num_tokens - 1) == 0 or u[0].num_tokens == smallest
-                 for u in rest]
+        scout = [_power_of_two(u[0].num_tokens) or u[0].num_tokens == smallest for u in rest]
         for u in [first, *(u for u, s in zip(rest, scout) if s),
                   *(u for u, s in zip(rest, scout) if not s)]:
             ordered += u
         i = j
     return ordered
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0

@@ -316,10 +316,11 @@ class ModelRunner:
             t_plan = time.perf_counter()
             # A cold plan: the first prefills' kernels too, asked for before
             # the first capture so that they compile while the plan captures
-            # (at its end, on an H100, PIECEWISE waited 1.4 s for the prefill
-            # kernel they asked for). Their eager steps run collectives under
-            # tensor parallelism, so there every rank runs them, whatever its
-            # own saved list says.
+            # (run after its last capture, on an H100, they asked for the
+            # prefill kernel 2.0 s into a PIECEWISE plan, which then waited
+            # 1.4 s). Their eager steps run collectives under tensor
+            # parallelism, so there every rank runs them, whatever its own
+            # saved list says.
             tp = getattr(self.model, "tp", None)
             if pre is not None and kernel_precompile.compiles_here() and (
                     not saved or getattr(tp, "size", 1) > 1):
