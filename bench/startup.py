@@ -483,7 +483,8 @@ def tables(meta: dict, rows: list[dict]) -> str:
     L += run_table([r for r in ok if (r.get("capture_stats") or {}).get("kernel_timeline")],
                    "When the kernels were asked for and ready (runtime/kernel_precompile.py's "
                    "timeline), seconds from the plan's first capture (negative: the first step's "
-                   "dry run); a plan's wait is for its last-asked kernels (the capture order: "
+                   "dry run), with the graph or dry step that asked in brackets; a plan's wait is "
+                   "for its last-asked kernels (the capture order: "
                    "CompilationConfig.scout_sizes_first). took: the longest from asked to ready.",
                    ["first step's", "plan's", "last asked s", "last ready s", "took s (max)",
                     "kernel asked -> ready s"], timeline_cells)
@@ -527,15 +528,16 @@ def by_op_tables(ok: list[dict]) -> list[str]:
 
 
 def timeline_cells(r: dict) -> list:
-    """A row's kernel timeline (capture_stats["kernel_timeline"]: [name, asked, ready])."""
-    rows = r["capture_stats"]["kernel_timeline"]
-    ready = [done for _, _, done in rows if done is not None]
-    took = [done - at for _, at, done in rows if done is not None]
-    return [sum(at < 0 for _, at, _ in rows), sum(at >= 0 for _, at, _ in rows),
-            f"{max(at for _, at, _ in rows):.2f}", f"{max(ready):.2f}" if ready else "-",
+    """A row's kernel timeline (capture_stats["kernel_timeline"]: [name, asked,
+    ready, what asked]; runs before the thirteenth session's last have no asker)."""
+    rows = [(*row[:3], row[3] if len(row) > 3 else "") for row in r["capture_stats"]["kernel_timeline"]]
+    ready = [done for _, _, done, _ in rows if done is not None]
+    took = [done - at for _, at, done, _ in rows if done is not None]
+    return [sum(at < 0 for _, at, _, _ in rows), sum(at >= 0 for _, at, _, _ in rows),
+            f"{max(at for _, at, _, _ in rows):.2f}", f"{max(ready):.2f}" if ready else "-",
             f"{max(took):.2f}" if took else "-",
-            "; ".join(f"{name} {at:.2f} -> {'-' if done is None else f'{done:.2f}'}"
-                      for name, at, done in rows)]
+            "; ".join(f"{name}{f' ({by})' if by else ''} {at:.2f} -> "
+                      f"{'-' if done is None else f'{done:.2f}'}" for name, at, done, by in rows)]
 
 
 def request_cells(asked: list[str]) -> list:

@@ -305,8 +305,10 @@ class ModelRunner:
                 jit_guard.no_compile_in_capture() if on_demand else contextlib.nullcontext(), \
                 pre.active() if pre else contextlib.nullcontext():  # its hook first, then the guard's
             saved = self._saved_kernels() if pre is not None else []
-            if saved and pre.preload(saved):
-                pre.wait()
+            if saved:
+                with pre.asking("saved list"):
+                    if pre.preload(saved):
+                        pre.wait()
             # Where kernels compile ahead, the sizes where they change come
             # first (graph_plan.scouts_first), cold or warm: every rank of a
             # tensor-parallel group captures in the same order, whatever its
@@ -326,7 +328,8 @@ class ModelRunner:
                     not saved or getattr(tp, "size", 1) > 1):
                 self._dry_prefills(pre)
             for graph in plan:
-                earlier = self._capture_one(graph, trace, on_demand, pre)
+                with pre.asking(_label(graph)) if pre else contextlib.nullcontext():
+                    earlier = self._capture_one(graph, trace, on_demand, pre)
                 if earlier is None:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
@@ -334,7 +337,8 @@ class ModelRunner:
             if waiting:
                 pre.wait()
             for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures
-                self._capture_one(graph, trace, on_demand, earlier=earlier)
+                with pre.asking(_label(graph)):
+                    self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
             # specialisations of each kernel, by its function's name
@@ -355,7 +359,7 @@ class ModelRunner:
         list, instead of compiling in line at the first real prefill."""
         for graph in dry_prefill_graphs(self.kv_cache_config):
             meta = prepare_inputs_to_capture(graph, self.model_state)
-            with pre.deferring():
+            with pre.deferring(), pre.asking(f"prefill {graph.num_reqs}x{graph.num_tokens}"):
                 self._forward(graph, meta, None)
             counters["prefill_dry_runs"] += 1
 
@@ -479,7 +483,7 @@ class ModelRunner:
             pre = self._precompiler
             if first and pre is not None and kernel_precompile.compiles_here():
                 with pre.active():
-                    with pre.deferring():
+                    with pre.deferring(), pre.asking(f"first step {num_tokens}"):
                         self._forward(graph, meta, None)
                     counters["first_step_dry_runs"] += 1
             self._forward(graph, meta, trace)
@@ -615,12 +619,18 @@ def _unsaved(specs: set[tuple[str, str]], saved: list[tuple[str, str]]) -> list[
     return out
 
 
-def _timeline(stamps: dict[tuple[str, str], list[float | None]], t0: float) -> list[list[Any]]:
-    """[kernel function's name, asked s, ready s] for each request this
-    runner's precompiler submitted, seconds from `t0` (the plan's first
-    capture; the first step's requests come before it, negative), in the
-    order they were asked for; ready None where its compile had not ended."""
-    rows = sorted(((name.rsplit(":", 1)[-1], at, done) for (name, _), (at, done) in stamps.items()),
-                  key=lambda r: r[1])
-    return [[name, round(at - t0, 3), None if done is None else round(done - t0, 3)]
-            for name, at, done in rows]
+def _timeline(stamps: dict[tuple[str, str], list[Any]], t0: float) -> list[list[Any]]:
+    """[kernel function's name, asked s, ready s, what asked] for each
+    request this runner's precompiler submitted, seconds from `t0` (the
+    plan's first capture; the first step's requests come before it,
+    negative), in the order they were asked for; ready None where its
+    compile had not ended; what asked: the graph or dry step (`_label`)."""
+    rows = sorted(((name.rsplit(":", 1)[-1], at, done, by)
+                   for (name, _), (at, done, by) in stamps.items()), key=lambda r: r[1])
+    return [[name, round(at - t0, 3), None if done is None else round(done - t0, 3), by]
+            for name, at, done, by in rows]
+
+
+def _label(graph: StepGraph) -> str:
+    """A graph as the kernel timeline names what asked: "full decode 16", "piecewise 24"."""
+    return f"{graph.mode.value}{' decode' if graph.uniform_decode else ''} {graph.num_tokens}"

@@ -96,10 +96,12 @@ class KernelPrecompiler:
         self._active = False
         self.last_request: tuple[str, str] | None = None
         self.wait_s = 0.0  # host seconds wait() blocked
-        # request -> [perf_counter at its submission, at its compile's end]
-        # (None until then): when a plan asked for each kernel, and how long
-        # it took to come (the startup bench's timeline)
-        self.timeline: dict[tuple[str, str], list[float | None]] = {}
+        # request -> [perf_counter at its submission, at its compile's end
+        # (None until then), what asked (`asking`)]: when a plan asked for
+        # each kernel, what met it, and how long it took to come (the
+        # startup bench's timeline)
+        self.timeline: dict[tuple[str, str], list[Any]] = {}
+        self.asker = ""
 
     # ---- the hook ------------------------------------------------------------
 
@@ -144,6 +146,16 @@ class KernelPrecompiler:
                 self._pool = None
 
     @contextlib.contextmanager
+    def asking(self, label: str) -> Iterator[None]:
+        """Requests submitted inside are the timeline's as `label`'s (the
+        graph or dry step the runner is running)."""
+        self.asker, before = label, self.asker
+        try:
+            yield
+        finally:
+            self.asker = before
+
+    @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
         """While active, a request is submitted to the pool and its launch skipped."""
         self._deferring, before = True, self._deferring
@@ -186,7 +198,7 @@ class KernelPrecompiler:
                                                    device)
         else:
             self._futures[key] = self._pool.submit(_compile, jit_function, key[1], device)
-        stamps = self.timeline[key] = [time.perf_counter(), None]
+        stamps = self.timeline[key] = [time.perf_counter(), None, self.asker]
         self._futures[key].add_done_callback(lambda _, at=stamps: at.__setitem__(1, time.perf_counter()))
         return True
 

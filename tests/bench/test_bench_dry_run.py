@@ -133,10 +133,14 @@ def test_startup_tables_show_each_process_the_anchors_and_failures(startup):
         "kernels_by_name": {"_decode_kernel": 5, "_rms_norm_kernel": 1}})])
     assert "| llama | llama8b | piecewise | cold | _decode_kernel 5, _rms_norm_kernel 1 |" in named
     timed = startup.tables(meta, [_startup_row("cold", capture_stats={"kernel_timeline": [
-        ["_rms_norm_kernel", -0.4, 0.1], ["_skinny_linear_kernel", 0.2, 1.7],
-        ["_decode_kernel", 0.3, None]]})])
+        ["_rms_norm_kernel", -0.4, 0.1, "first step 256"], ["_skinny_linear_kernel", 0.2, 1.7, "full 16"],
+        ["_decode_kernel", 0.3, None, "full decode 8"]]})])
     assert ("| llama | llama8b | piecewise | cold | 1 | 2 | 0.30 | 1.70 | 1.50 | _rms_norm_kernel "
-            "-0.40 -> 0.10; _skinny_linear_kernel 0.20 -> 1.70; _decode_kernel 0.30 -> - |") in timed
+            "(first step 256) -0.40 -> 0.10; _skinny_linear_kernel (full 16) 0.20 -> 1.70; "
+            "_decode_kernel (full decode 8) 0.30 -> - |") in timed
+    older = startup.tables(meta, [_startup_row("cold", capture_stats={"kernel_timeline": [
+        ["_rms_norm_kernel", -0.4, 0.1]]})])  # a result written before the asker was kept
+    assert "| 1 | 0 | -0.40 | 0.10 | 0.50 | _rms_norm_kernel -0.40 -> 0.10 |" in older
     assert "When the kernels were asked for" not in named  # rows without it: no table
 
 

@@ -139,9 +139,12 @@ def test_a_plan_meets_its_new_kernels_at_its_scout_sizes_before_the_rest(mode):
             assert {16, 12, 8, 4} <= set(firsts) and 1 not in firsts
             assert firsts == [t for t in order if t in firsts]
             timeline = runner.capture_stats["kernel_timeline"]
-            assert [name for name, _, _ in timeline] == ["toy_kernel"] * 3
+            assert [name for name, _, _, _ in timeline] == ["toy_kernel"] * 3
             assert timeline[0][1] < 0 <= timeline[1][1] <= timeline[2][1]  # the first step's, then the plan's
-            assert all(ready is not None and ready >= asked for _, asked, ready in timeline)
+            assert all(ready is not None and ready >= asked for _, asked, ready, _ in timeline)
+            # what asked: the first step's dry run, a dry prefill (17 tokens), the graph at 1
+            assert timeline[0][3] == "first step 16" and timeline[1][3] == "prefill 1x17"
+            assert timeline[2][3] in ("piecewise 1", "full decode 1")
             assert sorted(r.graph.key for r in runner.captures) == sorted(
                 g.key for g in runner.capture_plan())
             _sessions_equal_eager(runner, model, sessions=2)
