@@ -230,7 +230,7 @@ class CompilationConfig:
         if self.precompile_workers is not None and not _is_count(self.precompile_workers):
             raise ValueError(
                 f"precompile_workers must be None or an int >= 0, got {self.precompile_workers!r}; "
-                "None picks one per two cores beside this process's (at most 8), 0 compiles a "
+                "None picks one per two cores beside this process's (at most 3), 0 compiles a "
                 "plan's Triton kernels on threads of this process")
         if self.compile_workers is not None and not _is_count(self.compile_workers):
             raise ValueError(
