@@ -14,6 +14,7 @@ the runner, the draft loop and tests read one definition (docs/design.md,
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph
@@ -80,33 +81,23 @@ class GraphPlan:
 
 def scouts_first(graphs: list[StepGraph]) -> list[StepGraph]:
     """A plan (`GraphPlan.captures()`) in the order a runner whose kernels
-    compile ahead captures it, cold or warm: in each mode, the largest size's graphs first (the pool's blocks are
-    sized by them), then those of every power-of-two size and of the
-    smallest, then the rest, each part largest first. A size's graphs stay
-    together and in order (FULL's decode graph before its mixed one).
+    compile ahead captures it, cold or warm: in each mode, the largest
+    size's graphs first (the pool's blocks are sized by them), then those of
+    every power-of-two size and of the smallest, then the rest, each part
+    largest first. A size's graphs stay together and in order (FULL's decode
+    graph before its mixed one).
     Why: the kernels only smaller batches use (row tiles, split counts:
     they change at powers of two) are then asked for within the plan's
     first graphs and compile while the larger sizes capture, instead of
     after the last of them (docs/design.md, "Scouts first")."""
-    units: list[list[StepGraph]] = []  # a size's graphs of one mode, in plan order
-    for g in graphs:
-        if units and (units[-1][0].mode, units[-1][0].num_tokens) == (g.mode, g.num_tokens):
-            units[-1].append(g)
-        else:
-            units.append([g])
     ordered: list[StepGraph] = []
-    i = 0
-    while i < len(units):  # one mode's run of units at a time
-        j = i
-        while j < len(units) and units[j][0].mode is units[i][0].mode:
-            j += 1
-        first, rest = units[i], units[i + 1:j]
+    for _, run in itertools.groupby(graphs, key=lambda g: g.mode):  # one mode's graphs
+        # a size's graphs of this mode, in plan order
+        first, *rest = [list(u) for _, u in itertools.groupby(run, key=lambda g: g.num_tokens)]
         smallest = min((u[0].num_tokens for u in rest), default=0)
-        scout = [_power_of_two(u[0].num_tokens) or u[0].num_tokens == smallest for u in rest]
-        for u in [first, *(u for u, s in zip(rest, scout) if s),
-                  *(u for u, s in zip(rest, scout) if not s)]:
-            ordered += u
-        i = j
+        scouts = [u for u in rest if _power_of_two(u[0].num_tokens) or u[0].num_tokens == smallest]
+        for unit in [first, *scouts, *(u for u in rest if u not in scouts)]:
+            ordered += unit
     return ordered
 
 

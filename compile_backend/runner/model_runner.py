@@ -313,7 +313,8 @@ class ModelRunner:
             # first (graph_plan.scouts_first), cold or warm: every rank of a
             # tensor-parallel group captures in the same order, whatever its
             # saved list.
-            if pre is not None and kernel_precompile.compiles_here() and self.config.scout_sizes_first:
+            ahead = pre is not None and kernel_precompile.compiles_here()
+            if ahead and self.config.scout_sizes_first:
                 plan = scouts_first(plan)
             t_plan = time.perf_counter()
             # A cold plan: the first prefills' kernels too, asked for before
@@ -324,8 +325,7 @@ class ModelRunner:
             # parallelism, so there every rank runs them, whatever its own
             # saved list says.
             tp = getattr(self.model, "tp", None)
-            if pre is not None and kernel_precompile.compiles_here() and (
-                    not saved or getattr(tp, "size", 1) > 1):
+            if ahead and (not saved or getattr(tp, "size", 1) > 1):
                 self._dry_prefills(pre)
             for graph in plan:
                 with pre.asking(_label(graph)) if pre else contextlib.nullcontext():
@@ -343,11 +343,11 @@ class ModelRunner:
         if pre is not None:
             # specialisations of each kernel, by its function's name
             by_name = collections.Counter(name.rsplit(":", 1)[-1] for name, _ in pre.specs)
-            self.capture_stats["kernel_timeline"] = _timeline(pre.timeline, t_plan)
             self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
                                        "compile_wait_s": pre.wait_s - waited_before,
                                        "kernels_unsaved": _unsaved(pre.specs, saved),
-                                       "kernels_by_name": dict(sorted(by_name.items()))})
+                                       "kernels_by_name": dict(sorted(by_name.items())),
+                                       "kernel_timeline": _timeline(pre.timeline, t_plan)})
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
