@@ -28,6 +28,13 @@ Wd^T). Per call, host microseconds around the call: the first layer's calls
               does the main thread's capture profit from them?
   eager_load  plain, with CUDA_MODULE_LOADING=EAGER (is the first-use cost
               the lazy load of cuBLAS's kernels?).
+  layer       a decode layer's launches as the FULL graphs' unfused form has
+              them above 16 rows (no attention): mrv2's RMSNorm kernel, qkv
+              mm, o addmm onto the residual, RMSNorm, gate_up linear, mrv2's
+              SiLU*mul, down addmm onto the residual, each reading the
+              last's output; cuBLAS's calls timed as above (does cuBLAS cost
+              more between our Triton launches than alone?);
+  layer_nopdl the same with MRV2_PDL=0 (is it their programmatic launches?).
 """
 
 from __future__ import annotations
@@ -75,6 +82,30 @@ def _layer(w: dict, t: dict, times: list | None) -> None:
             times.append(time.perf_counter() - t0)
 
 
+def _layer_with_kernels(w: dict, t: dict, times: list | None) -> None:
+    """One layer as the unfused FULL graph runs it (variant `layer`): mrv2's
+    norm and gate kernels between cuBLAS's GEMMs, each reading the last's
+    output; `times`: host seconds of the four GEMM calls."""
+    from compile_backend.kernels.rms_norm import rms_norm
+    from compile_backend.kernels.silu_mul import silu_mul
+
+    def timed(call):
+        t0 = time.perf_counter()
+        out = call()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+        return out
+
+    x, norm = t["x"], w["norm"]
+    h = rms_norm(x, norm, 1e-5)
+    qkv = timed(lambda: torch.mm(h, w["qkv"].t()))
+    r = timed(lambda: torch.addmm(x, qkv[:, :4096], w["o"].t()))
+    h = rms_norm(r, norm, 1e-5)
+    gu = timed(lambda: torch.nn.functional.linear(h, w["gate_up"]))
+    act = silu_mul(gu)
+    timed(lambda: torch.addmm(r, act, w["down"].t()))
+
+
 def _warm_all(w: dict, inputs: dict, stream: torch.cuda.Stream | None = None) -> float:
     t0 = time.perf_counter()
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
@@ -96,8 +127,13 @@ def _spin_rate(seconds: float = 0.2) -> float:
 def child(variant: str) -> dict:
     torch.cuda.init()
     w = _weights()
+    w["norm"] = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    layer = _layer_with_kernels if variant == "layer" else _layer
+    if variant == "layer":
+        layer(w, _inputs(1), None)  # the Triton kernels compiled (specialised alike at every size)
+        layer(w, _inputs(64), None)
     inputs = {m: _inputs(m) for m in SIZES}
-    _layer(w, inputs[SIZES[-1]], None)  # the first step, at the largest size
+    layer(w, inputs[SIZES[-1]], None)  # the first step, at the largest size
     torch.cuda.synchronize()
     warm_s = 0.0
     spun = 0
@@ -165,8 +201,8 @@ def child(variant: str) -> dict:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             g.capture_begin(pool=pool)
-            for layer in range(LAYERS):
-                _layer(w, inputs[m], first if layer == 0 else rest)
+            for i in range(LAYERS):
+                layer(w, inputs[m], first if i == 0 else rest)
             g.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         graphs.append(g)
@@ -193,7 +229,9 @@ def main() -> None:
         env = dict(os.environ)
         if v == "eager_load":
             env["CUDA_MODULE_LOADING"] = "EAGER"
-        kid = "plain" if v == "eager_load" else v
+        if v == "layer_nopdl":
+            env["MRV2_PDL"] = "0"
+        kid = {"eager_load": "plain", "layer_nopdl": "layer"}.get(v, v)
         p = subprocess.run([sys.executable, __file__, "--child", kid], env=env,
                            capture_output=True, text=True, timeout=600)
         line = next((x for x in p.stdout.splitlines() if x.startswith(PREFIX)), None)

@@ -11,7 +11,9 @@ kept as self time (a piece's figure leaves out the ops it called).
     # "replay": a CUDA graph's replay call; "capture inputs": the runner's
     # inputs and metadata for each graph of the plan; and what a cold start
     # adds: "triton compile in line", "precompile wait", "inductor autotune",
-    # "synchronize", "gc.collect" (the region's thread only)
+    # "synchronize", "gc.collect" (the region's thread only); and inside
+    # norm_linear and linear_add: their norm and gate launches and cuBLAS's
+    # F.linear and torch.addmm
 
 For measurement only (bench/startup.py --by-op): it swaps the packets'
 `default` attributes, the direct calls' implementations (core/direct_calls.py)
@@ -70,6 +72,21 @@ def _cold_callees() -> list[tuple[Any, str, str]]:
     return [(owner, attr, name) for owner, attr, name in found if attr in owner.__dict__]
 
 
+def _inner_callees() -> list[tuple[Any, str, str]]:
+    """What norm_linear's three-launch form and linear_add's torch form call
+    (their self time then leaves these out): the norm and gate kernels'
+    launches and cuBLAS's GEMMs (F.linear, torch.addmm), looked up by name
+    at each call, so a swap of the module attribute times them."""
+    import torch.nn.functional as F
+
+    from compile_backend.kernels import norm_linear
+
+    found = [(norm_linear, "rms_norm", "norm_linear: rms_norm"),
+             (norm_linear, "silu_mul", "norm_linear: silu_mul"),
+             (F, "linear", "cuBLAS: F.linear"), (torch, "addmm", "cuBLAS: torch.addmm")]
+    return [(owner, attr, name) for owner, attr, name in found if attr in owner.__dict__]
+
+
 class OpTimer:
     def __init__(self, namespaces: tuple[str, ...] = ("mrv2",)) -> None:
         self.namespaces = namespaces
@@ -125,7 +142,7 @@ class OpTimer:
         for owner, attr, name in ((_Loaded, "__call__", "piece"), (CompiledStep, "__call__", "step"),
                                   (CUDAGraphWrapper, "_replay", "replay"),
                                   (model_runner, "prepare_inputs_to_capture", "capture inputs"),
-                                  *_cold_callees()):
+                                  *_cold_callees(), *_inner_callees()):
             self._swap(owner, attr, name)
         self._t0 = time.perf_counter()
         return self

@@ -26,6 +26,9 @@ def test_op_timer_counts_self_time_and_puts_the_ops_back(monkeypatch):
     torch.testing.assert_close(out, res + x @ w.T)  # the timed call is the op's
     rows = {name: (calls, s) for name, calls, s in timer.rows()}
     assert rows["linear_add"][0] == 2 and rows["linear_add"][1] > 0
+    # its torch form's GEMM (cuBLAS's on a GPU) is its own row, out of linear_add's self time
+    assert rows["cuBLAS: torch.addmm"][0] == 2
+    assert torch.addmm is torch._C._VariableFunctions.addmm  # swapped back
     assert abs(sum(s for _, s in rows.values()) - timer.total_s) < 1e-9  # outside: the rest
     assert packet.default is overload  # swapped back
     assert _Loaded.__call__ is piece_call and CompiledStep.__call__ is step_call
