@@ -55,6 +55,8 @@ def _cold_callees() -> list[tuple[Any, str, str]]:
 
     found: list[tuple[Any, str, str]] = [
         (kernel_precompile.KernelPrecompiler, "wait", "precompile wait"),
+        (kernel_precompile.KernelPrecompiler, "wait_any", "precompile wait"),
+        (kernel_precompile.KernelPrecompiler, "settle", "precompile settle"),
         (torch.cuda, "synchronize", "synchronize"), (gc, "collect", "gc.collect")]
     try:
         from triton.runtime.jit import JITFunction

@@ -39,6 +39,7 @@ class ToyJit:
         self.handles: list[tuple[tuple, str]] = []
         self.loads: list[tuple] = []  # cfgs loaded from DISK_ENV's folder
         self.delay_s = 0.0
+        self.delays: dict[tuple, float] = {}  # a compile's seconds by cfg, where not delay_s
 
     def reset(self) -> None:
         """A new process: nothing compiled, nothing logged."""
@@ -46,6 +47,7 @@ class ToyJit:
         self.log.clear()
         self.handles.clear()
         self.loads.clear()
+        self.delays.clear()
 
     def preload(self, spec: str) -> ToyCompiled:
         """Compile (log it), or with DISK_ENV set, load what a process wrote
@@ -56,7 +58,7 @@ class ToyJit:
         if path is not None and os.path.exists(path):
             self.loads.append(cfg)
         else:
-            time.sleep(self.delay_s)
+            time.sleep(self.delays.get(cfg, self.delay_s))
             self.log.append((cfg, threading.current_thread().name, jit_guard.capturing()))
             if path is not None:
                 with open(path, "w") as f:

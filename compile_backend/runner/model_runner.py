@@ -74,6 +74,15 @@ class CaptureRecord:
                 "derived": self.derived}
 
 
+class _Waiting(NamedTuple):
+    """A graph of the plan waiting for kernels compiled ahead: what it spent
+    so far, and the kernels its attempts and dry warm-up met."""
+
+    graph: StepGraph
+    earlier: "_Waited"
+    keys: frozenset
+
+
 class _Waited(NamedTuple):
     """What a graph that waited for kernels compiled ahead spent before its
     capture: the refused attempt and the dry warm-up (host seconds), the dry
@@ -328,22 +337,37 @@ class ModelRunner:
             if ahead and (not saved or getattr(tp, "size", 1) > 1):
                 self._dry_prefills(pre)
             for graph in plan:
-                with pre.asking(_label(graph)) if pre else contextlib.nullcontext():
+                keys_of_size = self._size_waits(pre, graph, waiting) if pre is not None else None
+                if keys_of_size is not None:
+                    # A graph of its size waits for kernels still compiling:
+                    # this one meets them too (the same GEMM rows and
+                    # batch), so it waits without a refused attempt.
+                    counters["captures_deferred"] += 1
+                    waiting.append(_Waiting(graph, _Waited(0.0, 0.0, 0), keys_of_size))
+                    continue
+                with pre.asking(_label(graph)) if pre else contextlib.nullcontext(), \
+                        pre.collecting() if pre else contextlib.nullcontext() as keys:
                     earlier = self._capture_one(graph, trace, on_demand, pre)
                 if earlier is None:
                     bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
                 else:
-                    waiting.append((graph, earlier))
+                    waiting.append(_Waiting(graph, earlier, frozenset(keys)))
+            waited = len(waiting)
+            if waiting and getattr(tp, "size", 1) == 1:
+                # Each waiting graph captured as soon as the kernels it met
+                # are loaded, while the rest compile (under tensor
+                # parallelism the ranks' orders would then differ: all wait).
+                waiting = self._capture_when_ready(pre, waiting, trace, on_demand, bar)
             if waiting:
                 pre.wait()
-            for graph, earlier in waiting:  # their kernels compiled: plain on_demand captures
+            for graph, earlier, _ in waiting:  # their kernels compiled: plain on_demand captures
                 with pre.asking(_label(graph)):
                     self._capture_one(graph, trace, on_demand, earlier=earlier)
                 bar.update(note=f"{graph.mode.value} {graph.num_tokens} tokens")
         if pre is not None:
             # specialisations of each kernel, by its function's name
             by_name = collections.Counter(name.rsplit(":", 1)[-1] for name, _ in pre.specs)
-            self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": len(waiting),
+            self.capture_stats.update({"kernels_recorded": len(pre.specs), "graphs_waited": waited,
                                        "compile_wait_s": pre.wait_s - waited_before,
                                        "kernels_unsaved": _unsaved(pre.specs, saved),
                                        "kernels_by_name": dict(sorted(by_name.items())),
@@ -351,6 +375,43 @@ class ModelRunner:
             self._save_kernels(pre.saved_list())
         self.captured = True
         return self.captures
+
+    @staticmethod
+    def _size_waits(pre: kernel_precompile.KernelPrecompiler, graph: StepGraph,
+                    waiting: list[_Waiting]) -> frozenset | None:
+        """The kernels the last waiting graph of `graph`'s size met, where one
+        of them is still compiling; else None."""
+        same = [w for w in waiting if w.graph.num_tokens == graph.num_tokens]
+        return same[-1].keys if same and not pre.ready(same[-1].keys) else None
+
+    def _capture_when_ready(self, pre: kernel_precompile.KernelPrecompiler, waiting: list[_Waiting],
+                            trace: list | None, on_demand: bool, bar: Any) -> list[_Waiting]:
+        """Capture each waiting graph once the kernels it met are loaded, in
+        the plan's order among those ready, blocking only while none is (a
+        cold plan's last kernels come up to a second after its other graphs
+        are captured: the graphs that waited for earlier ones fill that
+        time). A graph refused again waits for what it met then. Returns
+        the graphs left: those refused again by no new kernel (a compile
+        that failed ahead: the caller's plain captures compile it in line)."""
+        pending, stuck = list(waiting), []
+        while pending:
+            pre.settle()
+            ready = [w for w in pending if pre.ready(w.keys)]
+            if not ready:
+                if not pre.wait_any():
+                    break
+                continue
+            for item in ready:
+                pending.remove(item)
+                with pre.asking(_label(item.graph)), pre.collecting() as keys:
+                    again = self._capture_one(item.graph, trace, on_demand, pre, earlier=item.earlier)
+                if again is None:
+                    bar.update(note=f"{item.graph.mode.value} {item.graph.num_tokens} tokens")
+                    continue
+                counters["capture_rewaits"] += 1
+                (stuck if keys <= item.keys else pending).append(
+                    _Waiting(item.graph, again, item.keys | keys))
+        return stuck + pending
 
     def _dry_prefills(self, pre: kernel_precompile.KernelPrecompiler) -> None:
         """Eager prefill steps on dummy batches (runner/capture.py's
@@ -535,8 +596,9 @@ class ModelRunner:
                     if not pre.last_request_sent():  # else an earlier dry warm-up asked for it
                         with pre.deferring():
                             dry_s = self._warmup_for_capture(graph, meta, trace)
-                    return _Waited(time.perf_counter() - t0, dry_s,
-                                   graphs.memory_allocated() - before)
+                    spent = earlier or _Waited(0.0, 0.0, 0)
+                    return _Waited(time.perf_counter() - t0 + spent.seconds, dry_s + spent.dry_s,
+                                   graphs.memory_allocated() - before + spent.pool_bytes)
                 logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
                 warmup_s = self._warmup_for_capture(graph, meta, trace)
                 self._forward(graph, meta, trace)

@@ -102,6 +102,7 @@ class KernelPrecompiler:
         # startup bench's timeline)
         self.timeline: dict[tuple[str, str], list[Any]] = {}
         self.asker = ""
+        self._collect: set[tuple[str, str]] | None = None  # `collecting`'s set
 
     # ---- the hook ------------------------------------------------------------
 
@@ -116,6 +117,8 @@ class KernelPrecompiler:
                 key = (kernel_name(jit_function), spec)
                 self.specs.add(key)
                 self.last_request = key  # a capture refused it, if the guard raises next
+                if self._collect is not None:
+                    self._collect.add(key)
                 if self._deferring or (self._deferring_eager and not jit_guard.capturing()):
                     self._submit(key, jit_function, compile_.get("device"))
                     return True  # Triton: do not compile or launch now
@@ -154,6 +157,17 @@ class KernelPrecompiler:
             yield
         finally:
             self.asker = before
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[set[tuple[str, str]]]:
+        """Every request made inside, handed over before or not, into the
+        set yielded (the kernels a graph's attempt and dry warm-up met)."""
+        keys: set[tuple[str, str]] = set()
+        self._collect, before = keys, self._collect
+        try:
+            yield keys
+        finally:
+            self._collect = before
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
@@ -272,31 +286,65 @@ class KernelPrecompiler:
 
     def wait(self) -> None:
         """Block until every submitted compile finished; load each module on
-        this thread (a launch inside a capture then loads nothing). A compile
-        that failed is logged and left to the launch (which raises its error)."""
+        this thread (`_finish`)."""
         t0 = time.perf_counter()
-        if self._procs is not None:
-            # The requests no worker process has taken yet go to the threads:
-            # this thread only waits now, so their compiles cost it nothing,
-            # and none waits on a worker still importing, or dead.
-            self._procs.run_queued_here()
+        self._queued_here()
         while self._futures:
             key, future = self._futures.popitem()
             concurrent.futures.wait([future])
-            where = self._where.pop(key, None)  # a worker process's compile, or its fallback
-            if where is not None:
-                counters[where] += 1
-            try:
-                kernel = future.result()
-            except Exception as e:  # noqa: BLE001 - the launch compiles again and reports it
-                counters["kernels_precompile_failures"] += 1
-                logger.warning("mrv2: compiling %s ahead failed (%s: %s); it compiles at launch",
-                               key[0], type(e).__name__, e)
-                continue
-            init = getattr(kernel, "_init_handles", None)
-            if init is not None:
-                init()
+            self._finish(key, future)
         self.wait_s += time.perf_counter() - t0
+
+    def wait_any(self) -> bool:
+        """Block until at least one more submitted compile has finished, and
+        load every finished one here (`settle`); False where none was left
+        to wait for."""
+        t0 = time.perf_counter()
+        self._queued_here()
+        pending = [f for f in self._futures.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        settled = self.settle()
+        self.wait_s += time.perf_counter() - t0
+        return bool(pending or settled)
+
+    def settle(self) -> int:
+        """Load, on this thread, every compile that has finished (as `wait`
+        does, without blocking on the others); returns how many."""
+        done = [key for key, future in self._futures.items() if future.done()]
+        for key in done:
+            self._finish(key, self._futures.pop(key))
+        return len(done)
+
+    def ready(self, keys: set[tuple[str, str]]) -> bool:
+        """Is none of `keys` still compiling or unloaded (after `settle`: a
+        capture that needs only these launches what is loaded)?"""
+        return not any(key in self._futures for key in keys)
+
+    def _queued_here(self) -> None:
+        """The requests no worker process has taken yet go to the threads:
+        this thread only waits now, so their compiles cost it nothing, and
+        none waits on a worker still importing, or dead."""
+        if self._procs is not None:
+            self._procs.run_queued_here()
+
+    def _finish(self, key: tuple[str, str], future: concurrent.futures.Future) -> None:
+        """A finished compile: counted where it ran, its module loaded on this
+        thread (a launch inside a capture then loads nothing). A compile that
+        failed is logged and left to the launch (which raises its error)."""
+        where = self._where.pop(key, None)  # a worker process's compile, or its fallback
+        if where is not None:
+            counters[where] += 1
+        try:
+            kernel = future.result()
+        except Exception as e:  # noqa: BLE001 - the launch compiles again and reports it
+            counters["kernels_precompile_failures"] += 1
+            logger.warning("mrv2: compiling %s ahead failed (%s: %s); it compiles at launch",
+                           key[0], type(e).__name__, e)
+            return
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
 
     def last_request_sent(self) -> bool:
         """Was the latest request already handed to the workers (a capture

@@ -61,6 +61,34 @@ def test_deferred_requests_compile_on_workers_and_load_on_the_caller():
     assert pre.pending == 0 and pre.wait_s >= 0
 
 
+def test_ready_settle_and_wait_any_load_each_compile_as_it_ends():
+    """A slow and a fast compile: `collecting` sees every request (one sent
+    before too); `wait_any` returns once the fast one ended and loads it
+    here, leaving the slow one compiling; `ready` says which keys a capture
+    could launch; with nothing left, `wait_any` answers False."""
+    toy_kernel.delays = {(True, False): 0.0, (False, False): 1.0}
+    pre = KernelPrecompiler(threads=2)
+    name = kernel_name(toy_kernel)
+    fast, slow = ((name, json.dumps(list(c))) for c in [(True, False), (False, False)])
+    with pre.active():
+        with pre.deferring(), pre.collecting() as first:
+            toy_kernel.run((False, False))
+            toy_kernel.run((True, False))
+        with pre.deferring(), pre.collecting() as again:
+            toy_kernel.run((False, False))  # sent already: still collected
+        assert first == {fast, slow} and again == {slow}
+        assert pre.wait_any()
+        me = threading.current_thread().name
+        assert pre.ready({fast}) and not pre.ready({slow}) and not pre.ready({fast, slow})
+        assert toy_kernel.handles == [((True, False), me)]  # loaded here, the slow one not yet
+        assert pre.ready({("other", "[]")})  # never sent: nothing to wait for
+        while not pre.ready({slow}):
+            assert pre.wait_any()
+        assert pre.settle() == 0 and not pre.wait_any()
+    assert sorted(toy_kernel.handles) == [((False, False), me), ((True, False), me)]
+    assert pre.wait_s > 0.5
+
+
 def test_a_worker_compiles_while_the_caller_captures_and_the_guard_chains():
     """The guard refuses the capturing thread's compiles, never a worker's."""
     toy_kernel.delay_s = 0.05
