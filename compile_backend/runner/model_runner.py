@@ -337,6 +337,10 @@ class ModelRunner:
             if ahead and (not saved or getattr(tp, "size", 1) > 1):
                 self._dry_prefills(pre)
             for graph in plan:
+                if pre is not None:
+                    # the kernels compiled since, loaded here between captures:
+                    # else their first launch loads them inside one
+                    pre.settle()
                 keys_of_size = self._size_waits(pre, graph, waiting) if pre is not None else None
                 if keys_of_size is not None:
                     # A graph of its size waits for kernels still compiling:

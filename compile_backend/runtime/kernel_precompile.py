@@ -376,4 +376,27 @@ def _compile(jit_function: Any, spec: str, device: Any) -> Any:
         if isinstance(device, int) and torch.cuda.is_available() \
                 and torch.cuda.current_device() != device:
             torch.cuda.set_device(device)  # a worker thread starts on device 0
-        return jit_function.preload(spec)
+        kernel = jit_function.preload(spec)
+    _build_launcher(kernel)
+    return kernel
+
+
+def _build_launcher(kernel: Any) -> None:
+    """On a worker: the kernel's launcher, built where Triton builds one per
+    signature. Triton 3.6 compiles it from C (a compiler run, about 0.3 s
+    where its cache has none: a cold start) in `_init_handles`, which the
+    loading thread runs (the module load must not run beside a capture);
+    built here first, the loading thread finds it in Triton's cache and only
+    imports it. Triton 3.9's launcher is generic (nothing to build). A
+    failure is left to `_init_handles`, which builds it again and raises."""
+    src, metadata = getattr(kernel, "src", None), getattr(kernel, "metadata", None)
+    if src is None or metadata is None:
+        return
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(src, metadata)
+        counters["kernel_launchers_built"] += 1
+    except Exception as e:  # noqa: BLE001 - _init_handles builds it again and reports it
+        logger.debug("mrv2: %s's launcher not built ahead (%s: %s)", getattr(kernel, "name", "?"),
+                     type(e).__name__, e)

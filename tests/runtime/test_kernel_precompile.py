@@ -165,3 +165,36 @@ def test_where_triton_interprets_nothing_compiles(monkeypatch):
     assert not kernel_precompile.compiles_here()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert kernel_precompile.compiles_here()
+
+
+def test_a_worker_builds_the_kernels_launcher_and_a_failure_is_left_to_the_launch(monkeypatch):
+    """After its compile a worker thread builds the kernel's launcher (Triton
+    3.6 compiles one from C per signature, in `_init_handles` otherwise: on
+    the loading thread, a cold start's cost); a kernel without src or
+    metadata (the toy's) builds none, and a failed build is only counted
+    out (the launch builds it again and raises)."""
+    import types
+
+    from triton.runtime import driver
+
+    built = []
+
+    def launcher_cls(src, metadata):
+        if metadata == "broken":
+            raise RuntimeError("gcc failed")
+        built.append((src, metadata, threading.current_thread().name))
+
+    monkeypatch.setattr(driver, "_active", types.SimpleNamespace(launcher_cls=launcher_cls))
+    ok = types.SimpleNamespace(src="src", metadata="meta", name="k")
+    bad = types.SimpleNamespace(src="src", metadata="broken", name="k")
+    kernels = {"ok": ok, "bad": bad}
+    jit = types.SimpleNamespace(preload=lambda spec: kernels[spec])
+    pool = kernel_precompile.concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mrv2-precompile")
+    with pool:
+        assert pool.submit(kernel_precompile._compile, jit, "ok", None).result() is ok
+        assert pool.submit(kernel_precompile._compile, jit, "bad", None).result() is bad
+    assert [(s, m) for s, m, _ in built] == [("src", "meta")]
+    assert built[0][2].startswith("mrv2-precompile")
+    assert cb.counters["kernel_launchers_built"] == 1
+    kernel_precompile._build_launcher(toy_kernel.preload(json.dumps([True, True])))  # no src: nothing
+    assert len(built) == 1
