@@ -29,6 +29,9 @@ def test_op_timer_counts_self_time_and_puts_the_ops_back(monkeypatch):
     # its torch form's GEMM (cuBLAS's on a GPU) is its own row, out of linear_add's self time
     assert rows["cuBLAS: torch.addmm"][0] == 2
     assert torch.addmm is torch._C._VariableFunctions.addmm  # swapped back
+    # norm_linear's three-launch form's norm and gate are found (its module, not the op's function)
+    names = {name for _, _, name in op_timer._inner_callees()}
+    assert {"norm_linear: rms_norm", "norm_linear: silu_mul", "cuBLAS: F.linear"} <= names
     assert abs(sum(s for _, s in rows.values()) - timer.total_s) < 1e-9  # outside: the rest
     assert packet.default is overload  # swapped back
     assert _Loaded.__call__ is piece_call and CompiledStep.__call__ is step_call
