@@ -82,7 +82,10 @@ class CapturedGraph:
     output_aliases: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int], ...] = ()
     metadata_ptrs: dict[str, int] = field(default_factory=dict)  # "layer.field" -> ptr
     seconds: float = 0.0
-    pool_bytes: int = 0  # allocator growth during capture (host-side count: exact in a plan too)
+    # allocator growth during capture (host-side count); None in a runner's
+    # plan, whose record of each graph has it (a read of the allocator's
+    # stats costs 50-100 µs of host time, twice for each of up to 1155 pieces)
+    pool_bytes: int | None = None
     # tensor_ptrs as the C++ check takes them: an address per input position
     # (None where unchecked) and the positions to check
     ptr_by_index: list[int | None] = field(init=False, repr=False)
@@ -339,7 +342,7 @@ class CUDAGraphWrapper:
         if alone:
             self.graphs.synchronize()
             self.graphs.empty_cache()
-        before = self.graphs.memory_allocated()
+        before = self.graphs.memory_allocated() if alone else None
         t0 = time.perf_counter()
         if ctx is not None:  # restored after: a capture inside another leaves it as it was
             outer = ctx.capturing, ctx.capture_plans
@@ -374,7 +377,7 @@ class CUDAGraphWrapper:
             # metadata: too much host time for every one of a plan's graphs)
             metadata_ptrs=_metadata_ptrs(ctx) if self.debug_checks else {},
             seconds=time.perf_counter() - t0,
-            pool_bytes=self.graphs.memory_allocated() - before,
+            pool_bytes=None if before is None else self.graphs.memory_allocated() - before,
         )
         self._keep(key, entry)
         if source:
