@@ -199,6 +199,49 @@ def test_a_warm_start_runs_the_gemms_its_cold_start_recorded_beside_its_load(mod
         _sessions_equal_eager(warm, model)
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_cold_start_where_kernels_compile_ahead_runs_its_gemms_while_they_compile(
+        mode, tmp_path, monkeypatch):
+    """Where Triton compiles (forced here), a cold start records its GEMMs
+    from a dry step right after the first step's dry run, saves them, and
+    runs them at every size of the plan on a thread while the workers
+    compile the first step's kernels; the recording step compiles nothing
+    in line (its kernels are the workers'), the thread is joined before
+    the plan, and replays equal eager."""
+    from compile_backend.runtime import kernel_precompile
+    from toy_jit import toy_kernel
+
+    monkeypatch.setattr(gemm_warmup, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernel_precompile, "compiles_here", lambda: True)
+    started = []
+    real_start = gemm_warmup.start
+
+    def spy(problems, sizes, donors, device):
+        run = real_start(problems, sizes, donors, device)
+        started.append((problems, sorted(sizes), run))
+        return run
+
+    monkeypatch.setattr(gemm_warmup, "start", spy)
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        toy_kernel.reset()
+        toy_kernel.delay_s = 0.05
+        cold, model = toy_runner(mode, SIZES, str(tmp_path), precompile_threads=2,
+                                 precompile_workers=0)
+        cold.warmup(max(SIZES))
+        saved = gemm_warmup.loads(step_cache.read_gemms(cold.compiled.cache_path))
+        assert [p.op for p in saved] == ["addmm", "addmm"]
+        (problems, sizes, run), = started
+        assert problems == saved and sizes == sorted({g.num_tokens for g in cold.capture_plan()})
+        assert run._thread is None  # joined before the first step returned
+        assert cold.capture_stats["gemms_recorded"] == 2
+        assert cold.capture_stats["gemm_warmup_calls"] == 2 * len(sizes)
+        assert cold.capture_stats["gemm_warmup_error"] is None
+        assert not any(t == "MainThread" for _, t, _ in toy_kernel.log)  # nothing compiled in line
+        cold.capture()
+        _sessions_equal_eager(cold, model)
+        toy_kernel.reset()
+
+
 def test_no_list_without_a_cache_or_with_warm_gemms_off_and_a_bad_list_is_recorded_again(
         tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_warmup, "DEVICES", ("cuda", "cpu"))
