@@ -383,8 +383,8 @@ def _compile(jit_function: Any, spec: str, device: Any) -> Any:
 
 def _build_launcher(kernel: Any) -> None:
     """On a worker: the kernel's launcher, built where Triton builds one per
-    signature. Triton 3.6 compiles it from C (a compiler run, about 0.3 s
-    where its cache has none: a cold start) in `_init_handles`, which the
+    signature. Triton 3.6 compiles it from C (a compiler run where its
+    cache has none: a cold start) in `_init_handles`, which the
     loading thread runs (the module load must not run beside a capture);
     built here first, the loading thread finds it in Triton's cache and only
     imports it. Triton 3.9's launcher is generic (nothing to build). A
