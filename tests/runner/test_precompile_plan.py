@@ -188,6 +188,37 @@ def test_a_waiting_graph_is_captured_once_its_kernels_come_not_after_the_slowest
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_kernel_that_fails_to_compile_ahead_is_compiled_in_line_by_its_graph(mode, monkeypatch):
+    """The configuration of 1 fails on the compile threads (counted, logged)
+    and compiles where it is launched: its graph, refused again by no new
+    kernel, leaves the captures-as-kernels-come loop and warms up in line
+    before its capture, as before that loop; every graph is captured once
+    and replays equal eager."""
+    import threading
+
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        runner, model = _runner(mode)
+        real = toy_kernel.preload
+
+        def flaky(spec):
+            on_thread = threading.current_thread().name.startswith("mrv2-precompile")
+            if on_thread and tuple(json.loads(spec)) == config_of(1):
+                raise RuntimeError("ptxas died")
+            return real(spec)
+
+        monkeypatch.setattr(toy_kernel, "preload", flaky)
+        runner.capture()
+        assert cb.counters["kernels_precompile_failures"] == 1
+        assert cb.counters["capture_rewaits"] >= 1
+        inline = [c for c, t, _ in toy_kernel.log if t == "MainThread"]
+        assert inline == [config_of(1)]  # by its graph's warm-up, outside any capture
+        assert not any(capturing for _, _, capturing in toy_kernel.log)
+        assert sorted(r.graph.key for r in runner.captures) == sorted(
+            g.key for g in runner.capture_plan())
+        _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
     """PIECEWISE runs a breakpoint op (attention) eagerly between its pieces'
     captures. In a plan the new kernels it meets go to the workers (their
