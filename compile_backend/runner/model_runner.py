@@ -303,11 +303,12 @@ class ModelRunner:
         # on_demand with a Triton that can compile a recorded request: a graph
         # whose capture would compile waits, after a dry warm-up that hands
         # its kernels to worker threads, until the plan's other graphs are
-        # captured (runtime/kernel_precompile.py); a warm start loads the
-        # kernels its cold start saved, all at once, before the first capture.
+        # captured and its kernels have come (runtime/kernel_precompile.py);
+        # a warm start loads the kernels its cold start saved, all at once,
+        # before the first capture.
         pre = self._precompiler if on_demand else None
         waited_before = pre.wait_s if pre is not None else 0.0  # the first step's waits are not the plan's
-        waiting: list[tuple[StepGraph, _Waited]] = []
+        waiting: list[_Waiting] = []
         with progress(f"capturing {self.mode.value} graphs", total=len(plan), unit="graph",
                       enabled=None if self.progress else False) as bar, \
                 plan_capture(current_graph_backend()), \
