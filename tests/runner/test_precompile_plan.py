@@ -187,6 +187,29 @@ def test_a_waiting_graph_is_captured_once_its_kernels_come_not_after_the_slowest
         _sessions_equal_eager(runner, model, sessions=2)
 
 
+def test_under_tensor_parallelism_the_waiting_graphs_keep_the_plans_order(monkeypatch):
+    """A rank of a tensor-parallel group (the model's `tp` of size 2) does not
+    capture waiting graphs as their kernels come (that order follows compile
+    times, which differ between ranks): it waits for every kernel and
+    captures them in the plan's order, 2 before 1 although 1's kernel came
+    first."""
+    from types import SimpleNamespace
+
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16]
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        toy_kernel.reset()
+        toy_kernel.delay_s = 0.02
+        runner, model = toy_runner("piecewise", sizes, precompile_threads=3, precompile_workers=0)
+        runner.warmup(max(sizes))
+        model.tp = SimpleNamespace(size=2)
+        toy_kernel.delays[config_of(2)] = 0.5
+        runner.capture()
+        waited = runner.capture_stats["graphs_waited"]
+        last = [r.graph.num_tokens for r in runner.captures[-waited:]]
+        assert last == [2, 1, 6, 3]  # the plan's order (scouts: 16, 8, 4, 2, 1, 12, 6, 3)
+        _sessions_equal_eager(runner, model, sessions=1)
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_a_kernel_that_fails_to_compile_ahead_is_compiled_in_line_by_its_graph(mode, monkeypatch):
     """The configuration of 1 fails on the compile threads (counted, logged)
