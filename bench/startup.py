@@ -449,8 +449,9 @@ def tables(meta: dict, rows: list[dict]) -> str:
     L += run_table([r for r in ok if any(k.startswith("gemm") for k in (r.get("capture_stats") or {}))],
                    "cuBLAS's first calls (runtime/gemm_warmup.py), inside compile s: a start without "
                    "a saved GEMM list records one more eager step's GEMMs (recorded, record s); one "
-                   "with it runs each at every capture size on a thread while its first step loads "
-                   "(calls, thread s, and the first step's wait for it at the join).",
+                   "with it runs each at every capture size on a thread while its first step loads, "
+                   "and a cold one where kernels compile ahead while the workers compile its first "
+                   "step's (calls, thread s, and the first step's wait for it at the join).",
                    ["recorded", "record s", "calls", "thread s", "join wait s"],
                    lambda r: [dash(r["capture_stats"].get(k), f) for k, f in gemms])
     L += run_table([r for r in ok if r.get("host_speed")],
