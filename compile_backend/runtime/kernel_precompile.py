@@ -149,37 +149,30 @@ class KernelPrecompiler:
                 self._pool = None
 
     @contextlib.contextmanager
-    def asking(self, label: str) -> Iterator[None]:
+    def _setting(self, attr: str, value: Any) -> Iterator[Any]:
+        """`attr` set to `value` inside (yielded), put back after."""
+        before = getattr(self, attr)
+        setattr(self, attr, value)
+        try:
+            yield value
+        finally:
+            setattr(self, attr, before)
+
+    def asking(self, label: str) -> contextlib.AbstractContextManager[str]:
         """Requests submitted inside are the timeline's as `label`'s (the
         graph or dry step the runner is running)."""
-        self.asker, before = label, self.asker
-        try:
-            yield
-        finally:
-            self.asker = before
+        return self._setting("asker", label)
 
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator[set[tuple[str, str]]]:
+    def collecting(self) -> contextlib.AbstractContextManager[set[tuple[str, str]]]:
         """Every request made inside, handed over before or not, into the
         set yielded (the kernels a graph's attempt and dry warm-up met)."""
-        keys: set[tuple[str, str]] = set()
-        self._collect, before = keys, self._collect
-        try:
-            yield keys
-        finally:
-            self._collect = before
+        return self._setting("_collect", set())
 
-    @contextlib.contextmanager
-    def deferring(self) -> Iterator[None]:
+    def deferring(self) -> contextlib.AbstractContextManager[bool]:
         """While active, a request is submitted to the pool and its launch skipped."""
-        self._deferring, before = True, self._deferring
-        try:
-            yield
-        finally:
-            self._deferring = before
+        return self._setting("_deferring", True)
 
-    @contextlib.contextmanager
-    def deferring_eager(self) -> Iterator[None]:
+    def deferring_eager(self) -> contextlib.AbstractContextManager[bool]:
         """While active, a request made outside a graph capture (a PIECEWISE
         step's eager attention between its pieces' captures) is submitted to
         the pool and its launch skipped: in a plan its outputs are a dummy
@@ -187,11 +180,7 @@ class KernelPrecompiler:
         values. A request inside a capture goes on to the guard, which
         refuses it (the graph waits for the pool). Without it a cold plan
         compiled those kernels one after another in line."""
-        self._deferring_eager, before = True, self._deferring_eager
-        try:
-            yield
-        finally:
-            self._deferring_eager = before
+        return self._setting("_deferring_eager", True)
 
     # ---- compiling -------------------------------------------------------------
 

@@ -162,9 +162,9 @@ def _sessions_equal_eager(runner, model, sessions=2):
             torch.testing.assert_close(out, model(ids_t, pos_t), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_a_warm_start_runs_the_gemms_its_cold_start_recorded_beside_its_load(mode, tmp_path,
-                                                                              monkeypatch):
+def _spy_starts(monkeypatch) -> list:
+    """GEMM warm-ups on the CPU too; every gemm_warmup.start call's
+    (problems, sorted sizes, run), in the list returned."""
     monkeypatch.setattr(gemm_warmup, "DEVICES", ("cuda", "cpu"))
     started = []
     real_start = gemm_warmup.start
@@ -175,6 +175,13 @@ def test_a_warm_start_runs_the_gemms_its_cold_start_recorded_beside_its_load(mod
         return run
 
     monkeypatch.setattr(gemm_warmup, "start", spy)
+    return started
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_warm_start_runs_the_gemms_its_cold_start_recorded_beside_its_load(mode, tmp_path,
+                                                                              monkeypatch):
+    started = _spy_starts(monkeypatch)
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         cold, model = _runner(mode, str(tmp_path))
         cold.warmup(max(SIZES))
@@ -211,17 +218,8 @@ def test_a_cold_start_where_kernels_compile_ahead_runs_its_gemms_while_they_comp
     from compile_backend.runtime import kernel_precompile
     from toy_jit import toy_kernel
 
-    monkeypatch.setattr(gemm_warmup, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(kernel_precompile, "compiles_here", lambda: True)
-    started = []
-    real_start = gemm_warmup.start
-
-    def spy(problems, sizes, donors, device):
-        run = real_start(problems, sizes, donors, device)
-        started.append((problems, sorted(sizes), run))
-        return run
-
-    monkeypatch.setattr(gemm_warmup, "start", spy)
+    started = _spy_starts(monkeypatch)
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         toy_kernel.reset()
         toy_kernel.delay_s = 0.05
