@@ -88,9 +88,9 @@ class _Waited(NamedTuple):
     capture: the refused attempt and the dry warm-up (host seconds), the dry
     warm-up alone, and the pool bytes the refused attempt took."""
 
-    seconds: float
-    dry_s: float
-    pool_bytes: int
+    seconds: float = 0.0
+    dry_s: float = 0.0
+    pool_bytes: int = 0
 
 
 def _mark_tokens(args: tuple) -> None:
@@ -348,7 +348,7 @@ class ModelRunner:
                     # this one meets them too (the same GEMM rows and
                     # batch), so it waits without a refused attempt.
                     counters["captures_deferred"] += 1
-                    waiting.append(_Waiting(graph, _Waited(0.0, 0.0, 0), keys_of_size))
+                    waiting.append(_Waiting(graph, _Waited(), keys_of_size))
                     continue
                 with pre.asking(_label(graph)) if pre else contextlib.nullcontext(), \
                         pre.collecting() if pre else contextlib.nullcontext() as keys:
@@ -620,14 +620,14 @@ class ModelRunner:
                     if not pre.last_request_sent():  # else an earlier dry warm-up asked for it
                         with pre.deferring():
                             dry_s = self._warmup_for_capture(graph, meta, trace)
-                    spent = earlier or _Waited(0.0, 0.0, 0)
+                    spent = earlier or _Waited()
                     return _Waited(time.perf_counter() - t0 + spent.seconds, dry_s + spent.dry_s,
                                    graphs.memory_allocated() - before + spent.pool_bytes)
                 logger.debug("capture of %s: %s; warming up and capturing again", graph.key, e)
                 warmup_s = self._warmup_for_capture(graph, meta, trace)
                 self._forward(graph, meta, trace)
         builds = self.model_state.build_log[builds_before:]
-        earlier = earlier or _Waited(0.0, 0.0, 0)
+        earlier = earlier or _Waited()
         self.captures.append(CaptureRecord(
             graph=graph, seconds=time.perf_counter() - t0 + earlier.seconds,
             pool_bytes=graphs.memory_allocated() - before + earlier.pool_bytes,
