@@ -21,7 +21,9 @@ Timing: 12 calls captured in one CUDA graph, cycling through enough weight
 copies that no call finds its weight in L2, median of do_bench's replays
 (warm-up excluded) / 12. The floor: the bytes the call must move (weight,
 x, output, residual) over the copy bandwidth measured in the same run.
-Writes skinny_gemm.md and skinny_gemm.json.
+Per preset and row count, a line through its shapes' times against their
+floors gives the fixed cost per GEMV (issue #37: the intercept, beyond the
+bytes). Writes skinny_gemm.md and skinny_gemm.json.
 
 `--fused` times `mrv2::norm_linear` (compile_backend/kernels/norm_linear.py: RMSNorm in the
 kernel's prologue, SiLU·mul in its epilogue) at llama-8B's shapes in bf16
@@ -172,6 +174,18 @@ def fmt(rows, bw) -> str:
             f"| {r['skinny_us']:.1f} | {r['skinny_us'] / r['floor_us']:.2f} "
             f"| {r['skinny_us'] / r['cublas_us']:.2f} "
             f"| {r['best_us']:.1f} | {cfg} |")
+    fits = fixed_cost_fits(rows)
+    if fits:
+        lines += ["", "Fixed cost per GEMV (issue #37): a least-squares line t = fixed + slope x floor "
+                  "through one preset's shapes at one row count (qkv, o, gate_up, down, lm_head: "
+                  "weights of 32 MB to 1 GB); fixed is what a call costs beyond its bytes (launch, "
+                  "the first DRAM round trip, the last program's tail), 1 / slope the share of the "
+                  "copy bandwidth the bytes then stream at.", "",
+                  "| preset | rows | shapes | cuBLAS fixed µs | cuBLAS bandwidth share | skinny fixed µs "
+                  "| skinny bandwidth share |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for f in fits:
+            lines.append(f"| {f['preset']} | {f['M']} | {f['n']} | {f['cublas'][0]:.1f} "
+                         f"| {1 / f['cublas'][1]:.2f} | {f['skinny'][0]:.1f} | {1 / f['skinny'][1]:.2f} |")
     splits = [r for r in rows if any("SPLIT_K" in t["config"] for t in r["sweep"])]
     if splits:
         lines += ["", "Best per split (--split-sweep), µs:", "",
@@ -186,6 +200,37 @@ def fmt(rows, bw) -> str:
                              if best else "-")
             lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys); needs
+    two distinct xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 2 or sxx == 0:
+        raise ValueError("line_fit: needs at least two distinct x values")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def fixed_cost_fits(rows: list[dict]) -> list[dict]:
+    """Per (preset, row count) with three or more shapes timed: the line
+    t = fixed + slope x floor (µs) for cuBLAS and for the kernel (its
+    default config); a row's preset is the first word of its shape."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"].split()[0], r["M"]), []).append(r)
+    fits = []
+    for (preset, M), rs in groups.items():
+        rs = [r for r in rs if r["skinny_us"] == r["skinny_us"]]  # NaN: the default did not run
+        if len(rs) < 3:
+            continue
+        floors = [r["floor_us"] for r in rs]
+        fits.append({"preset": preset, "M": M, "n": len(rs),
+                     "cublas": line_fit(floors, [r["cublas_us"] for r in rs]),
+                     "skinny": line_fit(floors, [r["skinny_us"] for r in rs])})
+    return fits
 
 
 def unfused_norm_linear(x, norm_weight, weight, gated: bool):
