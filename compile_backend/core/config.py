@@ -104,6 +104,12 @@ class CompilationConfig:
         then the rest (core/graph_plan.py, scouts_first): the kernels that
         only smaller batches use are asked for early and compile while the
         larger sizes capture. False: largest first throughout.
+    early_scouts: a cold start whose kernels compile ahead runs the plan's
+        scout graphs (and the first prefills) dry right after its first
+        step's dry run, while that step waits for the workers: their
+        kernels are asked for then, before the plan starts, not at each
+        scout's refused capture (docs/design.md, "Scouts asked for in the
+        first step's wait"). Not under tensor parallelism.
     precompile_threads: worker threads that compile a plan's Triton kernels
         ahead (0: one per CPU core, at most 16).
     precompile_workers: worker processes that compile a cold plan's Triton
@@ -165,6 +171,7 @@ class CompilationConfig:
     capture_warmup: str = "on_demand"
     derive_mixed_graphs: bool = False
     scout_sizes_first: bool = True
+    early_scouts: bool = True
     precompile_threads: int = 0
     precompile_workers: int | None = None
     compile_workers: int | None = None

@@ -90,15 +90,27 @@ def scouts_first(graphs: list[StepGraph]) -> list[StepGraph]:
     they change at powers of two) are then asked for within the plan's
     first graphs and compile while the larger sizes capture, instead of
     after the last of them (docs/design.md, "Scouts first")."""
-    ordered: list[StepGraph] = []
+    return [g for scouts, rest in _mode_parts(graphs) for g in scouts + rest]
+
+
+def scout_graphs(graphs: list[StepGraph]) -> list[StepGraph]:
+    """The graphs `scouts_first` puts before the rest: each mode's largest
+    size's, every power-of-two size's and the smallest size's, in that order."""
+    return [g for scouts, _ in _mode_parts(graphs) for g in scouts]
+
+
+def _mode_parts(graphs: list[StepGraph]) -> list[tuple[list[StepGraph], list[StepGraph]]]:
+    """Per mode (in plan order): (its scouts' graphs, the rest's), each in
+    scouts_first's order."""
+    parts = []
     for _, run in itertools.groupby(graphs, key=lambda g: g.mode):  # one mode's graphs
         # a size's graphs of this mode, in plan order
         first, *rest = [list(u) for _, u in itertools.groupby(run, key=lambda g: g.num_tokens)]
         smallest = min((u[0].num_tokens for u in rest), default=0)
         scouts = [u for u in rest if _power_of_two(u[0].num_tokens) or u[0].num_tokens == smallest]
-        for unit in [first, *scouts, *(u for u in rest if u not in scouts)]:
-            ordered += unit
-    return ordered
+        parts.append(([g for u in [first, *scouts] for g in u],
+                      [g for u in rest if u not in scouts for g in u]))
+    return parts
 
 
 def _power_of_two(n: int) -> bool:

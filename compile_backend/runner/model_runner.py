@@ -33,7 +33,7 @@ from compile_backend.core.counters import counters
 from compile_backend.core.frozen_gc import frozen_gc
 from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
-from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan, scouts_first
+from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan, scout_graphs, scouts_first
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
 from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile, kernel_workers
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
@@ -201,6 +201,7 @@ class ModelRunner:
             if self.config.capture_warmup == "on_demand" and kernel_precompile.available() else None)
         self.captured = False
         self._stepped = False  # has a step run (the model compiled or loaded)?
+        self._prefills_dried = False  # the first prefills run dry in the first step's wait?
         # Tensor parallel: ranks agree on the plan now, and per step under debug_checks.
         self.parallel = RankAgreement.for_runner(self)
 
@@ -335,7 +336,7 @@ class ModelRunner:
             # parallelism, so there every rank runs them, whatever its own
             # saved list says.
             tp = getattr(self.model, "tp", None)
-            if ahead and (not saved or getattr(tp, "size", 1) > 1):
+            if ahead and not self._prefills_dried and (not saved or getattr(tp, "size", 1) > 1):
                 self._dry_prefills(pre)
             for graph in plan:
                 if pre is not None:
@@ -475,15 +476,46 @@ class ModelRunner:
         pre = self._precompiler
         if pre is None or not pre.workers or not kernel_precompile.compiles_here():
             return
-        entry = self._entry(num_tokens)
-        if entry is not None:
-            from compile_backend.compile import step_cache
-
-            if step_cache.read_kernels(entry):
-                return
+        if self._kernels_saved(num_tokens):
+            return
         from compile_backend.compile.compile_workers import CompileWorkers
 
         pre.start_workers(CompileWorkers)
+
+    def _kernels_saved(self, num_tokens: int) -> bool:
+        """Is a kernel list saved beside the entry the first step (at
+        `num_tokens`) saves or loads? (False: a cold start, or no cache.)"""
+        entry = self._entry(num_tokens)
+        if entry is None:
+            return False
+        from compile_backend.compile import step_cache
+
+        return bool(step_cache.read_kernels(entry))
+
+    def _scouts_early(self, num_tokens: int) -> bool:
+        """Run the plan's scouts dry in the first step's wait? Where a cold
+        start's plan will capture on demand with its kernels compiled ahead,
+        `early_scouts` is on, and there is one rank (under tensor parallelism
+        every rank must run the same eager steps, whatever its saved list)."""
+        tp = getattr(self.model, "tp", None)
+        return (self.config.early_scouts and self.config.capture_warmup == "on_demand"
+                and jit_guard.guard_available() and getattr(tp, "size", 1) == 1
+                and bool(self.capture_plan()) and not self._kernels_saved(num_tokens))
+
+    def _dry_scouts(self, pre: kernel_precompile.KernelPrecompiler) -> None:
+        """The plan's scout graphs (graph_plan.scout_graphs: the sizes where
+        kernels change) and its first prefills, run dry as the plan's dry
+        warm-ups run them: their kernels go to the workers now, while the
+        first step waits for its own, not at each scout's refused capture in
+        the plan, which then finds them compiled or compiling (no dry warm-up
+        of its own: the request was sent)."""
+        for graph in scout_graphs(self.capture_plan()):
+            meta = prepare_inputs_to_capture(graph, self.model_state)
+            with pre.deferring(), pre.asking(f"early {_label(graph)}"):
+                self._forward(StepGraph.eager(graph.num_tokens, graph.num_reqs), meta, None)
+            counters["scout_dry_runs"] += 1
+        self._dry_prefills(pre)
+        self._prefills_dried = True
 
     def _start_gemms(self, entry: str | None, sizes: set[int]) -> gemm_warmup.Warmup | None:
         """The GEMMs saved beside `entry`, run on a thread at every size in
@@ -550,10 +582,15 @@ class ModelRunner:
         on the thread while the workers compile the first step's kernels
         (this thread only waits for those: 1.7-1.8 s of a cold llama8b start
         on an H100, against 0.4-0.65 s for the plan's GEMMs' first calls,
-        which its captures made otherwise)."""
+        which its captures made otherwise). A cold start then also runs the
+        plan's scout graphs and first prefills dry (`early_scouts`), so their
+        kernels compile in that wait too."""
         graph, meta = self._eager_inputs(num_tokens)
         first = not self._stepped
         sizes = {g.num_tokens for g in self.capture_plan()} if first else set()
+        pre = self._precompiler
+        ahead = first and pre is not None and kernel_precompile.compiles_here()
+        early = ahead and self._scouts_early(num_tokens)  # asked before the step saves its entry
         entry = self._gemm_entry(num_tokens) if sizes else None
         # A warm start's saved GEMMs run on a thread while the step loads.
         gemms = self._start_gemms(entry, sizes)
@@ -561,8 +598,7 @@ class ModelRunner:
             self._start_kernel_workers(num_tokens)
         recorded = False
         try:
-            pre = self._precompiler
-            if first and pre is not None and kernel_precompile.compiles_here():
+            if ahead:
                 with pre.active():
                     with pre.deferring(), pre.asking(f"first step {num_tokens}"):
                         self._forward(graph, meta, None)
@@ -571,6 +607,10 @@ class ModelRunner:
                         recorded = True
                         problems = self._record_gemms(num_tokens, pre)
                         gemms = self._start_problems(problems, sizes) if problems else None
+                    if early:
+                        self._dry_scouts(pre)
+                        # their dummy batches took the persistent buffers: the first step's again
+                        graph, meta = self._eager_inputs(num_tokens)
             self._forward(graph, meta, trace)
         finally:
             if gemms is not None:

@@ -14,6 +14,7 @@ import torch
 
 import compile_backend as cb
 from compile_backend.compile import step_cache
+from compile_backend.core.graph_plan import scout_graphs
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runtime import kernel_precompile
 from compile_backend.runtime.graph_pool import use_graph_backend
@@ -38,13 +39,16 @@ def _toy_compiles(monkeypatch):
 
 
 def _runner(mode, cache_dir=None, state=None, eager_op=False, precompile_workers=0,
-            prefill_op=False):
+            prefill_op=False, early_scouts=False):
     """A new runner, as a new process builds it: the toy kernel's cache empty
-    (compiles on threads unless `precompile_workers`)."""
+    (compiles on threads unless `precompile_workers`). The plan's own waits
+    are what most tests here watch: its scouts are not run dry in the first
+    step's wait unless `early_scouts`."""
     toy_kernel.reset()
     toy_kernel.delay_s = 0.02
     runner, model = toy_runner(mode, SIZES, cache_dir, state, eager_op, prefill_op,
-                               precompile_threads=3, precompile_workers=precompile_workers)
+                               precompile_threads=3, precompile_workers=precompile_workers,
+                               early_scouts=early_scouts)
     runner.warmup(max(SIZES))  # the first call compiles (or loads) the step, at the largest size
     return runner, model
 
@@ -128,7 +132,7 @@ def test_a_plan_meets_its_new_kernels_at_its_scout_sizes_before_the_rest(mode):
             toy_kernel.reset()
             toy_kernel.delay_s = 0.02
             runner, model = toy_runner(mode, sizes, precompile_threads=3, precompile_workers=0,
-                                       scout_sizes_first=scouts)
+                                       scout_sizes_first=scouts, early_scouts=False)
             runner.warmup(max(sizes))
             runner.capture()
             # one dry warm-up, at 1 (FULL: its decode graph's; its mixed graph then
@@ -167,7 +171,8 @@ def test_a_waiting_graph_is_captured_once_its_kernels_come_not_after_the_slowest
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         toy_kernel.reset()
         toy_kernel.delay_s = 0.02
-        runner, model = toy_runner(mode, sizes, precompile_threads=3, precompile_workers=0)
+        runner, model = toy_runner(mode, sizes, precompile_threads=3, precompile_workers=0,
+                                   early_scouts=False)
         runner.warmup(max(sizes))
         slow = config_of(2)
         toy_kernel.delays[slow] = 1.5
@@ -199,7 +204,8 @@ def test_under_tensor_parallelism_the_waiting_graphs_keep_the_plans_order(monkey
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         toy_kernel.reset()
         toy_kernel.delay_s = 0.02
-        runner, model = toy_runner("piecewise", sizes, precompile_threads=3, precompile_workers=0)
+        runner, model = toy_runner("piecewise", sizes, precompile_threads=3, precompile_workers=0,
+                                   early_scouts=False)
         runner.warmup(max(sizes))
         model.tp = SimpleNamespace(size=2)
         toy_kernel.delays[config_of(2)] = 0.5
@@ -266,6 +272,70 @@ def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
         assert eager_new <= {c for c, t in toy_kernel.handles if t == "MainThread"}  # loaded
         assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
         _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_cold_start_asks_for_its_scouts_kernels_in_the_first_steps_wait(mode):
+    """early_scouts: right after the first step's dry run, the plan's scout
+    graphs (graph_plan.scout_graphs) and first prefills run dry, so every
+    kernel of the plan is asked for before the first step returns (the
+    timeline's requests all before the plan, by the first step, the "early"
+    scouts or the dry prefills); the plan then finds them compiled: no
+    capture refused, no dry warm-up, the prefills not run again. Off, the
+    plan meets T=1's kernel at its capture and waits for it. Every kernel
+    compiles on a worker, none in line, and replays equal eager over
+    several sessions either way."""
+    for early in (True, False):
+        with use_graph_backend(StandInGraphs()), torch.no_grad():
+            runner, model = _runner(mode, early_scouts=early)
+            plan = runner.capture_plan()
+            asked = {by for _, _, by in runner._precompiler.timeline.values()}
+            scouts = scout_graphs(plan)
+            assert {g.num_tokens for g in scouts} == {16, 8, 4, 2, 1}
+            if early:
+                assert cb.counters["scout_dry_runs"] == len(scouts)
+                # each request by the first step, an early scout or a dry prefill
+                assert any(by.startswith("early") for by in asked)
+                assert all(by == "first step 16" or by.startswith(("early ", "prefill "))
+                           for by in asked)
+                runner._precompiler.wait()  # what the first step's real run waits for, and more
+            else:
+                assert cb.counters["scout_dry_runs"] == 0 and not any(b.startswith("early") for b in asked)
+            runner.capture()
+            timeline = runner.capture_stats["kernel_timeline"]
+            if early:
+                assert all(at < 0 for _, at, _, _ in timeline)  # every request before the plan
+                assert cb.counters["capture_waits"] == 0 and cb.counters["capture_warmups"] == 0
+                assert cb.counters["prefill_dry_runs"] == len(PREFILL_DRY_SHAPES)  # once, early
+            else:
+                assert cb.counters["capture_waits"] >= 1 and cb.counters["capture_warmups"] >= 1
+                assert any(by == f"{mode}{' decode' if mode == 'full' else ''} 1"
+                           for _, at, _, by in timeline if at >= 0)
+            assert {c for c, _, _ in toy_kernel.log} >= {config_of(g.num_tokens) for g in plan}
+            assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
+            assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
+            _sessions_equal_eager(runner, model)
+
+
+def test_early_scouts_run_only_in_a_cold_start_of_one_rank(tmp_path):
+    """Not in a warm start (its saved kernel list loads before the first
+    capture) and not under tensor parallelism (every rank must run the same
+    eager steps, whatever its own saved list says)."""
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        cold, model = _runner("full", cache_dir=str(tmp_path), early_scouts=True)
+        assert cb.counters["scout_dry_runs"] == len(scout_graphs(cold.capture_plan()))
+        cold.capture()  # saves the kernel list
+        warm, _ = _runner("full", cache_dir=str(tmp_path), state=model.state_dict(),
+                          early_scouts=True)
+        assert cb.counters["scout_dry_runs"] == 0 and cb.counters["first_step_dry_runs"] == 1
+        toy_kernel.reset()
+        rank, ranked = toy_runner("full", SIZES, precompile_threads=3, precompile_workers=0,
+                                  early_scouts=True)
+        ranked.tp = SimpleNamespace(size=2)
+        rank.warmup(max(SIZES))
+        assert cb.counters["scout_dry_runs"] == 0 and cb.counters["first_step_dry_runs"] == 1
+        rank.capture()
+        _sessions_equal_eager(rank, ranked, sessions=1)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
