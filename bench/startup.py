@@ -70,7 +70,8 @@ CPU_SIZES = [1, 2, 4, 8]
 COUNTERS = ("piece_compiles", "piece_compile_reuses", "inductor_compiles", "dynamo_graphs",
             "pieces", "cudagraph_captures", "capture_warmups", "capture_warmups_skipped",
             "triton_compiles", "capture_waits", "kernels_precompiled", "kernels_preloaded",
-            "first_step_dry_runs", "prefill_dry_runs", "compile_worker_compiles",
+            "first_step_dry_runs", "prefill_dry_runs", "scout_dry_runs", "captures_deferred",
+            "compile_worker_compiles",
             "compile_worker_fallbacks", "mixed_graphs_derived", "mixed_graph_refusals",
             "kernels_compiled_in_workers", "kernel_worker_fallbacks")
 # What to compare with (issue #21).
