@@ -335,8 +335,7 @@ class ModelRunner:
             # 1.4 s). Their eager steps run collectives under tensor
             # parallelism, so there every rank runs them, whatever its own
             # saved list says.
-            tp = getattr(self.model, "tp", None)
-            if ahead and not self._prefills_dried and (not saved or getattr(tp, "size", 1) > 1):
+            if ahead and not self._prefills_dried and (not saved or self._tp_size() > 1):
                 self._dry_prefills(pre)
             for graph in plan:
                 if pre is not None:
@@ -359,7 +358,7 @@ class ModelRunner:
                 else:
                     waiting.append(_Waiting(graph, earlier, frozenset(keys)))
             waited = len(waiting)
-            if waiting and getattr(tp, "size", 1) == 1:
+            if waiting and self._tp_size() == 1:
                 # Each waiting graph captured as soon as the kernels it met
                 # are loaded, while the rest compile (under tensor
                 # parallelism the ranks' orders would then differ: all wait).
@@ -425,10 +424,17 @@ class ModelRunner:
         asked for go to the workers, beside the plan's, and into the saved
         list, instead of compiling in line at the first real prefill."""
         for graph in dry_prefill_graphs(self.kv_cache_config):
-            meta = prepare_inputs_to_capture(graph, self.model_state)
-            with pre.deferring(), pre.asking(f"prefill {graph.num_reqs}x{graph.num_tokens}"):
-                self._forward(graph, meta, None)
+            self._dry_step(pre, graph, f"prefill {graph.num_reqs}x{graph.num_tokens}")
             counters["prefill_dry_runs"] += 1
+
+    def _dry_step(self, pre: kernel_precompile.KernelPrecompiler, graph: StepGraph,
+                  label: str) -> None:
+        """`graph`'s dummy batch and metadata, the step run eagerly on them
+        with its Triton launches deferred: what it would compile goes to
+        `pre`'s workers, asked for as `label`."""
+        meta = prepare_inputs_to_capture(graph, self.model_state)
+        with pre.deferring(), pre.asking(label):
+            self._forward(StepGraph.eager(graph.num_tokens, graph.num_reqs), meta, None)
 
     def _saved_kernels(self) -> list[tuple[str, str]]:
         """The kernel list saved beside this runner's warm-start entry ([] without one)."""
@@ -468,20 +474,6 @@ class ModelRunner:
             return None
         return self._entry(num_tokens)
 
-    def _start_kernel_workers(self, num_tokens: int) -> None:
-        """Before the first step of a start whose entry has no saved kernel
-        list (a cold start): the precompiler's worker processes, which
-        import while the step compiles and then compile its kernels and the
-        plan's. A warm start loads its list from Triton's cache instead."""
-        pre = self._precompiler
-        if pre is None or not pre.workers or not kernel_precompile.compiles_here():
-            return
-        if self._kernels_saved(num_tokens):
-            return
-        from compile_backend.compile.compile_workers import CompileWorkers
-
-        pre.start_workers(CompileWorkers)
-
     def _kernels_saved(self, num_tokens: int) -> bool:
         """Is a kernel list saved beside the entry the first step (at
         `num_tokens`) saves or loads? (False: a cold start, or no cache.)"""
@@ -492,15 +484,18 @@ class ModelRunner:
 
         return bool(step_cache.read_kernels(entry))
 
-    def _scouts_early(self, num_tokens: int) -> bool:
-        """Run the plan's scouts dry in the first step's wait? Where a cold
-        start's plan will capture on demand with its kernels compiled ahead,
-        `early_scouts` is on, and there is one rank (under tensor parallelism
-        every rank must run the same eager steps, whatever its saved list)."""
-        tp = getattr(self.model, "tp", None)
+    def _scouts_early(self) -> bool:
+        """Run a cold start's scouts dry in its first step's wait? Where its
+        plan will capture on demand, `early_scouts` is on, and there is one
+        rank (under tensor parallelism every rank must run the same eager
+        steps, whatever its saved list)."""
         return (self.config.early_scouts and self.config.capture_warmup == "on_demand"
-                and jit_guard.guard_available() and getattr(tp, "size", 1) == 1
-                and bool(self.capture_plan()) and not self._kernels_saved(num_tokens))
+                and jit_guard.guard_available() and self._tp_size() == 1
+                and bool(self.capture_plan()))
+
+    def _tp_size(self) -> int:
+        """The model's tensor-parallel group size (1 without one)."""
+        return getattr(getattr(self.model, "tp", None), "size", 1)
 
     def _dry_scouts(self, pre: kernel_precompile.KernelPrecompiler) -> None:
         """The plan's scout graphs (graph_plan.scout_graphs: the sizes where
@@ -510,9 +505,7 @@ class ModelRunner:
         the plan, which then finds them compiled or compiling (no dry warm-up
         of its own: the request was sent)."""
         for graph in scout_graphs(self.capture_plan()):
-            meta = prepare_inputs_to_capture(graph, self.model_state)
-            with pre.deferring(), pre.asking(f"early {_label(graph)}"):
-                self._forward(StepGraph.eager(graph.num_tokens, graph.num_reqs), meta, None)
+            self._dry_step(pre, graph, f"early {_label(graph)}")
             counters["scout_dry_runs"] += 1
         self._dry_prefills(pre)
         self._prefills_dried = True
@@ -590,12 +583,19 @@ class ModelRunner:
         sizes = {g.num_tokens for g in self.capture_plan()} if first else set()
         pre = self._precompiler
         ahead = first and pre is not None and kernel_precompile.compiles_here()
-        early = ahead and self._scouts_early(num_tokens)  # asked before the step saves its entry
+        # A cold start: no kernel list beside the entry the first step saves or loads.
+        cold = ahead and not self._kernels_saved(num_tokens)
+        early = cold and self._scouts_early()
         entry = self._gemm_entry(num_tokens) if sizes else None
         # A warm start's saved GEMMs run on a thread while the step loads.
         gemms = self._start_gemms(entry, sizes)
-        if first:
-            self._start_kernel_workers(num_tokens)
+        if cold and pre.workers:
+            # The precompiler's worker processes import while the step
+            # compiles, then compile its kernels and the plan's (a warm start
+            # loads its list from Triton's cache instead).
+            from compile_backend.compile.compile_workers import CompileWorkers
+
+            pre.start_workers(CompileWorkers)
         recorded = False
         try:
             if ahead:
