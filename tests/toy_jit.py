@@ -40,6 +40,7 @@ class ToyJit:
         self.loads: list[tuple] = []  # cfgs loaded from DISK_ENV's folder
         self.delay_s = 0.0
         self.delays: dict[tuple, float] = {}  # a compile's seconds by cfg, where not delay_s
+        self.gates: dict[tuple, threading.Event] = {}  # a compile of cfg waits until its gate is set
 
     def reset(self) -> None:
         """A new process: nothing compiled, nothing logged."""
@@ -48,6 +49,7 @@ class ToyJit:
         self.handles.clear()
         self.loads.clear()
         self.delays.clear()
+        self.gates.clear()
 
     def preload(self, spec: str) -> ToyCompiled:
         """Compile (log it), or with DISK_ENV set, load what a process wrote
@@ -58,6 +60,8 @@ class ToyJit:
         if path is not None and os.path.exists(path):
             self.loads.append(cfg)
         else:
+            if cfg in self.gates:
+                assert self.gates[cfg].wait(60), f"the gate of {cfg} was never opened"
             time.sleep(self.delays.get(cfg, self.delay_s))
             self.log.append((cfg, threading.current_thread().name, jit_guard.capturing()))
             if path is not None:

@@ -577,7 +577,9 @@ class ModelRunner:
         on an H100, against 0.4-0.65 s for the plan's GEMMs' first calls,
         which its captures made otherwise). A cold start then also runs the
         plan's scout graphs and first prefills dry (`early_scouts`), so their
-        kernels compile in that wait too."""
+        kernels compile from then on; the first step waits for its own only
+        and the plan loads the rest as they come (waiting for all of them
+        here cost a cold llama8b start ~3 s on an H100)."""
         graph, meta = self._eager_inputs(num_tokens)
         first = not self._stepped
         sizes = {g.num_tokens for g in self.capture_plan()} if first else set()
@@ -599,8 +601,11 @@ class ModelRunner:
         recorded = False
         try:
             if ahead:
-                with pre.active():
-                    with pre.deferring(), pre.asking(f"first step {num_tokens}"):
+                # early: the scouts' kernels compile on past the first step,
+                # which waits for its own only; the plan loads the rest.
+                with pre.active(keep=early):
+                    with pre.deferring(), pre.asking(f"first step {num_tokens}"), \
+                            pre.collecting() as own:
                         self._forward(graph, meta, None)
                     counters["first_step_dry_runs"] += 1
                     if gemms is None and entry is not None:
@@ -611,6 +616,7 @@ class ModelRunner:
                         self._dry_scouts(pre)
                         # their dummy batches took the persistent buffers: the first step's again
                         graph, meta = self._eager_inputs(num_tokens)
+                        pre.wait_for(own)
             self._forward(graph, meta, trace)
         finally:
             if gemms is not None:

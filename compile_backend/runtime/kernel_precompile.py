@@ -34,6 +34,10 @@ from compile_backend.runtime import jit_guard, kernel_workers
 logger = logging.getLogger(__name__)
 
 MAX_THREADS = 16
+# `wait_for`: seconds a request may sit in the worker processes' queue before
+# this process's threads take the queue (a worker compiles one of our kernels
+# in 0.5-2 s on an H100; one still importing takes longer).
+QUEUED_S = 3.0
 
 
 def default_threads() -> int:
@@ -127,10 +131,13 @@ class KernelPrecompiler:
         return hook
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["KernelPrecompiler"]:
+    def active(self, keep: bool = False) -> Iterator["KernelPrecompiler"]:
         """Install the hook (chained to one already set); on exit wait for
         what is still compiling and shut the pool down. Re-entrant: an inner
-        `active()` of the same precompiler changes nothing."""
+        `active()` of the same precompiler changes nothing. `keep`: on exit
+        leave what is still compiling, and the pool, to the next `active()`
+        (a cold start's first step hands its early scouts' kernels on to the
+        plan, which loads them as they come: runner/model_runner.py)."""
         knobs = _knobs()
         if knobs is None or self._active:
             yield self
@@ -140,11 +147,12 @@ class KernelPrecompiler:
         knobs.runtime.jit_cache_hook = self._hook(previous)
         try:
             yield self
-            self.wait()
+            if not keep:
+                self.wait()
         finally:
             self._active = False
             knobs.runtime.jit_cache_hook = previous
-            if self._pool is not None:
+            if self._pool is not None and not keep:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
 
@@ -282,6 +290,23 @@ class KernelPrecompiler:
             key, future = self._futures.popitem()
             concurrent.futures.wait([future])
             self._finish(key, future)
+        self.wait_s += time.perf_counter() - t0
+
+    def wait_for(self, keys: set[tuple[str, str]]) -> None:
+        """Block until every one of `keys` still compiling has finished, and
+        load each on this thread; the other compiles go on. Where one is not
+        done within QUEUED_S (no worker process took it: one still importing,
+        or dead), the queue goes to this process's threads, as in `wait`."""
+        t0 = time.perf_counter()
+        moved = False
+        for key in [k for k in keys if k in self._futures]:
+            future = self._futures[key]
+            done, _ = concurrent.futures.wait([future], timeout=None if moved else QUEUED_S)
+            if not done:
+                self._queued_here()
+                moved = True
+                concurrent.futures.wait([future])
+            self._finish(key, self._futures.pop(key))
         self.wait_s += time.perf_counter() - t0
 
     def wait_any(self) -> bool:

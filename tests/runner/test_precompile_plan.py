@@ -7,6 +7,7 @@ kernel is tests/toy_jit.py's stand-in for a Triton JITFunction."""
 
 import json
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -66,7 +67,9 @@ def _sessions_equal_eager(runner, model, sessions=3):
             out = runner.execute(batch).clone()
             ids_t = runner.input_buffers.input_ids[:t].clone()
             pos_t = runner.input_buffers.positions[:t].clone()
-            torch.testing.assert_close(out, model(ids_t, pos_t), rtol=1e-6, atol=1e-6)
+            # fp32: a graph runs the padded size, whose GEMMs may sum in
+            # another order than eager's at t rows (2e-6 seen on one CPU)
+            torch.testing.assert_close(out, model(ids_t, pos_t), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
@@ -315,6 +318,42 @@ def test_a_cold_start_asks_for_its_scouts_kernels_in_the_first_steps_wait(mode):
             assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
             assert sorted(r.graph.key for r in runner.captures) == sorted(g.key for g in plan)
             _sessions_equal_eager(runner, model)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_the_first_step_waits_for_its_own_kernels_not_its_early_scouts(mode):
+    """early_scouts: the scouts' kernels compile on past the first step (it
+    waits for its own only: on an H100 waiting for all of them made a cold
+    llama8b start ~3 s longer), and the plan loads them as they come. Here
+    the scouts' compiles block on a gate that opens only after the first
+    step has run for real; the plan then captures every graph, with no dry
+    warm-up of its own, and replays equal eager over several sessions."""
+    with use_graph_backend(StandInGraphs()), torch.no_grad():
+        toy_kernel.reset()
+        toy_kernel.delay_s = 0.02
+        own = config_of(max(SIZES))
+        later = {config_of(t) for t in SIZES} - {own}
+        gate = threading.Event()
+        toy_kernel.gates.update({cfg: gate for cfg in later})
+        runner, model = toy_runner(mode, SIZES, precompile_threads=3, precompile_workers=0,
+                                   early_scouts=True)
+        try:
+            runner.warmup(max(SIZES))
+            pre = runner._precompiler
+            assert cb.counters["scout_dry_runs"] == len(scout_graphs(runner.capture_plan()))
+            assert own in {c for c, t in toy_kernel.handles if t == "MainThread"}  # loaded, used
+            compiled = {c for c, _, _ in toy_kernel.log}
+            assert own in compiled and not compiled & later  # the scouts' still compiling
+            assert pre.pending >= 1 and pre._pool is not None  # handed on to the plan
+        finally:
+            gate.set()
+        runner.capture()
+        assert {c for c, _, _ in toy_kernel.log} >= later
+        assert later <= {c for c, t in toy_kernel.handles if t == "MainThread"}
+        assert cb.counters["capture_warmups"] == 0 and cb.counters["triton_compiles"] == 0
+        assert sorted(r.graph.key for r in runner.captures) == sorted(
+            g.key for g in runner.capture_plan())
+        _sessions_equal_eager(runner, model)
 
 
 def test_early_scouts_run_only_in_a_cold_start_of_one_rank(tmp_path):
