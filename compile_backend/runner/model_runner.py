@@ -33,7 +33,8 @@ from compile_backend.core.counters import counters
 from compile_backend.core.frozen_gc import frozen_gc
 from compile_backend.core.progress import progress
 from compile_backend.core.graph_mode import CUDAGraphMode, StepGraph, lower_graph_mode
-from compile_backend.core.graph_plan import NO_GRAPH_TOO_LARGE, GraphPlan, scout_graphs, scouts_first
+from compile_backend.core.graph_plan import (NO_GRAPH_TOO_LARGE, GraphPlan, early_scout_graphs,
+                                           scouts_first)
 from compile_backend.runtime.cuda_graph import CUDAGraphWrapper
 from compile_backend.runtime import gemm_warmup, graph_pool, jit_guard, kernel_precompile, kernel_workers
 from compile_backend.runtime.graph_pool import current_graph_backend, plan_capture
@@ -498,13 +499,13 @@ class ModelRunner:
         return getattr(getattr(self.model, "tp", None), "size", 1)
 
     def _dry_scouts(self, pre: kernel_precompile.KernelPrecompiler) -> None:
-        """The plan's scout graphs (graph_plan.scout_graphs: the sizes where
-        kernels change) and its first prefills, run dry as the plan's dry
+        """The plan's scout graphs (graph_plan.early_scout_graphs: the sizes
+        where kernels change) and its first prefills, run dry as the plan's dry
         warm-ups run them: their kernels go to the workers now, while the
         first step waits for its own, not at each scout's refused capture in
         the plan, which then finds them compiled or compiling (no dry warm-up
         of its own: the request was sent)."""
-        for graph in scout_graphs(self.capture_plan()):
+        for graph in early_scout_graphs(self.capture_plan()):
             self._dry_step(pre, graph, f"early {_label(graph)}")
             counters["scout_dry_runs"] += 1
         self._dry_prefills(pre)

@@ -6,7 +6,8 @@ import pytest
 
 from compile_backend.core.graph_mode import CUDAGraphMode as Mode
 from compile_backend.core.graph_mode import StepGraph
-from compile_backend.core.graph_plan import NO_GRAPH_MIXED, NO_GRAPH_TOO_LARGE, GraphPlan, scouts_first
+from compile_backend.core.graph_plan import (NO_GRAPH_MIXED, NO_GRAPH_TOO_LARGE, GraphPlan,
+                                           early_scout_graphs, scout_graphs, scouts_first)
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -104,3 +105,21 @@ def test_scouts_first_keeps_the_largest_first_then_powers_of_two_and_the_smalles
                                                              if g.mode is kind and g.num_tokens == t]
     if mode == "full":
         assert [g.num_tokens for g in ordered[:7]] == [40, 16, 16, 8, 8, 3, 3]
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_decode_only", "full_and_piecewise"])
+def test_early_scouts_leave_out_the_full_mixed_graphs_of_sizes_with_a_decode_graph(mode):
+    """early_scout_graphs: the scouts, less each FULL mixed graph whose size
+    has a uniform-decode graph (its GEMMs' rows are that graph's); a FULL
+    mixed size above max_num_reqs (no decode graph) stays, as does every
+    PIECEWISE and decode scout, in scout order."""
+    plan = GraphPlan(Mode.parse(mode), (3, 5, 6, 8, 12, 16, 24, 40), 24).captures()
+    scouts, early = scout_graphs(plan), early_scout_graphs(plan)
+    decode = {g.num_tokens for g in plan if g.uniform_decode}
+    assert early == [g for g in scouts if g in early]  # a subsequence, in order
+    for g in scouts:
+        dropped = g.mode is Mode.FULL and not g.uniform_decode and g.num_tokens in decode
+        assert (g not in early) == dropped
+    if mode == "full":  # 40 > max_num_reqs: mixed only, kept; 16, 8, 3: decode graphs only
+        assert [(g.num_tokens, g.uniform_decode) for g in early] == [
+            (40, False), (16, True), (8, True), (3, True)]

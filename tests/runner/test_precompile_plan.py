@@ -15,7 +15,7 @@ import torch
 
 import compile_backend as cb
 from compile_backend.compile import step_cache
-from compile_backend.core.graph_plan import scout_graphs
+from compile_backend.core.graph_plan import early_scout_graphs, scout_graphs
 from compile_backend.runner.input_batch import InputBatch
 from compile_backend.runtime import kernel_precompile
 from compile_backend.runtime.graph_pool import use_graph_backend
@@ -296,7 +296,7 @@ def test_a_cold_start_asks_for_its_scouts_kernels_in_the_first_steps_wait(mode):
             scouts = scout_graphs(plan)
             assert {g.num_tokens for g in scouts} == {16, 8, 4, 2, 1}
             if early:
-                assert cb.counters["scout_dry_runs"] == len(scouts)
+                assert cb.counters["scout_dry_runs"] == len(early_scout_graphs(plan))
                 # each request by the first step, an early scout or a dry prefill
                 assert any(by.startswith("early") for by in asked)
                 assert all(by == "first step 16" or by.startswith(("early ", "prefill "))
@@ -340,7 +340,7 @@ def test_the_first_step_waits_for_its_own_kernels_not_its_early_scouts(mode):
         try:
             runner.warmup(max(SIZES))
             pre = runner._precompiler
-            assert cb.counters["scout_dry_runs"] == len(scout_graphs(runner.capture_plan()))
+            assert cb.counters["scout_dry_runs"] == len(early_scout_graphs(runner.capture_plan()))
             assert own in {c for c, t in toy_kernel.handles if t == "MainThread"}  # loaded, used
             compiled = {c for c, _, _ in toy_kernel.log}
             assert own in compiled and not compiled & later  # the scouts' still compiling
@@ -362,7 +362,7 @@ def test_early_scouts_run_only_in_a_cold_start_of_one_rank(tmp_path):
     eager steps, whatever its own saved list says)."""
     with use_graph_backend(StandInGraphs()), torch.no_grad():
         cold, model = _runner("full", cache_dir=str(tmp_path), early_scouts=True)
-        assert cb.counters["scout_dry_runs"] == len(scout_graphs(cold.capture_plan()))
+        assert cb.counters["scout_dry_runs"] == len(early_scout_graphs(cold.capture_plan()))
         cold.capture()  # saves the kernel list
         warm, _ = _runner("full", cache_dir=str(tmp_path), state=model.state_dict(),
                           early_scouts=True)
