@@ -106,8 +106,8 @@ class CompilationConfig:
         larger sizes capture. False: largest first throughout.
     early_scouts: a cold start whose kernels compile ahead runs the plan's
         scout graphs (and the first prefills) dry right after its first
-        step's dry run, while that step waits for the workers: their
-        kernels are asked for then, before the plan starts, not at each
+        step's dry run: their kernels are asked for then and compile on
+        past the first step (which waits for its own only), not at each
         scout's refused capture (docs/design.md, "Scouts asked for in the
         first step's wait"). Not under tensor parallelism.
     precompile_threads: worker threads that compile a plan's Triton kernels
