@@ -89,6 +89,34 @@ def test_ready_settle_and_wait_any_load_each_compile_as_it_ends():
     assert pre.wait_s > 0.5
 
 
+def test_wait_for_loads_its_keys_only_and_keep_hands_the_rest_to_the_next_active():
+    """wait_for(keys) returns once those compiles are loaded here, the others
+    still compiling; active(keep=True) leaves them and the pool to the next
+    active(), which loads them at its end (a cold start's first step and
+    its plan: runner/model_runner.py, early_scouts)."""
+    pre = KernelPrecompiler(threads=2)
+    mine, later = (False, True), (True, False)
+    gate = threading.Event()
+    toy_kernel.gates[later] = gate
+    try:
+        with pre.active(keep=True):
+            with pre.deferring(), pre.collecting() as own:
+                assert toy_kernel.run(mine) is False
+            with pre.deferring():
+                assert toy_kernel.run(later) is False
+            pre.wait_for(own)
+            me = threading.current_thread().name
+            assert toy_kernel.handles == [(mine, me)]  # loaded here
+            assert pre.pending == 1 and not pre.ready({(kernel_name(toy_kernel), json.dumps(later))})
+        assert pre._pool is not None and pre.pending == 1  # kept: still compiling
+    finally:
+        gate.set()
+    with pre.active():
+        pass
+    assert sorted(toy_kernel.handles) == sorted([(mine, me), (later, me)])
+    assert pre._pool is None and cb.counters["kernels_precompiled"] == 2
+
+
 def test_a_worker_compiles_while_the_caller_captures_and_the_guard_chains():
     """The guard refuses the capturing thread's compiles, never a worker's."""
     toy_kernel.delay_s = 0.05
