@@ -134,6 +134,23 @@ def test_requests_no_worker_took_compile_on_the_threads_when_the_caller_waits():
     assert cb.counters["kernels_compiled_in_workers"] == cb.counters["kernel_worker_fallbacks"] == 0
 
 
+def test_wait_for_a_request_no_worker_takes_hands_the_queue_to_the_threads(monkeypatch):
+    """wait_for(keys): where a key's job sits in the queue past QUEUED_S (no
+    worker took it), the queue goes to this process's threads, as wait()'s
+    does; the first step of a cold start never waits on a dead worker."""
+    monkeypatch.setattr(kernel_precompile, "QUEUED_S", 0.05)
+    pools = []
+    pre = KernelPrecompiler(threads=2, workers=2)
+    pre.start_workers(lambda *a, **k: pools.append(_BusyPool(*a, **k)) or pools[-1], target=SM90)
+    with pre.active():
+        with pre.deferring(), pre.collecting() as own:
+            toy_kernel.run((True, False))
+        pre.wait_for(own)
+        assert toy_kernel.run((True, False))  # compiled on a thread, loaded here
+    assert [c for c, _, _ in toy_kernel.log] == [(True, False)]
+    assert all(t.startswith("mrv2-precompile") for _, t, _ in toy_kernel.log)
+
+
 def test_no_workers_start_without_a_count_or_where_triton_does_not_compile(monkeypatch):
     spawned = []
 
