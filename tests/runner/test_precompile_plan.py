@@ -280,7 +280,7 @@ def test_kernels_of_ops_between_the_pieces_compile_on_workers(mode):
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_a_cold_start_asks_for_its_scouts_kernels_in_the_first_steps_wait(mode):
     """early_scouts: right after the first step's dry run, the plan's scout
-    graphs (graph_plan.scout_graphs) and first prefills run dry, so every
+    graphs (graph_plan.early_scout_graphs) and first prefills run dry, so every
     kernel of the plan is asked for before the first step returns (the
     timeline's requests all before the plan, by the first step, the "early"
     scouts or the dry prefills); the plan then finds them compiled: no
