@@ -216,7 +216,7 @@ def skinny_specs() -> list[Spec]:
                         eps=1e-5, stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
             meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                        SPLIT_K=split, UPCAST=False, PDL=True)
+                        SPLIT_K=split, UPCAST=False, PDL=True, PRELOAD=False)
             out.append(Spec(f"skinny_{label}_m{rows}", _skinny_linear_kernel, args, meta,
                             cfg["num_warps"], cfg["num_stages"]))
     return out
