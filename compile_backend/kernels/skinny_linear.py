@@ -98,17 +98,21 @@ FUSED_CONFIGS = {
 
 @triton.jit
 def _tile_dots(xt, wt, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
-               NORM: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
+               NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, GATED: tl.constexpr,
+               UPCAST: tl.constexpr):
     """One K tile's products: acc += x' w^T ([BM, BN]), acc_u += x' u^T when
     GATED, gram += x x^T ([BM, BM]) when NORM, where x' = x * nw rounded to
-    x's dtype with a norm (rstd scales the sums after the loop), else x."""
+    x's dtype with a norm weight (rstd scales the sums after the loop), else x
+    (NORM without NORM_WEIGHT: the weight has nw folded in, a benchmark's
+    config `FOLDED`)."""
     if NORM:
-        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
         xs = xt
         if UPCAST:  # Note [interpreter bf16 dots]
             xs = xs.to(tl.float32)
         gram = tl.dot(xs, tl.trans(xs), gram)  # [BM, BM]
-        xt = (xt.to(tl.float32) * nw[None, :]).to(xt.dtype)
+        if NORM_WEIGHT:
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            xt = (xt.to(tl.float32) * nw[None, :]).to(xt.dtype)
     if UPCAST:  # Note [interpreter bf16 dots]
         xt = xt.to(tl.float32)
         wt = wt.to(tl.float32)
@@ -125,7 +129,8 @@ def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, part_ptr, arrive_ptr,
     M, N, K, K_SPLIT, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
@@ -184,13 +189,13 @@ def _skinny_linear_kernel(
         if GATED:
             ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc, acc_u, gram = _tile_dots(xt, wt, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
-                                      NORM, GATED, UPCAST)
+                                      NORM, NORM_WEIGHT, GATED, UPCAST)
     if PRELOAD:  # the first K tile last (its x is read after the wait): a fixed order
         k = k_lo + offs_k
         k_ok = k < k_hi
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         acc, acc_u, gram = _tile_dots(xt, w_first, w_first, nw_ptr, k, k_ok, acc, acc_u, gram,
-                                      NORM, False, UPCAST)
+                                      NORM, NORM_WEIGHT, False, UPCAST)
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     if NORM:  # [BM]: sum of x^2 over this program's run of K, the Gram matrix's diagonal
@@ -389,6 +394,7 @@ class _SkinnyPlan:
         self.gated, self.norm = bool(gated), norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
+                         NORM_WEIGHT=norm_weight is not None and not self.cfg.get("FOLDED", False),
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
                          UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
                          num_stages=self.cfg["num_stages"], **pdl_meta(x.device))
