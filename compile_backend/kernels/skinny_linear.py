@@ -141,7 +141,6 @@ def _skinny_linear_kernel(
     # in L2 (one row tile up to 64 rows; Note [wide rows]). x [M, K] and w
     # [N, K] have unit stride along K. The output has N_out columns: N, or
     # N / 2 when GATED (weight rows [0, N/2) are the gate's, [N/2, N) the up's).
-    tl.static_assert(not (PRELOAD and GATED), "the gated kernel would hold two preloaded tiles")
     tile = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid_n = tile // tiles_m
@@ -170,7 +169,8 @@ def _skinny_linear_kernel(
     else:
         gram = acc  # unused: carried unchanged
     k_first = k_lo
-    if PRELOAD:  # Note [weights before the wait]: the first K tile of the weight streams now
+    if PRELOAD:  # Note [weights before the wait]: the first K tile of the weight (the gate's
+        # when GATED) streams now, during the tail of the kernel before
         k_first = k_lo + BLOCK_K
         k = k_lo + offs_k
         w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)
@@ -194,8 +194,11 @@ def _skinny_linear_kernel(
         k = k_lo + offs_k
         k_ok = k < k_hi
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        acc, acc_u, gram = _tile_dots(xt, w_first, w_first, nw_ptr, k, k_ok, acc, acc_u, gram,
-                                      NORM, NORM_WEIGHT, False, UPCAST)
+        ut = w_first
+        if GATED:  # the up tile now: two tiles held through the loop would spill
+            ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc, acc_u, gram = _tile_dots(xt, w_first, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
+                                      NORM, NORM_WEIGHT, GATED, UPCAST)
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     if NORM:  # [BM]: sum of x^2 over this program's run of K, the Gram matrix's diagonal
@@ -398,9 +401,9 @@ class _SkinnyPlan:
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
                          UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
                          num_stages=self.cfg["num_stages"], **pdl_meta(x.device))
-        # Note [weights before the wait]: only where asked, and not gated (two tiles held).
+        # Note [weights before the wait]: only where asked (gated: the gate's tile only).
         # Without PDL the early load is still valid (the interpreter's tests take it).
-        self.meta["PRELOAD"] = bool(not gated and env(PRELOAD_ENV) == "1")
+        self.meta["PRELOAD"] = env(PRELOAD_ENV) == "1"
         self.launches: dict[int, Launch] = {}  # by split count
 
     def run(self, x, weight, bias, residual, out, norm_weight) -> torch.Tensor:

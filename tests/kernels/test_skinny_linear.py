@@ -416,7 +416,8 @@ def test_weights_before_the_wait_equal_the_reference(device, M, N, K, split, mon
     first K tile of the weight is loaded before the wait and summed after the
     rest; with and without the norm, split or not (one K tile only: (5, 48,
     32, 1); fewer tiles than splits: (2, 48, 40, 4)), equal to the reference
-    and bit-equal call to call. The gated kernel never preloads."""
+    and bit-equal call to call; gated (the gate's tile before the wait, the
+    up projection's after) too."""
     sl = importlib.import_module("compile_backend.kernels.skinny_linear")
     monkeypatch.setenv(sl.PRELOAD_ENV, "1")
     dtype = torch.bfloat16
@@ -429,6 +430,10 @@ def test_weights_before_the_wait_equal_the_reference(device, M, N, K, split, mon
         ref = _ref(h, w, b, r)
         assert_close_rel(out, ref, dtype, f"preload M={M} N={N} K={K} split={split} norm={norm}")
         assert torch.equal(skinny_linear(x, w, b, r, config=cfg, norm_weight=nw, eps=1e-5), out)
-    even = w[: N - N % 2]
-    assert sl._SkinnyPlan(x, even, None, None, None, None, None, 1e-5, True).meta["PRELOAD"] is False
+        if N % 2 == 0:  # gated: one split, silu(gate) * up
+            gated = skinny_linear(x, w, None, None, config=dict(cfg, SPLIT_K=1), norm_weight=nw,
+                                  eps=1e-5, gated=True)
+            y = _ref(h, w)
+            gate, up = y[:, : N // 2], y[:, N // 2:]
+            assert_close_rel(gated, gate * torch.sigmoid(gate) * up, dtype, f"gated norm={norm}")
     assert sl._SkinnyPlan(x, w, None, None, None, None, None, 1e-5, False).meta["PRELOAD"] is True
