@@ -94,6 +94,8 @@ class CompileWorkers:
                              stdout=subprocess.PIPE, env=env)
             for _ in range(n)]
         self._ready = [threading.Event() for _ in self._procs]  # set: ready, or dead at start
+        self._serving = len(self._procs)  # workers not yet gone (under _lock)
+        self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._serve, args=(p, e), daemon=True,
                                           name=f"mrv2-compile-worker-{p.pid}")
                          for p, e in zip(self._procs, self._ready)]
@@ -111,7 +113,11 @@ class CompileWorkers:
         (where, value), where "worker" or "here"."""
         assert not self.closed
         job = _Job(remote, arg, local)
-        self._queue.put(job)
+        with self._lock:  # where every worker is gone, no thread would ever take it
+            if self._serving == 0:
+                _no_worker_left(job)
+            else:
+                self._queue.put(job)
         return job.future
 
     def run_queued_here(self) -> int:
@@ -136,6 +142,17 @@ class CompileWorkers:
         for job in skipped:
             self._queue.put(job)
         return ran
+
+    def _fail_queued(self) -> None:
+        """Every queued job fails with WorkerError (its caller compiles the
+        work itself); the close markers go."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                _no_worker_left(job)
 
     def close(self, wait: bool = False) -> None:
         """Stop the workers: each exits when its stdin closes, which its thread
@@ -187,6 +204,10 @@ class CompileWorkers:
                 else:
                     job.future.set_exception(WorkerError(value))
         finally:
+            with self._lock:
+                self._serving -= 1
+                if self._serving == 0:  # nothing would take what is queued: each fails now
+                    self._fail_queued()
             try:
                 proc.stdin.close()
             except OSError:
@@ -196,6 +217,15 @@ class CompileWorkers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _no_worker_left(job: _Job) -> None:
+    """Fail `job`: every worker died (a thread waiting on its future would
+    otherwise wait for ever; its caller compiles the work itself)."""
+    if job.future.set_running_or_notify_cancel():
+        job.future.set_exception(WorkerError(
+            "no compile worker is left (each died or failed to start): compile it in this "
+            "process"))
 
 
 def _worker_main(preload: Sequence[str]) -> None:

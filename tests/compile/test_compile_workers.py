@@ -39,13 +39,38 @@ def test_a_failing_job_fails_its_future_with_the_workers_traceback(workers):
     assert workers.submit("zlib:adler32", b"abc").result(timeout=60) == ("worker", zlib.adler32(b"abc"))
 
 
-def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(workers):
-    dead = workers.submit("os:_exit", 3)
-    with pytest.raises(WorkerError, match=r"died \(exit code 3\)"):
-        dead.result(timeout=60)
-    left = workers.submit("zlib:crc32", b"xyz", local=lambda: "ran here")
-    assert workers.run_queued_here() == 1
-    assert left.result(timeout=1) == ("here", "ran here")
+def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(tmp_path, monkeypatch):
+    """With one of two workers dead, the other takes what is queued, and the
+    caller may run it; once the last one died, every queued job and every
+    later one fails at once (a thread waiting on one would otherwise wait
+    for ever, as the kernel precompiler's do: it compiles the kernel itself)."""
+    monkeypatch.syspath_prepend(str(tmp_path))  # dies_on_import below
+    pool = CompileWorkers(2)
+    try:
+        dead = pool.submit("os:_exit", 3)
+        with pytest.raises(WorkerError, match=r"died \(exit code 3\)"):
+            dead.result(timeout=60)
+        assert pool.submit("zlib:crc32", b"abc").result(timeout=60) == ("worker", zlib.crc32(b"abc"))
+        left = pool.submit("zlib:crc32", b"xyz", local=lambda: "ran here")
+        assert pool.run_queued_here() in (0, 1)  # the live worker may have taken it first
+        assert left.result(timeout=60) in (("here", "ran here"), ("worker", zlib.crc32(b"xyz")))
+        last = pool.submit("os:_exit", 4)
+        with pytest.raises(WorkerError, match=r"died \(exit code 4\)"):
+            last.result(timeout=60)
+        after = pool.submit("zlib:crc32", b"q", local=lambda: "here")
+        with pytest.raises(WorkerError, match="no compile worker is left"):
+            after.result(timeout=5)
+    finally:
+        pool.close(wait=True)
+    # A worker that dies before it is ready fails the jobs queued for it.
+    (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(5)\n")
+    pool = CompileWorkers(1, preload=["dies_on_import"])
+    try:
+        queued = pool.submit("zlib:crc32", b"a", local=lambda: "here")
+        with pytest.raises(WorkerError, match="no compile worker is left"):
+            queued.result(timeout=60)
+    finally:
+        pool.close(wait=True)
 
 
 def test_jobs_wait_for_a_worker_that_is_still_importing_and_the_caller_may_take_them(
