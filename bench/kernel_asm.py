@@ -214,10 +214,9 @@ def skinny_specs() -> list[Spec]:
                         out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32",
                         M=rows, N=N, K=K, K_SPLIT=cdiv(cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"],
                         eps=1e-5, stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
-            meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, NORM_WEIGHT=norm,
-                        GATED=gated,
+            meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                        SPLIT_K=split, UPCAST=False, PDL=True, PRELOAD=False)
+                        SPLIT_K=split, UPCAST=False, PDL=True)
             out.append(Spec(f"skinny_{label}_m{rows}", _skinny_linear_kernel, args, meta,
                             cfg["num_warps"], cfg["num_stages"]))
     return out

@@ -270,20 +270,14 @@ def bench_fused(name, sizes, gated, M, bw, unfused_mode, g, device="cuda"):
         else unfused_norm_linear
     unfused = [lambda w=packed_view(ws): step(x, nw, w, gated) for ws in groups]
     fused = [lambda ws=ws: torch.ops.mrv2.norm_linear(x, nw, FUSED_EPS, ws, [], gated) for ws in groups]
-    # Issue #37 item 2: nw folded into the packed weight (w[n, k] nw[k], rounded once), so the
-    # kernel's K loop feeds x to the dot as loaded (config FOLDED: no nw load, no product).
-    folded_ws = [(packed_view(ws).float() * nw.float()[None, :]).to(BF16) for ws in groups]
-    folded = [lambda w=w: skinny_linear(x, w, None, norm_weight=nw, eps=FUSED_EPS, gated=gated,
-                                        config={"FOLDED": True}) for w in folded_ws]
     # bf16: the fused kernel rounds once where the reference rounds four or
     # five times (compile_backend/kernels/norm_linear.py, "Rounding")
     unfused_err = check(unfused[0](), ref, f"{name} M={M} unfused", tol=2e-2)
     fused_err = check(fused[0](), ref, f"{name} M={M} fused", tol=2e-2)
-    check(folded[0](), ref, f"{name} M={M} folded", tol=2e-2)
     row = {"shape": name, "N": N, "K": K, "M": M, "gated": gated, "unfused": unfused_mode,
            "floor_us": N * K * 2 / bw * 1e6, "unfused_rel_err": unfused_err, "fused_rel_err": fused_err,
-           "unfused_us": time_us(unfused), "fused_us": time_us(fused), "folded_us": time_us(folded)}
-    del groups, folded_ws, x, nw
+           "unfused_us": time_us(unfused), "fused_us": time_us(fused)}
+    del groups, x, nw
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -299,20 +293,15 @@ def fmt_fused(rows, bw, unfused_mode) -> str:
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s; times in µs per call ({CALLS} calls in one CUDA "
              "graph, weights rotated past L2, median); unfused = RMSNorm, the packed linear (and "
              f"silu(g) * u for gate_up) run as {how}; fused = mrv2::norm_linear (the skinny kernel, "
-             "MRV2_SKINNY_GEMM=1); folded = the same kernel over a weight with the norm weight "
-             "folded in (issue #37 item 2: no norm-weight load or product in its loop); HBM floor "
-             "= weight bytes / copy bandwidth",
+             "MRV2_SKINNY_GEMM=1); HBM floor = weight bytes / copy bandwidth",
              "",
-             "| weights | N x K | rows | HBM floor | unfused | fused | folded | fused / unfused "
-             "| folded / fused | fused x floor |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| weights | N x K | rows | HBM floor | unfused | fused | fused / unfused | fused x floor |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['shape']}{' (gated)' if r['gated'] else ''} | {r['N']} x {r['K']} | {r['M']} "
             f"| {r['floor_us']:.1f} | {r['unfused_us']:.1f} | {r['fused_us']:.1f} "
-            f"| {r.get('folded_us', float('nan')):.1f} | {r['fused_us'] / r['unfused_us']:.2f} "
-            f"| {r.get('folded_us', float('nan')) / r['fused_us']:.2f} "
-            f"| {r['fused_us'] / r['floor_us']:.2f} |")
+            f"| {r['fused_us'] / r['unfused_us']:.2f} | {r['fused_us'] / r['floor_us']:.2f} |")
     return "\n".join(lines)
 
 
@@ -328,7 +317,7 @@ def run_fused(args, argv) -> int:
             row = bench_fused(name, sizes, gated, M, bw, args.unfused, g)
             rows.append(row)
             print(f"{name} M={M}: floor {row['floor_us']:.1f} unfused {row['unfused_us']:.1f} "
-                  f"fused {row['fused_us']:.1f} folded {row['folded_us']:.1f}", flush=True)
+                  f"fused {row['fused_us']:.1f}", flush=True)
     text = fmt_fused(rows, bw, args.unfused)
     write_results(args.out, "norm_linear",
                   "RMSNorm + linear (+ SiLU·mul): mrv2::norm_linear against the unfused sequence",

@@ -35,8 +35,11 @@ def median_ms(fn: Callable[[], object], warmup: int = 50, rep: int = 300) -> flo
 def graph_ms(fns: list[Callable[[], object]], calls: int = 12,
              timer: Callable[[Callable[[], object]], float] = median_ms) -> float:
     """Median ms per call, `calls` calls in one graph: how the ops run under
-    mrv2, without host launch overhead. Warmed (compiled) eagerly and on a
-    side stream before the capture."""
+    mrv2, without host launch overhead. Warmed (compiled) eagerly, and on the
+    side stream the capture then runs on: what a kernel keeps per stream
+    (the split-K GEMM's arrival counters, compile_backend/core/stream_buffers.py)
+    is made there outside the capture, as the runtime's capture stream gets
+    it; a capture on a stream without them would time the one-split fallback."""
     for f in fns:
         f()
     side = torch.cuda.Stream()
@@ -46,9 +49,16 @@ def graph_ms(fns: list[Callable[[], object]], calls: int = 12,
             f()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from compile_backend.core.counters import counters
+
+    fallbacks = counters["skinny_split_k_fallbacks"]
+    with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
             fns[i % len(fns)]()
+    if counters["skinny_split_k_fallbacks"] != fallbacks:
+        raise AssertionError("graph_ms: a split-K launch took one split inside the capture "
+                             "(no arrival counters on its stream): the timing would not be the "
+                             "kernel's")
     return timer(graph.replay) / calls
 
 

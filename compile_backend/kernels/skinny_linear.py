@@ -43,11 +43,6 @@ MAX_ROWS = 64  # decode batches up to 64 tokens: rows padded to a 16, 32 or 64-r
 FUSED_ROWS = 16
 WIDE_ROWS = 512
 WIDE_ENV = "MRV2_WIDE_GEMM"
-# Note [weights before the wait]: "1" loads each program's first weight tile
-# before its PDL wait, so that it streams during the previous kernel's tail.
-# Only for weights no kernel of the step writes (parameters): an experiment,
-# off unless asked (docs/design.md, "Hiding the fixed cost between kernels").
-PRELOAD_ENV = "MRV2_SKINNY_PRELOAD"
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # Note [split K]: one arrival counter per column tile of a launch, per stream.
 ARRIVALS = "skinny_linear.arrivals"
@@ -97,42 +92,13 @@ FUSED_CONFIGS = {
 
 
 @triton.jit
-def _tile_dots(xt, wt, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
-               NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, GATED: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """One K tile's products: acc += x' w^T ([BM, BN]), acc_u += x' u^T when
-    GATED, gram += x x^T ([BM, BM]) when NORM, where x' = x * nw rounded to
-    x's dtype with a norm weight (rstd scales the sums after the loop), else x
-    (NORM without NORM_WEIGHT: the weight has nw folded in, a benchmark's
-    config `FOLDED`)."""
-    if NORM:
-        xs = xt
-        if UPCAST:  # Note [interpreter bf16 dots]
-            xs = xs.to(tl.float32)
-        gram = tl.dot(xs, tl.trans(xs), gram)  # [BM, BM]
-        if NORM_WEIGHT:
-            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            xt = (xt.to(tl.float32) * nw[None, :]).to(xt.dtype)
-    if UPCAST:  # Note [interpreter bf16 dots]
-        xt = xt.to(tl.float32)
-        wt = wt.to(tl.float32)
-    acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
-    if GATED:
-        if UPCAST:
-            ut = ut.to(tl.float32)
-        acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
-    return acc, acc_u, gram
-
-
-@triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, part_ptr, arrive_ptr,
     M, N, K, K_SPLIT, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-    NORM_WEIGHT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: out[m0:m0+BLOCK_M, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or
     # its part [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]).
@@ -162,22 +128,12 @@ def _skinny_linear_kernel(
     if GATED:  # the up projection's rows N/2 + n, beside the gate's rows n
         u_rows = w_ptr + (N_out + offs_n)[:, None] * stride_wn  # [BN, 1]
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc_u = acc  # unused: carried unchanged
     if NORM:  # sum_k x[m, k]^2 on the diagonal of x x^T: Note [norm sums on the tensor cores]
         gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-    else:
-        gram = acc  # unused: carried unchanged
-    k_first = k_lo
-    if PRELOAD:  # Note [weights before the wait]: the first K tile of the weight (the gate's
-        # when GATED) streams now, during the tail of the kernel before
-        k_first = k_lo + BLOCK_K
-        k = k_lo + offs_k
-        w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)
-    # Note [programmatic dependent launch]: nothing else is read before the wait
-    # (the kernel just before may compute any argument: x, a dequantized weight).
+    # Note [programmatic dependent launch]: nothing is read before the wait,
+    # not even the weight (the kernel just before may compute it: a dequant).
     pdl_wait(PDL)
-    for k0 in range(k_first, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < k_hi
         # Every load of the tile first, so that their latencies overlap: the
@@ -185,20 +141,23 @@ def _skinny_linear_kernel(
         # the weight's (measured 3-4x slower: bench/results/norm_linear.md).
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        ut = wt
         if GATED:
             ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        acc, acc_u, gram = _tile_dots(xt, wt, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
-                                      NORM, NORM_WEIGHT, GATED, UPCAST)
-    if PRELOAD:  # the first K tile last (its x is read after the wait): a fixed order
-        k = k_lo + offs_k
-        k_ok = k < k_hi
-        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        ut = w_first
-        if GATED:  # the up tile now: two tiles held through the loop would spill
-            ut = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, acc_u, gram = _tile_dots(xt, w_first, ut, nw_ptr, k, k_ok, acc, acc_u, gram,
-                                      NORM, NORM_WEIGHT, GATED, UPCAST)
+        if NORM:  # the dot takes x * nw rounded to x's dtype; rstd scales the sum after the loop
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            xs = xt
+            if UPCAST:  # Note [interpreter bf16 dots]
+                xs = xs.to(tl.float32)
+            gram = tl.dot(xs, tl.trans(xs), gram)  # [BM, BM]
+            xt = (xt.to(tl.float32) * nw[None, :]).to(x_ptr.dtype.element_ty)
+        if UPCAST:  # Note [interpreter bf16 dots]
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(wt), acc)  # [BM, BN]
+        if GATED:
+            if UPCAST:
+                ut = ut.to(tl.float32)
+            acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     if NORM:  # [BM]: sum of x^2 over this program's run of K, the Gram matrix's diagonal
@@ -397,13 +356,9 @@ class _SkinnyPlan:
         self.gated, self.norm = bool(gated), norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
-                         NORM_WEIGHT=norm_weight is not None and not self.cfg.get("FOLDED", False),
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
                          UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
                          num_stages=self.cfg["num_stages"], **pdl_meta(x.device))
-        # Note [weights before the wait]: only where asked (gated: the gate's tile only).
-        # Without PDL the early load is still valid (the interpreter's tests take it).
-        self.meta["PRELOAD"] = env(PRELOAD_ENV) == "1"
         self.launches: dict[int, Launch] = {}  # by split count
 
     def run(self, x, weight, bias, residual, out, norm_weight) -> torch.Tensor:

@@ -112,26 +112,6 @@ def test_norm_and_gate_in_the_kernel_equal_the_reference(dtype, M, N, K):
 
 
 @INTERPRETED
-@pytest.mark.parametrize("gated", [False, True], ids=["qkv", "gate_up"])
-def test_the_norm_weight_folded_into_the_weight(gated):
-    """Issue #37 item 2 (bench/skinny_gemm.py --fused, "folded"): config
-    FOLDED runs the norm without its weight in the K loop, over a weight with
-    nw folded in (w[n, k] nw[k], one rounding): the kernel's math over that
-    weight in float64, and the reference within REF_TOL."""
-    dtype = torch.bfloat16
-    for M in (1, 16):
-        x, nw, ws, _, r = _operands(M, 104, 72, dtype, "cpu", stable_seed("fold", M, gated),
-                                    gated, False, True)
-        folded = (packed_view(ws).float() * nw.float()[None, :]).to(dtype)
-        out = skinny_linear(x, folded, None, r, norm_weight=nw, eps=EPS, gated=gated,
-                            config={"FOLDED": True})
-        ones = torch.ones_like(nw)  # the kernel's math with the weight folded: x rounded is x
-        assert_close_rel(out, _kernel_math(x, ones, EPS, folded, None, r, gated), dtype, f"M={M}")
-        ref = norm_linear_ref(x, nw, EPS, ws, [], gated) + r
-        assert rel_err(out, ref) <= REF_TOL[dtype], f"M={M}: {rel_err(out, ref):.3g}"
-
-
-@INTERPRETED
 @pytest.mark.parametrize("M,K,split", [(1, 200, 2), (5, 200, 4), (17, 100, 3), (64, 72, 2)])
 def test_the_norm_splits_k_like_the_plain_kernel(M, K, split):
     """Note [split K] with the norm: each split's row sums of x^2 beside its

@@ -314,17 +314,11 @@ def test_split_k_is_refused_for_the_gated_kernel_and_falls_back_without_counters
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (4096, 14336), (2000, 1000)])
 @pytest.mark.parametrize("split,block_n", [(2, 32), (4, 64), (4, 128), (3, 64)])
-@pytest.mark.parametrize("preload", ["0", "1"])
-def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n, preload, monkeypatch):
+def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
     """Split K on the GPU, eager and in a CUDA graph whose second launch
     reads the first's output (the same arrival counters, one launch after the
     other, with PDL where it is on), replayed on fresh inputs: equal to the
-    reference, bit-equal to the eager launches, counters re-armed. With
-    preload "1" each launch reads its first weight tile before its PDL wait
-    (Note [weights before the wait]): x of the second launch is the first's
-    output, so a read of x before the wait would show."""
-    monkeypatch.setenv(importlib.import_module("compile_backend.kernels.skinny_linear").PRELOAD_ENV,
-                       preload)
+    reference, bit-equal to the eager launches, counters re-armed."""
     from compile_backend.core.counters import counters
     from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
     dev, dtype = "cuda", torch.bfloat16
@@ -406,34 +400,3 @@ def test_a_checked_layout_is_remembered(device, monkeypatch):
     monkeypatch.setattr(stream_buffers, "buffer", real_buffer)
     assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, "split again")
     assert counters["skinny_split_k_fallbacks"] == before + 1 and len(made) == 3
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("M,N,K,split", [(1, 64, 128, 1), (3, 40, 200, 2), (17, 33, 100, 3),
-                                         (5, 48, 32, 1), (2, 48, 40, 4)])
-def test_weights_before_the_wait_equal_the_reference(device, M, N, K, split, monkeypatch):
-    """Note [weights before the wait] (MRV2_SKINNY_PRELOAD=1): each program's
-    first K tile of the weight is loaded before the wait and summed after the
-    rest; with and without the norm, split or not (one K tile only: (5, 48,
-    32, 1); fewer tiles than splits: (2, 48, 40, 4)), equal to the reference
-    and bit-equal call to call; gated (the gate's tile before the wait, the
-    up projection's after) too."""
-    sl = importlib.import_module("compile_backend.kernels.skinny_linear")
-    monkeypatch.setenv(sl.PRELOAD_ENV, "1")
-    dtype = torch.bfloat16
-    cfg = {"SPLIT_K": split, "BLOCK_N": 16, "BLOCK_K": 32}
-    for norm in (False, True):
-        x, w, b, r = _operands(M, N, K, dtype, device, stable_seed("preload", M, N, K, split, norm))
-        nw = randn((K,), dtype, device, gen(stable_seed("preload-nw", K))) if norm else None
-        out = skinny_linear(x, w, b, r, config=cfg, norm_weight=nw, eps=1e-5)
-        h = x if nw is None else F.rms_norm(x.double(), (K,), nw.double(), 1e-5).to(dtype)
-        ref = _ref(h, w, b, r)
-        assert_close_rel(out, ref, dtype, f"preload M={M} N={N} K={K} split={split} norm={norm}")
-        assert torch.equal(skinny_linear(x, w, b, r, config=cfg, norm_weight=nw, eps=1e-5), out)
-        if N % 2 == 0:  # gated: one split, silu(gate) * up
-            gated = skinny_linear(x, w, None, None, config=dict(cfg, SPLIT_K=1), norm_weight=nw,
-                                  eps=1e-5, gated=True)
-            y = _ref(h, w)
-            gate, up = y[:, : N // 2], y[:, N // 2:]
-            assert_close_rel(gated, gate * torch.sigmoid(gate) * up, dtype, f"gated norm={norm}")
-    assert sl._SkinnyPlan(x, w, None, None, None, None, None, 1e-5, False).meta["PRELOAD"] is True
