@@ -139,8 +139,12 @@ class CompileWorkers:
             except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
                 job.future.set_exception(e)
             ran += 1
-        for job in skipped:
-            self._queue.put(job)
+        with self._lock:  # back to the workers, or failed where none is left to take them
+            for job in skipped:
+                if self._serving == 0 and job is not None:
+                    _no_worker_left(job)
+                else:
+                    self._queue.put(job)
         return ran
 
     def _fail_queued(self) -> None:
