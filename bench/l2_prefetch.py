@@ -35,6 +35,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
+from timing import graph_us_per  # noqa: E402
 from compile_backend.kernels._device import interpreting, pdl_meta, pdl_release, pdl_wait  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
@@ -162,20 +163,6 @@ class Chain:
         return [self.o_proj(lay, a) for lay, a in zip(self.layers, attns)]
 
 
-def replay_us(fn, device: str, layers: int) -> float:
-    """Median µs per layer of `fn` captured in one CUDA graph (CPU: one
-    timed call, a dry run's stand-in)."""
-    if device != "cuda":
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6 / layers
-    from timing import graph_ms
-
-    return graph_ms([fn], calls=1) * 1e3 / layers
-
-
 def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
     g = torch.Generator().manual_seed(1000 + B)
     chain = Chain(B, args.context, args.layers, device, dims, g)
@@ -183,8 +170,8 @@ def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
     attns = chain.attentions()
     w_bytes = chain.layers[0]["w"].numel() * 2
     rows = []
-    alone_attn = replay_us(chain.attentions, device, args.layers)
-    alone_o = replay_us(lambda: chain.o_projs(attns), device, args.layers)
+    alone_attn = graph_us_per(chain.attentions, device, args.layers)
+    alone_o = graph_us_per(lambda: chain.o_projs(attns), device, args.layers)
     for mib in args.prefetch_mib:
         nbytes = min(mib << 20, w_bytes)
 
@@ -197,8 +184,8 @@ def bench_batch(B: int, args, device: str, dims: dict, bw: float) -> list[dict]:
             raise AssertionError(f"b{B} prefetch {mib} MiB: outputs differ from no prefetch "
                                  "(a prefetch must change no value)")
         rows.append(dict(batch=B, prefetch_mib=nbytes / (1 << 20),
-                         layer_us=replay_us(step, device, args.layers), attention_us=alone_attn,
-                         o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
+                         layer_us=graph_us_per(step, device, args.layers),
+                         attention_us=alone_attn, o_proj_us=alone_o, o_floor_us=w_bytes / bw * 1e6, equal=equal))
     return rows
 
 

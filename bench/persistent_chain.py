@@ -41,6 +41,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
+from timing import graph_us_per  # noqa: E402
 from compile_backend.kernels._device import upcast_dots  # noqa: E402
 
 # A column tile per program; the K loop as the skinny kernel's 32-row tile.
@@ -144,20 +145,6 @@ def reference_chain(y0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def timed_us(fn, device: str, layers: int) -> float:
-    """Median µs per GEMV of `fn` captured in one CUDA graph (CPU: one timed
-    call, a dry run's stand-in)."""
-    if device != "cuda":
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6 / layers
-    from timing import graph_ms
-
-    return graph_ms([fn], calls=1) * 1e3 / layers
-
-
 def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
     g = torch.Generator().manual_seed(2000 + M)
     N, L = args.hidden, args.layers
@@ -180,7 +167,7 @@ def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
         err = ((first.double() - ref.double()).norm() / ref.double().norm()).item()
         if err > REL_TOL:
             raise AssertionError(f"{name} M={M}: rel. error {err:.3g} against the reference > {REL_TOL}")
-        us = timed_us(fn, device, L)
+        us = graph_us_per(fn, device, L)
         again = torch.equal(y[L], first)  # the graph's replays wrote y[L] again: the same bits
         rows.append(dict(rows=M, variant=name, gemv_us=us, floor_us=floor_us, rel_err=err,
                          replays_equal=again))

@@ -62,6 +62,17 @@ def graph_ms(fns: list[Callable[[], object]], calls: int = 12,
     return timer(graph.replay) / calls
 
 
+def graph_us_per(fn: Callable[[], object], device: str, per: int) -> float:
+    """Median µs of one call of `fn` captured alone in a CUDA graph (`graph_ms`),
+    divided by `per` (the layers or GEMVs one call runs); off CUDA, one
+    timed call (a dry run's stand-in: the number means nothing)."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6 / per
+    return graph_ms([fn], calls=1) * 1e3 / per
+
+
 def call_ms(fn: Callable[[], object], device: str = "cuda", reps: int = 30) -> list[float]:
     """Milliseconds of each of `reps` calls of `fn`, one at a time: CUDA
     events around each, the device idle before it (synchronized); perf_counter

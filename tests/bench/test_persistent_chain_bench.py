@@ -7,6 +7,8 @@ import json
 
 import torch
 
+import compile_backend.kernels  # noqa: F401  (imported at collection, under the interpreter the
+# conftest sets: a test that turns it off and imports them first would leave them compiled for a GPU)
 from bench_scripts import load_bench_script
 
 

@@ -44,7 +44,6 @@ def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(tmp_path, 
     caller may run it; once the last one died, every queued job and every
     later one fails at once (a thread waiting on one would otherwise wait
     for ever, as the kernel precompiler's do: it compiles the kernel itself)."""
-    monkeypatch.syspath_prepend(str(tmp_path))  # dies_on_import below
     pool = CompileWorkers(2)
     try:
         dead = pool.submit("os:_exit", 3)
@@ -64,6 +63,7 @@ def test_a_dead_worker_fails_its_job_and_the_caller_runs_what_is_left(tmp_path, 
         pool.close(wait=True)
     # A worker that dies before it is ready fails the jobs queued for it.
     (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get the caller's import path
     pool = CompileWorkers(1, preload=["dies_on_import"])
     try:
         queued = pool.submit("zlib:crc32", b"a", local=lambda: "here")
