@@ -21,6 +21,11 @@ Variants, each captured in one CUDA graph (median replay / layers):
   persistent+preload  the same, each program loading its next weight tile
                       before the barrier (the weights are the chain's own:
                       nothing writes them)
+  persistent+l2       the same, each program asking L2 (Hopper's bulk
+                      prefetch) for the first `--l2-row-bytes` of each of
+                      its rows of the next weight once its K loop is done,
+                      so the barrier's wait and the other programs' tail
+                      stream the next GEMV's first tiles (GPU only)
 Outputs are checked against a float64 reference chain and each other
 (bf16, one rounding per GEMV), and bit-equal from replay to replay.
 """
@@ -42,23 +47,29 @@ import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
 from timing import graph_us_per  # noqa: E402
+from l2_prefetch import prefetch_supported  # noqa: E402
 from compile_backend.kernels._device import upcast_dots  # noqa: E402
 
 # A column tile per program; the K loop as the skinny kernel's 32-row tile.
 BLOCK_N, BLOCK_K, WARPS, STAGES = 32, 256, 4, 4
+# persistent+l2: a quarter of each 8 KiB row of a 4096-wide weight, 8 MiB of
+# the next 32 MiB weight across the grid (what ~2.5 µs of HBM time brings).
+L2_ROW_BYTES = 2048
 REL_TOL = 3e-2  # bf16 over a dozen GEMVs, each rounded once, against float64
 
 
 @triton.jit
 def _chain_kernel(y_ptr, w_ptr, count_ptr, M, N, L,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRELOAD: tl.constexpr, UPCAST: tl.constexpr):
+                  PRELOAD: tl.constexpr, L2_ROW_BYTES: tl.constexpr, UPCAST: tl.constexpr):
     # y [L + 1, M, N]: y[0] the input, y[i + 1] = y[i] + y[i] @ W[i]^T; w [L, N, N].
     # Program p owns column tile p of every GEMV (grid = cdiv(N, BLOCK_N), all
     # resident: at most one program per SM). Between GEMVs a grid barrier:
     # each program stores its tile, adds one to the counter (release, after a
     # CTA barrier) and spins until all programs of this GEMV arrived (acquire).
-    # count_ptr: one int32, zero at launch.
+    # count_ptr: one int32, zero at launch. L2_ROW_BYTES > 0 (a multiple of 16,
+    # at most a row's bytes; GPU only): once its K loop is done, a program asks
+    # L2 for the first L2_ROW_BYTES of each of its BLOCK_N rows of W[layer + 1].
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -85,6 +96,12 @@ def _chain_kernel(y_ptr, w_ptr, count_ptr, M, N, L,
                 xt = xt.to(tl.float32)
                 wt = wt.to(tl.float32)
             acc = tl.dot(xt, tl.trans(wt), acc)
+        if L2_ROW_BYTES > 0:  # [BN] bulk prefetches, one per row; rows past N ask for row 0
+            if layer + 1 < L:
+                nxt_rows = w_ptr + (layer + 1) * N * N + tl.where(n_ok, offs_n, 0) * N
+                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                                          "=r,l,r", [nxt_rows, tl.full([BLOCK_N], L2_ROW_BYTES, tl.int32)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
         if PRELOAD:  # the preloaded tile last: a fixed order
             k_ok = offs_k < N
             xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -111,11 +128,20 @@ def _chain_kernel(y_ptr, w_ptr, count_ptr, M, N, L,
 
 
 def persistent_chain(y: torch.Tensor, w: torch.Tensor, count: torch.Tensor, preload: bool,
-                     block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> torch.Tensor:
+                     block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                     l2_row_bytes: int = 0) -> torch.Tensor:
     """y [L + 1, M, N] (y[0] given; the rest written), w [L, N, N], count one
     int32 (zeroed here). The grid (one program per column tile) must fit the
-    GPU at once: the barrier waits for every program."""
+    GPU at once: the barrier waits for every program. `l2_row_bytes`: the
+    bytes of each next-weight row asked of L2 (0: none; a CUDA GPU of compute
+    capability 9 or later)."""
     L, N = w.shape[0], w.shape[1]
+    if l2_row_bytes and (l2_row_bytes % 16 or not 0 < l2_row_bytes <= N * w.element_size()):
+        raise ValueError(f"persistent_chain: l2_row_bytes must be a multiple of 16 in (0, "
+                         f"{N * w.element_size()}] (a row's bytes), got {l2_row_bytes}")
+    if l2_row_bytes and not prefetch_supported(w):
+        raise ValueError("persistent_chain: the L2 prefetch needs a CUDA GPU of compute capability "
+                         ">= 9 (Hopper's bulk prefetch); leave l2_row_bytes at 0 here")
     M = y.shape[1]
     tiles = triton.cdiv(N, block_n)
     if y.is_cuda and tiles > torch.cuda.get_device_properties(y.device).multi_processor_count:
@@ -124,6 +150,7 @@ def persistent_chain(y: torch.Tensor, w: torch.Tensor, count: torch.Tensor, prel
     count.zero_()
     _chain_kernel[(tiles,)](y, w, count, M, N, L, BLOCK_M=max(16, triton.next_power_of_2(M)),
                             BLOCK_N=block_n, BLOCK_K=block_k, PRELOAD=preload,
+                            L2_ROW_BYTES=l2_row_bytes,
                             UPCAST=upcast_dots(y.dtype), num_warps=WARPS, num_stages=STAGES)
     return y[L]
 
@@ -153,7 +180,10 @@ def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
     ref = reference_chain(y0, w)
     floor_us = N * N * 2 / bw * 1e6
     rows = []
-    for name in ("launches", "persistent", "persistent+preload"):
+    variants = ["launches", "persistent", "persistent+preload"]
+    if args.l2_row_bytes and prefetch_supported(w):
+        variants.append("persistent+l2")
+    for name in variants:
         y = torch.empty(L + 1, M, N, dtype=torch.bfloat16, device=device)
         y[0] = y0
         count = torch.zeros(1, dtype=torch.int32, device=device)
@@ -161,8 +191,9 @@ def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
             def fn(y=y):
                 return launches_chain(y, w)
         else:
-            def fn(y=y, count=count, preload=name.endswith("preload")):
-                return persistent_chain(y, w, count, preload, args.block_n)
+            def fn(y=y, count=count, preload=name.endswith("preload"),
+                   l2=args.l2_row_bytes if name.endswith("l2") else 0):
+                return persistent_chain(y, w, count, preload, args.block_n, l2_row_bytes=l2)
         first = fn().clone()
         err = ((first.double() - ref.double()).norm() / ref.double().norm()).item()
         if err > REL_TOL:
@@ -194,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--block-n", type=int, default=BLOCK_N, help="columns per program")
+    ap.add_argument("--l2-row-bytes", type=int, default=L2_ROW_BYTES,
+                    help="persistent+l2: bytes of each next-weight row asked of L2 (0: no such variant)")
     report.add_out(ap, default=os.path.join(report.RESULTS_DIR, "persistent_chain.md"))
     report.add_dry_run(ap)
     args = ap.parse_args(argv)
@@ -216,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for r in rows if r["rows"] == M), flush=True)
     meta = report.run_meta("persistent_chain", argv, gpu)
     meta.update(copy_bandwidth_samples_GBps=[s / 1e9 for s in bw_samples], layers=args.layers,
-                hidden=args.hidden, block_n=args.block_n)
+                hidden=args.hidden, block_n=args.block_n, l2_row_bytes=args.l2_row_bytes)
     bw_text = f"{bw / 1e9:.0f} GB/s (median of {len(bw_samples)} rounds)"
     text = "\n".join([report.heading("A chain of decode GEMVs: a launch each or one persistent "
                                      "kernel", meta), "", f"Command: `{meta['command']}`", "",
