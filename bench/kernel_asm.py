@@ -211,12 +211,13 @@ def skinny_specs() -> list[Spec]:
             split = 1 if gated else min(cfg.get("SPLIT_K", 1), cdiv(K, cfg["BLOCK_K"]))
             n_out = N // 2 if gated else N
             args = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16",
-                        out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32",
+                        out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32", pf_ptr="*bf16",
                         M=rows, N=N, K=K, K_SPLIT=cdiv(cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"],
-                        eps=1e-5, stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
+                        eps=1e-5, pf_rows=HIDDEN, pf_stride=HIDDEN, pf_bytes=1024,
+                        stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
             meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                        SPLIT_K=split, UPCAST=False, PDL=True)
+                        SPLIT_K=split, UPCAST=False, PDL=True, PREFETCH=False)
             out.append(Spec(f"skinny_{label}_m{rows}", _skinny_linear_kernel, args, meta,
                             cfg["num_warps"], cfg["num_stages"]))
     return out

@@ -400,3 +400,77 @@ def test_a_checked_layout_is_remembered(device, monkeypatch):
     monkeypatch.setattr(stream_buffers, "buffer", real_buffer)
     assert_close_rel(skinny_linear(x, w, b, r), _ref(x, w, b, r), dtype, "split again")
     assert counters["skinny_split_k_fallbacks"] == before + 1 and len(made) == 3
+
+
+def test_the_next_weight_rows_asked_of_l2_and_what_is_learned(monkeypatch):
+    """Note [the next weight in L2]: the bytes per row (a total spread over
+    the rows, whole 16-byte units, at most a row), 0 where nothing can be
+    asked (no tensor, a view without unit stride along rows, unaligned rows,
+    no bulk prefetch: every CPU); NextWeights learns each weight's successor
+    from the launch order."""
+    sl = importlib.import_module("compile_backend.kernels.skinny_linear")
+
+    w = torch.empty(64, 256, dtype=torch.bfloat16)
+    assert sl.next_weight_rows(None, 1 << 20, w.device) == 0
+    assert sl.next_weight_rows(w, 1 << 20, w.device) == 0  # a CPU: no bulk prefetch
+    monkeypatch.setattr(sl, "l2_prefetch_supported", lambda device: True)
+    assert sl.next_weight_rows(w, 1 << 20, w.device) == 512  # a whole row
+    assert sl.next_weight_rows(w, 64 * 100, w.device) == 96  # 100 bytes a row, in 16s
+    assert sl.next_weight_rows(w, 8, w.device) == 0
+    assert sl.next_weight_rows(w.t(), 1 << 20, w.device) == 0  # rows not of unit stride
+    assert sl.next_weight_rows(w[:, 1:], 1 << 20, w.device) == 0  # rows 2 bytes off 16
+    learn = sl.NextWeights()
+    a, b, c = (torch.empty(4, 4) for _ in range(3))
+    assert [learn.after(t) for t in (a, b, c)] == [None, None, None]
+    assert [learn.after(t) for t in (a, b, c)] == [b, c, a]  # c -> a learned at a's second call
+    assert learn.after(c) is a  # the same weight twice: nothing learned (c -> c would be useless)
+    assert learn.next[c.data_ptr()] is a
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_asking_l2_for_the_next_weight_changes_no_bit(M, monkeypatch):
+    """Note [the next weight in L2] on the GPU: a chain o -> gate_up+norm+gate
+    -> down -> qkv+norm at llama-8B widths, each launch asking L2 for the next
+    weight's rows (all of one row, and a share of each), eager and replayed
+    from a CUDA graph on fresh inputs, bit-equal to the launches without it;
+    MRV2_L2_NEXT learns the order from the eager launches."""
+    from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
+    sl = importlib.import_module("compile_backend.kernels.skinny_linear")
+
+    dev, dtype, H, I = "cuda", torch.bfloat16, 4096, 14336
+    g = gen(stable_seed("l2-next", M))
+    x = randn((M, H), dtype, dev, g)
+    wo, wgu = randn((H, H), dtype, dev, g, scale=H ** -0.5), randn((2 * I, H), dtype, dev, g, scale=H ** -0.5)
+    wd, wqkv = randn((H, I), dtype, dev, g, scale=I ** -0.5), randn((6144, H), dtype, dev, g, scale=H ** -0.5)
+    nw = randn((H,), dtype, dev, g)
+    fused = M <= sl.FUSED_ROWS
+
+    def chain(total, learned=False):
+        def nxt(w):
+            return {} if learned else dict(prefetch=w, prefetch_bytes=total)
+        h = skinny_linear(x, wo, None, x, **nxt(wgu))
+        a = skinny_linear(h, wgu, norm_weight=nw, eps=1e-5, gated=True, **nxt(wd)) if fused \
+            else F.silu(F.linear(h, wgu[:I])) * F.linear(h, wgu[I:])
+        h2 = skinny_linear(a, wd, None, h, **nxt(wqkv))
+        q = skinny_linear(h2, wqkv, norm_weight=nw, eps=1e-5, **nxt(wo)) if fused else F.linear(h2, wqkv)
+        return h, a, h2, q
+
+    plain = chain(0)
+    for total in (8 << 20, 1 << 30):  # a share of each row; every row whole
+        assert all(torch.equal(p, e) for p, e in zip(plain, chain(total))), total
+    monkeypatch.setenv(sl.L2_NEXT_ENV, str(8 << 20))
+    chain(0, learned=True)  # learns the order
+    assert sl._NEXT.next[wo.data_ptr()] is wgu
+    assert all(torch.equal(p, e) for p, e in zip(plain, chain(0, learned=True)))
+    warm_capture_stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream()):
+        outs = chain(8 << 20)
+    monkeypatch.delenv(sl.L2_NEXT_ENV)
+    for i in range(3):
+        x.copy_(randn(x.shape, dtype, dev, gen(stable_seed("l2-next-replay", M, i))))
+        graph.replay()
+        expect = chain(0)
+        assert all(torch.equal(o, e) for o, e in zip(outs, expect)), f"replay {i}"
