@@ -50,8 +50,8 @@ import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
 from timing import graph_us_per  # noqa: E402
-from l2_prefetch import prefetch_supported  # noqa: E402
-from compile_backend.kernels._device import upcast_dots  # noqa: E402
+from compile_backend.kernels._device import (l2_prefetch_rows, l2_prefetch_supported,  # noqa: E402
+                                             upcast_dots)
 
 # A column tile per program; the K loop as the skinny kernel's 32-row tile.
 BLOCK_N, BLOCK_K, WARPS, STAGES = 32, 256, 4, 4
@@ -99,12 +99,9 @@ def _chain_kernel(y_ptr, w_ptr, count_ptr, M, N, L,
                 xt = xt.to(tl.float32)
                 wt = wt.to(tl.float32)
             acc = tl.dot(xt, tl.trans(wt), acc)
-        if L2_ROW_BYTES > 0:  # [BN] bulk prefetches, one per row; rows past N ask for row 0
+        if L2_ROW_BYTES > 0:  # this program's rows of W[layer + 1]: its column tile's
             if layer + 1 < L:
-                nxt_rows = w_ptr + (layer + 1) * N * N + tl.where(n_ok, offs_n, 0) * N
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                          "=r,l,r", [nxt_rows, tl.full([BLOCK_N], L2_ROW_BYTES, tl.int32)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
+                l2_prefetch_rows(w_ptr + (layer + 1) * N * N, N, N, L2_ROW_BYTES, pid, P)
         if PRELOAD:  # the preloaded tile last: a fixed order
             k_ok = offs_k < N
             xt = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -142,7 +139,7 @@ def persistent_chain(y: torch.Tensor, w: torch.Tensor, count: torch.Tensor, prel
     if l2_row_bytes and (l2_row_bytes % 16 or not 0 < l2_row_bytes <= N * w.element_size()):
         raise ValueError(f"persistent_chain: l2_row_bytes must be a multiple of 16 in (0, "
                          f"{N * w.element_size()}] (a row's bytes), got {l2_row_bytes}")
-    if l2_row_bytes and not prefetch_supported(w):
+    if l2_row_bytes and not l2_prefetch_supported(w.device):
         raise ValueError("persistent_chain: the L2 prefetch needs a CUDA GPU of compute capability "
                          ">= 9 (Hopper's bulk prefetch); leave l2_row_bytes at 0 here")
     M = y.shape[1]
@@ -188,7 +185,7 @@ def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
     floor_us = N * N * 2 / bw * 1e6
     rows = []
     variants = ["launches", "persistent", "persistent+preload"]
-    if args.l2_row_bytes and prefetch_supported(w):
+    if args.l2_row_bytes and l2_prefetch_supported(w.device):
         variants[1:1] = ["launches+l2"]
         variants.append("persistent+l2")
     for name in variants:
