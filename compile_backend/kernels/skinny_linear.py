@@ -17,6 +17,7 @@ overrides; 65-512 rows only with MRV2_WIDE_GEMM=1). Note [skinny GEMMs],
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -344,19 +345,21 @@ def next_weight_rows(prefetch: torch.Tensor | None, total: int, device: torch.de
 
 class NextWeights:
     """Which weight the skinny kernel launched after each weight last time
-    (by data pointer, with the tensor kept): MRV2_L2_NEXT's guess of what the
-    next launch streams, learned in the eager warm-up before a capture."""
+    (by data pointer; the tensor weakly held, so a model's weights die with
+    it): MRV2_L2_NEXT's guess of what the next launch streams, learned in the
+    eager warm-up before a capture."""
 
     def __init__(self) -> None:
-        self.next: dict[int, torch.Tensor] = {}
+        self.next: dict[int, weakref.ref] = {}
         self.last: int | None = None
 
     def after(self, weight: torch.Tensor) -> torch.Tensor | None:
         ptr = weight.data_ptr()
         if self.last is not None and self.last != ptr:
-            self.next[self.last] = weight
+            self.next[self.last] = weakref.ref(weight)
         self.last = ptr
-        return self.next.get(ptr)
+        ref = self.next.get(ptr)
+        return ref() if ref is not None else None
 
 
 _NEXT = NextWeights()

@@ -424,7 +424,9 @@ def test_the_next_weight_rows_asked_of_l2_and_what_is_learned(monkeypatch):
     assert [learn.after(t) for t in (a, b, c)] == [None, None, None]
     assert [learn.after(t) for t in (a, b, c)] == [b, c, a]  # c -> a learned at a's second call
     assert learn.after(c) is a  # the same weight twice: nothing learned (c -> c would be useless)
-    assert learn.next[c.data_ptr()] is a
+    assert learn.next[c.data_ptr()]() is a
+    del b  # weakly held: a dead weight is no guess
+    assert learn.next[a.data_ptr()]() is None and learn.after(a) is None
 
 
 @pytest.mark.gpu
@@ -462,7 +464,7 @@ def test_asking_l2_for_the_next_weight_changes_no_bit(M, monkeypatch):
         assert all(torch.equal(p, e) for p, e in zip(plain, chain(total))), total
     monkeypatch.setenv(sl.L2_NEXT_ENV, str(8 << 20))
     chain(0, learned=True)  # learns the order
-    assert sl._NEXT.next[wo.data_ptr()] is wgu
+    assert sl._NEXT.next[wo.data_ptr()]() is wgu
     assert all(torch.equal(p, e) for p, e in zip(plain, chain(0, learned=True)))
     warm_capture_stream()
     graph = torch.cuda.CUDAGraph()
