@@ -314,7 +314,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     where `next_weight_rows` says no, nothing is asked). Unset, MRV2_L2_NEXT=<bytes>
     takes the weight launched after this one last time (`NextWeights`)."""
     if prefetch is None and env(L2_NEXT_ENV):
-        prefetch, prefetch_bytes = _NEXT.after(weight), int(env(L2_NEXT_ENV))
+        prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
+        prefetch_bytes = int(env(L2_NEXT_ENV))
     row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device)
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
@@ -344,21 +345,23 @@ def next_weight_rows(prefetch: torch.Tensor | None, total: int, device: torch.de
 
 
 class NextWeights:
-    """Which weight the skinny kernel launched after each weight last time
-    (by data pointer; the tensor weakly held, so a model's weights die with
-    it): MRV2_L2_NEXT's guess of what the next launch streams, learned in the
-    eager warm-up before a capture."""
+    """Which weight the skinny kernel launched after each weight last time at
+    the same row count (by data pointer and rows: which linears take the
+    kernel depends on the rows, so a step's order does too; the tensor weakly
+    held, so a model's weights die with it): MRV2_L2_NEXT's guess of what the
+    next launch streams, learned in the eager warm-up before a capture."""
 
     def __init__(self) -> None:
-        self.next: dict[int, weakref.ref] = {}
-        self.last: int | None = None
+        self.next: dict[tuple[int, int], weakref.ref] = {}
+        self.last: tuple[int, int] | None = None
 
-    def after(self, weight: torch.Tensor) -> torch.Tensor | None:
-        ptr = weight.data_ptr()
-        if self.last is not None and self.last != ptr:
-            self.next[self.last] = weakref.ref(weight)
-        self.last = ptr
-        ref = self.next.get(ptr)
+    def after(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+        key = (weight.data_ptr(), rows)
+        last = self.last
+        if last is not None and last[1] == rows and last[0] != key[0]:
+            self.next[last] = weakref.ref(weight)
+        self.last = key
+        ref = self.next.get(key)
         return ref() if ref is not None else None
 
 
