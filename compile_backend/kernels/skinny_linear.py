@@ -314,8 +314,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     where `next_weight_rows` says no, nothing is asked). Unset, MRV2_L2_NEXT=<bytes>
     takes the weight launched after this one last time (`NextWeights`)."""
     if prefetch is None and env(L2_NEXT_ENV):
+        prefetch_bytes = l2_next_bytes()
         prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
-        prefetch_bytes = int(env(L2_NEXT_ENV))
     row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device)
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
@@ -327,6 +327,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 L2_NEXT_ENV = "MRV2_L2_NEXT"  # bytes of the next weight to ask L2 for (Note [the next weight in L2])
+
+
+def l2_next_bytes() -> int:
+    """MRV2_L2_NEXT as a byte count (ValueError naming the fix otherwise)."""
+    text = env(L2_NEXT_ENV)
+    if not text.isdigit():
+        raise ValueError(f"{L2_NEXT_ENV} must be a byte count (e.g. 8388608), got {text!r}; "
+                         "unset it to ask L2 for nothing")
+    return int(text)
 
 
 def next_weight_rows(prefetch: torch.Tensor | None, total: int, device: torch.device) -> int:

@@ -406,11 +406,19 @@ def test_the_next_weight_rows_asked_of_l2_and_what_is_learned(monkeypatch):
     """Note [the next weight in L2]: the bytes per row (a total spread over
     the rows, whole 16-byte units, at most a row), 0 where nothing can be
     asked (no tensor, a view without unit stride along rows, unaligned rows,
-    no bulk prefetch: every CPU); NextWeights learns each weight's successor
-    from the launch order."""
+    no bulk prefetch: every CPU); a switch that is no byte count is refused;
+    NextWeights learns each weight's successor from the launch order."""
     sl = importlib.import_module("compile_backend.kernels.skinny_linear")
 
-    w = torch.empty(64, 256, dtype=torch.bfloat16)
+    w = torch.empty(64, 256, dtype=torch.bfloat16).normal_()
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    monkeypatch.setenv(sl.L2_NEXT_ENV, "8M")  # misuse: refused before anything is learned
+    with pytest.raises(ValueError, match="MRV2_L2_NEXT must be a byte count"):
+        skinny_linear(x, w)
+    assert sl._NEXT.last is None or sl._NEXT.last[0] != w.data_ptr()
+    monkeypatch.setenv(sl.L2_NEXT_ENV, "8388608")  # a CPU asks nothing, and computes the same
+    assert_close_rel(skinny_linear(x, w), _ref(x, w), torch.bfloat16, "MRV2_L2_NEXT set")
+    monkeypatch.delenv(sl.L2_NEXT_ENV)
     assert sl.next_weight_rows(None, 1 << 20, w.device) == 0
     assert sl.next_weight_rows(w, 1 << 20, w.device) == 0  # a CPU: no bulk prefetch
     monkeypatch.setattr(sl, "l2_prefetch_supported", lambda device: True)
