@@ -157,9 +157,12 @@ def l2_prefetch_rows(base_ptr, rows, row_stride, nbytes, q, P):
     only (l2_prefetch_supported)."""
     per = tl.cdiv(rows, P)
     lanes = tl.arange(0, PREFETCH_LANES)
-    for r0 in range(q * per, tl.minimum(rows, (q + 1) * per), PREFETCH_LANES):
-        r = tl.minimum(r0 + lanes, rows - 1)  # lanes past the share ask for its last row again
-        size = tl.full([PREFETCH_LANES], 0, tl.int32) + nbytes
+    hi = tl.minimum(rows, (q + 1) * per)
+    for r0 in range(q * per, hi, PREFETCH_LANES):
+        ok = r0 + lanes < hi
+        # lanes past the share ask for 16 bytes of its last row (no mask on an asm)
+        r = tl.minimum(r0 + lanes, hi - 1)
+        size = tl.where(ok, nbytes, 16).to(tl.int32)
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
                                   "=r,l,r", [base_ptr + r.to(tl.int64) * row_stride, size],
                                   dtype=tl.int32, is_pure=False, pack=1)
