@@ -36,7 +36,8 @@ import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
 from timing import graph_us_per  # noqa: E402
-from compile_backend.kernels._device import interpreting, pdl_meta, pdl_release, pdl_wait  # noqa: E402
+from compile_backend.kernels._device import (l2_bulk_prefetch, l2_prefetch_supported, pdl_meta,  # noqa: E402
+                                             pdl_release, pdl_wait)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
 
@@ -62,19 +63,14 @@ def _l2_prefetch_kernel(base_ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constex
         ok = c < n_chunks
         off = tl.where(ok, c.to(tl.int64) * CHUNK, 0)  # lanes past the end: the first 16 bytes
         size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                  "=r,l,r", [base_ptr + off, size], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        l2_bulk_prefetch(base_ptr + off, size)
     pdl_wait(PDL)
     pdl_release(PDL)
 
 
 def prefetch_supported(t: torch.Tensor) -> bool:
     """Can `l2_prefetch` issue anything for `t` (module docstring)?"""
-    if not t.is_cuda or interpreting() or torch.version.hip:
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return l2_prefetch_supported(t.device)
 
 
 def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, programs: int = 8,

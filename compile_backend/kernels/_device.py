@@ -150,6 +150,15 @@ def l2_prefetch_supported(device: torch.device) -> bool:
 
 
 @triton.jit
+def l2_bulk_prefetch(ptrs, nbytes):
+    """Ask L2 for `nbytes` (int32, multiples of 16) from each of `ptrs`
+    (16-byte aligned): one bulk prefetch per element, no mask (an asm takes
+    none; point lanes with nothing to ask at a valid address, 16 bytes)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def l2_prefetch_rows(base_ptr, rows, row_stride, nbytes, q, P):
     """Program q of P asks L2 for the first `nbytes` (a multiple of 16, from a
     16-byte aligned row start) of its share of `rows` rows of `row_stride`
@@ -162,10 +171,7 @@ def l2_prefetch_rows(base_ptr, rows, row_stride, nbytes, q, P):
         ok = r0 + lanes < hi
         # lanes past the share ask for 16 bytes of its last row (no mask on an asm)
         r = tl.minimum(r0 + lanes, hi - 1)
-        size = tl.where(ok, nbytes, 16).to(tl.int32)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                  "=r,l,r", [base_ptr + r.to(tl.int64) * row_stride, size],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        l2_bulk_prefetch(base_ptr + r.to(tl.int64) * row_stride, tl.where(ok, nbytes, 16).to(tl.int32))
 
 
 # Note [interpreter bf16 rounding]: Triton 3.9's interpreter converts fp32 to

@@ -316,7 +316,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if prefetch is None and env(L2_NEXT_ENV):
         prefetch_bytes = l2_next_bytes()
         prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
-    row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device)
+    row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device) if prefetch is not None else 0
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
     plan, _ = _LAUNCHES.entry(
@@ -387,7 +387,7 @@ class _SkinnyPlan:
     stream's counters)."""
 
     def __init__(self, x, weight, bias, residual, config, out, norm_weight, eps, gated,
-                 prefetch) -> None:
+                 prefetching: bool) -> None:
         """Every check of `skinny_linear` (ValueError), then what its launch needs."""
         fused = gated or norm_weight is not None
         if not skinny_allowed(x, weight, fused):
@@ -425,7 +425,7 @@ class _SkinnyPlan:
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
                          UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
-                         num_stages=self.cfg["num_stages"], PREFETCH=bool(prefetch),
+                         num_stages=self.cfg["num_stages"], PREFETCH=prefetching,
                          **pdl_meta(x.device))
         self.launches: dict[int, Launch] = {}  # by split count
 
