@@ -599,10 +599,9 @@ def merge_chunk(block_hm: int, block_d: int, block_s: int) -> int:
 
 def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
                 common, S, min_split, two_launch, bind):
-    """The decode launch (Note [one-launch decode]), with its scratch: [B, H,
-    S, D] partial sums, then [B, H, S] maxima and sums, each at a 16-byte
-    aligned offset (none for S == 1), and the stream's ticket counters (Note
-    [decode tickets]). `two_launch` (or a capture without tickets): the
+    """The decode launch (Note [one-launch decode]), with its scratch
+    (`_split_partials`; none for S == 1) and the stream's ticket counters
+    (Note [decode tickets]). `two_launch` (or a capture without tickets): the
     split kernel and the reduce kernel instead."""
     tickets = None
     if S > 1 and not two_launch:
@@ -614,12 +613,7 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
         return _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens,
                                       block_table, strides, common, S, bind)
     if S > 1:
-        n_acc, n_ml = B * H * S * D, B * H * S
-        a, m = cdiv(n_acc, 4) * 4, cdiv(n_ml, 4) * 4
-        scratch = torch.empty(a + 2 * m, dtype=torch.float32, device=device)
-        part_acc = scratch[:n_acc].view(B, H, S, D)
-        part_m = scratch[a: a + n_ml].view(B, H, S)
-        part_l = scratch[a + m: a + m + n_ml].view(B, H, S)
+        part_acc, part_m, part_l = _split_partials(B, H, S, D, device)
         part_strides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
                         part_m.stride(0), part_m.stride(1))
     else:  # never read or written: one split writes the output itself
@@ -644,17 +638,21 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
     return run
 
 
-def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table,
-                           strides, common, S, bind):
-    """The two-launch decode (split kernel, then reduce kernel), with its
-    scratch: [B, H, S, D] partial sums, then [B, H, S] maxima and sums, each
-    at a 16-byte aligned offset. Every split writes a partial, empty or not."""
+def _split_partials(B: int, H: int, S: int, D: int, device: torch.device):
+    """One fp32 allocation for the splits' partials: sums [B, H, S, D], then
+    maxima and sums [B, H, S], each at a 16-byte aligned offset."""
     n_acc, n_ml = B * H * S * D, B * H * S
     a, m = cdiv(n_acc, 4) * 4, cdiv(n_ml, 4) * 4
     scratch = torch.empty(a + 2 * m, dtype=torch.float32, device=device)
-    part_acc = scratch[:n_acc].view(B, H, S, D)
-    part_m = scratch[a: a + n_ml].view(B, H, S)
-    part_l = scratch[a + m: a + m + n_ml].view(B, H, S)
+    return (scratch[:n_acc].view(B, H, S, D), scratch[a: a + n_ml].view(B, H, S),
+            scratch[a + m: a + m + n_ml].view(B, H, S))
+
+
+def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table,
+                           strides, common, S, bind):
+    """The two-launch decode (split kernel, then reduce kernel), with its
+    scratch (`_split_partials`). Every split writes a partial, empty or not."""
+    part_acc, part_m, part_l = _split_partials(B, H, S, D, device)
     split = Launch(_decode_split_kernel, (B, KVH, S),
                    dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), NUM_SPLITS=S, **common,
                         **pdl_meta(device)), bind=bind)
