@@ -192,9 +192,10 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 BLOCK_SIZE, CONTEXT = 16, 512
 
 
-def skinny_specs() -> list[Spec]:
+def skinny_specs(prefetch: bool = False) -> list[Spec]:
     """The skinny GEMM as linear_add (o, down; also at 128 and 256 rows) and
-    norm_linear (qkv, gate_up) launch it."""
+    norm_linear (qkv, gate_up) launch it; `prefetch`: each also asks L2 for
+    the next weight's rows (Note [the next weight in L2], skinny_linear.py)."""
     from compile_backend.kernels._device import cdiv
     from compile_backend.kernels.skinny_linear import MAX_ROWS, _skinny_linear_kernel, skinny_config
 
@@ -217,8 +218,8 @@ def skinny_specs() -> list[Spec]:
                         stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
             meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                        SPLIT_K=split, UPCAST=False, PDL=True, PREFETCH=False)
-            out.append(Spec(f"skinny_{label}_m{rows}", _skinny_linear_kernel, args, meta,
+                        SPLIT_K=split, UPCAST=False, PDL=True, PREFETCH=prefetch)
+            out.append(Spec(f"skinny_{label}_m{rows}{'_l2' if prefetch else ''}", _skinny_linear_kernel, args, meta,
                             cfg["num_warps"], cfg["num_stages"]))
     return out
 
@@ -268,12 +269,13 @@ def prefetch_specs() -> list[Spec]:
                  dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]
 
 
-SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_specs}
+SPECS = {"skinny": skinny_specs, "skinny_l2": lambda: skinny_specs(prefetch=True),
+         "decode": decode_specs, "prefetch": prefetch_specs}
 
 COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "mma"),
            ("async copies", "async_copies"), ("loop loads", "loop_loads"),
            ("pre-wait loads", "pre_wait_loads"), ("unswizzled", "unswizzled"),
-           ("smem KiB", "smem_kib")]
+           ("smem KiB", "smem_kib"), ("L2 prefetches", "l2_prefetches")]
 
 
 def table(rows: list[dict]) -> list[str]:
