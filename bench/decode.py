@@ -258,7 +258,8 @@ def run_decode(model_name, variant, setup, batches):
                      "b2b_ms": b2b_ms, "replay_ms": replay_ms, "work": step_floor_work(model, b, setup.context),
                      "dispatched": step.mode.value, "first": first})
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
-                   replay_input_copies=cb.counters["replay_input_copies"])
+                   replay_input_copies=cb.counters["replay_input_copies"],
+                   l2_next_launches=cb.counters["skinny_l2_next_launches"])
     if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
         del runner
         largest, _, _, only = build(model_name, variant, setup, [max(sizes)], max(batches),
@@ -363,6 +364,11 @@ def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str
                  s["pieces"], f"{_mib(s, 'pool_bytes')} / {_mib(s, 'pool_largest_alone_bytes')}",
                  f"{_mib(s, 'pool_reserved_bytes')} / {_mib(s, 'pool_largest_alone_reserved_bytes')}",
                  s["replay_input_copies"]] for s in startup])
+    asked = [f"{s['model']} {s['variant']} {s['l2_next_launches']}" for s in startup
+             if s.get("l2_next_launches")]
+    if asked:
+        L += ["", "Skinny launches (eager and captured) that asked L2 for the next weight "
+              "(MRV2_L2_NEXT): " + "; ".join(asked)]
     if compile_times:
         L += [""] + table(["model", "variant", "cold compile s", "warm compile s"], "llrr",
                           [[c["model"], c["variant"], f"{c['cold_s']:.1f}", f"{c['warm_s']:.1f}"]

@@ -317,6 +317,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         prefetch_bytes = l2_next_bytes()
         prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
     row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device) if prefetch is not None else 0
+    if row_bytes:
+        counters["skinny_l2_next_launches"] += 1  # eager and captured launches, not replays
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
     plan, _ = _LAUNCHES.entry(
@@ -354,23 +356,27 @@ def next_weight_rows(prefetch: torch.Tensor | None, total: int, device: torch.de
 
 
 class NextWeights:
-    """Which weight the skinny kernel launched after each weight last time at
-    the same row count (by data pointer and rows: which linears take the
-    kernel depends on the rows, so a step's order does too; the tensor weakly
-    held, so a model's weights die with it): MRV2_L2_NEXT's guess of what the
-    next launch streams, learned in the eager warm-up before a capture."""
+    """Which weight the skinny kernel launched after each weight last time
+    (by data pointer; the tensor weakly held, so a model's weights die with
+    it): MRV2_L2_NEXT's guess of what the next launch streams. Learned per
+    row count (which linears take the kernel depends on the rows, so a
+    step's order does too) and, for a row count not launched yet, the
+    weight's last successor at any row count: a runner's plan captures most
+    sizes without an eager step first (capture_warmup "on_demand"), so the
+    order the first step learned is what those captures use."""
 
     def __init__(self) -> None:
-        self.next: dict[tuple[int, int], weakref.ref] = {}
+        self.next: dict[tuple[int, int], weakref.ref] = {}  # (weight, rows) -> successor
+        self.any: dict[int, weakref.ref] = {}  # weight -> its last successor, any row count
         self.last: tuple[int, int] | None = None
 
     def after(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
         key = (weight.data_ptr(), rows)
         last = self.last
         if last is not None and last[1] == rows and last[0] != key[0]:
-            self.next[last] = weakref.ref(weight)
+            self.next[last] = self.any[last[0]] = weakref.ref(weight)
         self.last = key
-        ref = self.next.get(key)
+        ref = self.next.get(key) or self.any.get(key[0])
         return ref() if ref is not None else None
 
 

@@ -433,12 +433,18 @@ def test_the_next_weight_rows_asked_of_l2_and_what_is_learned(monkeypatch):
     assert [learn.after(t, 1) for t in (a, b, c)] == [b, c, a]  # c -> a learned at a's second call
     assert learn.after(c, 1) is a  # the same weight twice: nothing learned (c -> c would be useless)
     assert learn.next[(c.data_ptr(), 1)]() is a
-    # another row count has its own order (at 64 rows, say, a linear between takes cuBLAS)
-    assert [learn.after(t, 64) for t in (a, c, a, c)] == [None, None, c, a]
+    # another row count has its own order (at 64 rows, say, a linear between takes
+    # cuBLAS); before it is learned, the order of any row count stands in for it
+    assert [learn.after(t, 64) for t in (a, c, a, c)] == [b, a, c, a]
     assert learn.after(b, 1) is c and learn.after(c, 1) is a  # the one-row order stands
-    assert learn.after(b, 64) is None  # nothing learned across row counts: 64 after 1 row
-    del b  # weakly held: a dead weight is no guess
-    assert learn.next[(a.data_ptr(), 1)]() is None and learn.after(a, 1) is None
+    assert learn.after(b, 16) is c  # 16 rows never launched: b's last successor
+    assert learn.after(b, 64) is c  # nothing learned across row counts (16 before 64 rows)
+    d = torch.empty(4, 4)
+    assert learn.after(d, 64) is None  # b -> d learned at 64 rows; d has no successor yet
+    assert learn.after(b, 1) is c and learn.after(b, 64) is d  # per row count
+    del d  # weakly held: a dead weight is no guess, at its row count or any
+    assert learn.next[(b.data_ptr(), 64)]() is None and learn.any[b.data_ptr()]() is None
+    assert learn.after(b, 64) is None
 
 
 @pytest.mark.gpu
@@ -450,6 +456,7 @@ def test_asking_l2_for_the_next_weight_changes_no_bit(M, monkeypatch):
     weight's rows (all of one row, and a share of each), eager and replayed
     from a CUDA graph on fresh inputs, bit-equal to the launches without it;
     MRV2_L2_NEXT learns the order from the eager launches."""
+    from compile_backend.core.counters import counters
     from compile_backend.runtime.graph_pool import capture_stream, warm_capture_stream
     sl = importlib.import_module("compile_backend.kernels.skinny_linear")
 
@@ -477,7 +484,9 @@ def test_asking_l2_for_the_next_weight_changes_no_bit(M, monkeypatch):
     monkeypatch.setenv(sl.L2_NEXT_ENV, str(8 << 20))
     chain(0, learned=True)  # learns the order
     assert sl._NEXT.next[(wo.data_ptr(), M)]() is (wgu if fused else wd)  # past 16 rows gate_up is cuBLAS's
+    asked = counters["skinny_l2_next_launches"]
     assert all(torch.equal(p, e) for p, e in zip(plain, chain(0, learned=True)))
+    assert counters["skinny_l2_next_launches"] == asked + (4 if fused else 2)  # every launch asked
     warm_capture_stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=capture_stream()):  # given, then learned
