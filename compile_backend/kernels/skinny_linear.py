@@ -317,8 +317,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         prefetch_bytes = l2_next_bytes()
         prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
     row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device) if prefetch is not None else 0
-    if row_bytes:
-        counters["skinny_l2_next_launches"] += 1  # eager and captured launches, not replays
+    if row_bytes:  # launches run or captured (a replay runs no Python), and of them the captured
+        counters["skinny_l2_next_launches"] += 1
+        counters["skinny_l2_next_captured"] += torch.cuda.is_current_stream_capturing()
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
     plan, _ = _LAUNCHES.entry(

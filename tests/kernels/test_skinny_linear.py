@@ -489,8 +489,10 @@ def test_asking_l2_for_the_next_weight_changes_no_bit(M, monkeypatch):
     assert counters["skinny_l2_next_launches"] == asked + (4 if fused else 2)  # every launch asked
     warm_capture_stream()
     graph = torch.cuda.CUDAGraph()
+    captured = counters["skinny_l2_next_captured"]
     with torch.cuda.graph(graph, stream=capture_stream()):  # given, then learned
         outs = chain(8 << 20) + chain(0, learned=True)
+    assert counters["skinny_l2_next_captured"] == captured + 2 * (4 if fused else 2)
     monkeypatch.delenv(sl.L2_NEXT_ENV)
     for i in range(3):
         x.copy_(randn(x.shape, dtype, dev, gen(stable_seed("l2-next-replay", M, i))))
