@@ -219,8 +219,9 @@ def skinny_specs(prefetch: bool = False) -> list[Spec]:
             meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                         SPLIT_K=split, UPCAST=False, PDL=True, PREFETCH=prefetch)
-            out.append(Spec(f"skinny_{label}_m{rows}{'_l2' if prefetch else ''}", _skinny_linear_kernel, args, meta,
-                            cfg["num_warps"], cfg["num_stages"]))
+            name = f"skinny_{label}_m{rows}{'_l2' if prefetch else ''}"
+            out.append(Spec(name, _skinny_linear_kernel, args, meta, cfg["num_warps"],
+                            cfg["num_stages"]))
     return out
 
 

@@ -319,7 +319,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device) if prefetch is not None else 0
     if row_bytes:  # launches run or captured (a replay runs no Python), and of them the captured
         counters["skinny_l2_next_launches"] += 1
-        counters["skinny_l2_next_captured"] += torch.cuda.is_current_stream_capturing()
+        counters["skinny_l2_next_captured"] += int(torch.cuda.is_current_stream_capturing())
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
     plan, _ = _LAUNCHES.entry(
