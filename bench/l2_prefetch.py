@@ -68,11 +68,6 @@ def _l2_prefetch_kernel(base_ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constex
     pdl_release(PDL)
 
 
-def prefetch_supported(t: torch.Tensor) -> bool:
-    """Can `l2_prefetch` issue anything for `t` (module docstring)?"""
-    return l2_prefetch_supported(t.device)
-
-
 def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, programs: int = 8,
                 chunk: int = CHUNK) -> int:
     """Launcher: prefetch the first `nbytes` of contiguous `t` (all of it by
@@ -92,7 +87,7 @@ def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, programs: int = 8,
         nbytes = total
     if not 0 <= nbytes <= total:
         raise ValueError(f"l2_prefetch: nbytes must be in [0, {total}] (the tensor's size), got {nbytes}")
-    if not prefetch_supported(t):
+    if not l2_prefetch_supported(t.device):
         return 0
     skip = (-t.data_ptr()) % 16  # to the first 16-byte boundary
     nbytes = max(0, nbytes - skip) // 16 * 16

@@ -27,7 +27,7 @@ def test_the_prefetch_is_a_no_op_on_a_cpu_and_misuse_raises(monkeypatch):
     bench = load_bench_script("l2_prefetch", monkeypatch)
     t = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
     before = t.clone()
-    assert not bench.prefetch_supported(t)
+    assert not bench.l2_prefetch_supported(t.device)
     assert bench.l2_prefetch(t) == 0 and bench.l2_prefetch(t, 1024) == 0
     assert torch.equal(t, before)
     with pytest.raises(ValueError, match="contiguous tensor"):
