@@ -38,7 +38,7 @@ from ._checks import (
 from ._debug import debug_checks_on
 from ._device import (
     BATCH_INTS, SEARCH, cdiv, dot_precision, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait,
-    request_grid, request_tile, upcast_dots, use_triton,
+    request_grid, request_tile, round_to, upcast_dots, use_triton,
 )
 from ._device import sm_count as _sm_count  # a module name tests replace (a GPU's count)
 from ._launch import Launch, current_device, current_stream, hooks_unset, stream_capturing
@@ -189,6 +189,70 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# Note [rotary inside decode attention]: the fused op (compile_backend/kernels/
+# rope_attention.py) hands the decode kernels q and this step's k un-rotated
+# and k, v not yet in the caches. Each program rotates its query heads as it
+# loads them (rope_and_cache's half-split layout and fp32 math, rounded to
+# q's dtype once), reads the cached keys below seq_len - 1, and the one
+# program of (request, kv head) whose split ends at seq_len takes the key at
+# seq_len - 1 from registers, one more online-softmax step, then writes the
+# rotated key and the value at the token's slot. No program of the launch
+# reads that slot (its position is seq_len - 1 in the request's block
+# table), so the write races nothing; the next launch sees it.
+@triton.jit
+def _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM: tl.constexpr):
+    """cos, sin [BLOCK_D] of token t's position for lanes d (lanes d and
+    d + D/2 share an angle), each lane's partner lane and first-half flag."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    first = d < HALF
+    j = tl.where(first, d, d - HALF)
+    inv = tl.load(inv_freq_ptr + j, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    ang = tl.load(pos_ptr + t).to(tl.float32) * inv
+    return tl.cos(ang), tl.sin(ang), tl.where(first, d + HALF, d - HALF), first
+
+
+@triton.jit
+def _rotate(ptr, offs, partner_offs, mask, first, cos, sin, RNE_BF16: tl.constexpr):
+    """The rotated rows at ptr + offs (their partner lanes at partner_offs),
+    in ptr's dtype: x1 cos - x2 sin, x2 cos + x1 sin as rope_and_cache."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(tl.where(first, x * cos - xp * sin, x * cos + xp * sin),
+                    ptr.dtype.element_ty, RNE_BF16)
+
+
+@triton.jit
+def _new_key(q, m, l, acc, last, t, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+             stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off,
+             stride_c_h, d, partner, first, cos, sin, scale_log2, HEAD_DIM: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Where `last`: token t's key (rotated) and value for kv head kvh as one
+    more online-softmax step of the query heads q [BLOCK_H, BLOCK_D] (m, l,
+    acc as `_kv_tile_step`'s), and their write at slot_mapping[t]. Elsewhere
+    m, l, acc come back unchanged and nothing is written."""
+    n = tl.where(last, HEAD_DIM, 0)  # Note [scalar masks]
+    kv_mask = d < n
+    t64 = t.to(tl.int64)
+    k_row = t64 * stride_kn_t + kvh * stride_kn_h
+    k = _rotate(kn_ptr, k_row + d, k_row + partner, kv_mask, first, cos, sin, RNE_BF16)  # [BLOCK_D]
+    v = tl.load(vn_ptr + t64 * stride_vn_t + kvh * stride_vn_h + d, mask=kv_mask, other=0.0)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2  # [BLOCK_H]
+    s = tl.where(n > 0, s, float("-inf"))
+    m_new = tl.maximum(m, s)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new)
+    l = l * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + tl.where(last, t, 0)).to(tl.int64)
+    slot = tl.where(last, slot, -1)
+    w_mask = d < tl.where(slot >= 0, HEAD_DIM, 0)
+    dst = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_off
+           + kvh * stride_c_h + d)
+    tl.store(k_cache_ptr + dst, k, mask=w_mask)
+    tl.store(v_cache_ptr + dst, v, mask=w_mask)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=BATCH_INTS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
@@ -205,7 +269,70 @@ def _decode_kernel(
     """Note [one-launch decode]. Program (p, kvh, split), p < max(B, T):
     request p's query heads of kv head kvh over one split of its keys, and
     (split 0) the zero row p when p lies past qsl[B] (Note [request tiles],
-    ONE_TOKEN)."""
+    ONE_TOKEN). q is rotated and the caches hold this step's keys."""
+    _decode_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
+        qsl_ptr, seq_lens_ptr, block_table_ptr,
+        scale_log2, num_reqs, num_tokens, min_split_len,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+        stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+        stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+        q_ptr, q_ptr, q_ptr, q_ptr, q_ptr, 0, 0, 0, 0,
+        QUERIES_PER_KV, BLOCK_H, BLOCK_HM, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, NUM_SPLITS,
+        BLOCK_S, CHUNK, UPCAST, DOT_PRECISION, SEARCH, PDL,
+        ROPE=False, RNE_BF16=False)
+
+
+@triton.jit(do_not_specialize=BATCH_INTS)
+def _decode_rope_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2, num_reqs, num_tokens, min_split_len,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+    kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """_decode_kernel with Note [rotary inside decode attention]: q and this
+    step's k un-rotated, k and v [T, KVH, D] not yet in the caches."""
+    _decode_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
+        qsl_ptr, seq_lens_ptr, block_table_ptr,
+        scale_log2, num_reqs, num_tokens, min_split_len,
+        stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+        stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+        stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+        kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+        stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+        QUERIES_PER_KV, BLOCK_H, BLOCK_HM, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, NUM_SPLITS,
+        BLOCK_S, CHUNK, UPCAST, DOT_PRECISION, SEARCH, PDL,
+        ROPE=True, RNE_BF16=RNE_BF16)
+
+
+@triton.jit
+def _decode_program(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, tickets_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2, num_reqs, num_tokens, min_split_len,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+    kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, RNE_BF16: tl.constexpr,
+):
+    """The body of both one-launch decode kernels (ROPE: Note [rotary inside
+    decode attention])."""
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b, q_start, q_len, _, pad_row = request_tile(qsl_ptr, num_reqs, num_tokens, 1, SEARCH, True)
@@ -237,12 +364,25 @@ def _decode_kernel(
     if split < n_split:
         lo = split * per_split
         hi = tl.minimum(lo + per_split, seq_len)
-        q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
-                    + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        q_rows = q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
+        q_mask = h_ok[:, None] & d_ok[None, :]
+        if ROPE:
+            cos, sin, partner, first = _rope_angles(pos_ptr, q_start, inv_freq_ptr, d, HEAD_DIM)
+            q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask,
+                        first[None, :], cos[None, :], sin[None, :], RNE_BF16)
+            hi_cached = tl.minimum(hi, seq_len - 1)  # this step's key comes from registers
+        else:
+            q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
+            hi_cached = hi
         m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
-                                  lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
+                                  lo, hi_cached, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
                                   stride_c_h, BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST,
                                   DOT_PRECISION)
+        if ROPE:
+            m, l, acc = _new_key(q, m, l, acc, hi == seq_len, q_start, kvh, kn_ptr, vn_ptr, slot_ptr,
+                                 k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t,
+                                 stride_vn_h, stride_c_blk, stride_c_off, stride_c_h, d, partner,
+                                 first, cos, sin, scale_log2, HEAD_DIM, BLOCK_SIZE, RNE_BF16)
         pdl_release(PDL)
         o_rows = out_ptr + q_start.to(tl.int64) * stride_o_t
         if n_split == 1:  # the whole context in this program: no scratch, no ticket
@@ -309,6 +449,67 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """The two-launch decode's split: Note [one-launch decode]."""
+    _decode_split_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        qsl_ptr, seq_lens_ptr, block_table_ptr,
+        scale_log2,
+        stride_q_t, stride_q_h,
+        stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+        stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+        q_ptr, q_ptr, q_ptr, q_ptr, q_ptr, 0, 0, 0, 0,
+        QUERIES_PER_KV, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, NUM_SPLITS, UPCAST,
+        DOT_PRECISION, PDL,
+        ROPE=False, RNE_BF16=False)
+
+
+@triton.jit
+def _decode_split_rope_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2,
+    stride_q_t, stride_q_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+    kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
+    """_decode_split_kernel with Note [rotary inside decode attention]."""
+    _decode_split_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        qsl_ptr, seq_lens_ptr, block_table_ptr,
+        scale_log2,
+        stride_q_t, stride_q_h,
+        stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+        stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+        kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+        stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+        QUERIES_PER_KV, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, NUM_SPLITS, UPCAST,
+        DOT_PRECISION, PDL,
+        ROPE=True, RNE_BF16=RNE_BF16)
+
+
+@triton.jit
+def _decode_split_program(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2,
+    stride_q_t, stride_q_h,
+    stride_c_blk, stride_c_off, stride_c_h, stride_bt_b,
+    stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+    kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    ROPE: tl.constexpr, RNE_BF16: tl.constexpr,
+):
     # Program (b, kvh, split) writes every partial entry of its heads and split,
     # empty ones too (m = -1e30, l = 0), so scratch needs no initialisation.
     b = tl.program_id(0)
@@ -328,12 +529,25 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     pdl_wait(PDL)  # the metadata above before it, as in _decode_kernel; q and the caches after
-    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h + d[None, :],
-                mask=(hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :],
-                other=0.0)  # [BLOCK_H, BLOCK_D]
+    q_rows = q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
+    q_mask = (hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :]
+    if ROPE:
+        t = tl.where(has_query, q_start, 0)  # q_start may be T for a request with no query
+        cos, sin, partner, first = _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM)
+        q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask, first[None, :],
+                    cos[None, :], sin[None, :], RNE_BF16)
+        hi_cached = tl.minimum(hi, seq_len - 1)  # this step's key comes from registers
+    else:
+        q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
+        hi_cached = hi
     m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
-                              lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off, stride_c_h,
-                              BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST, DOT_PRECISION)
+                              lo, hi_cached, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
+                              stride_c_h, BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST, DOT_PRECISION)
+    if ROPE:  # the split that ends at seq_len (empty splits past it start at or after it)
+        m, l, acc = _new_key(q, m, l, acc, (lo < seq_len) & (hi == seq_len), t, kvh, kn_ptr, vn_ptr,
+                             slot_ptr, k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h,
+                             stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off, stride_c_h, d,
+                             partner, first, cos, sin, scale_log2, HEAD_DIM, BLOCK_SIZE, RNE_BF16)
     pdl_release(PDL)
 
     pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split
@@ -475,7 +689,8 @@ class _Plan:
                  "device_index", "stream", "in_capture", "run")
 
     def __init__(self, query, key_cache, output, query_start_loc, seq_lens, block_table,
-                 max_query_len, max_seq_len, num_splits=None, config=None, *, bind=False):
+                 max_query_len, max_seq_len, num_splits=None, config=None, *, bind=False,
+                 rope=False):
         self.query_start_loc, self.seq_lens, self.block_table = query_start_loc, seq_lens, block_table
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
         if query.is_cuda:
@@ -500,9 +715,13 @@ class _Plan:
         elif max_query_len == 1 and B > 0:
             two, min_split = decode_form(B, KVH, query.device, cfg)
             S = num_splits or num_kv_splits(B, KVH, max_seq_len, query.device, min_split)
+            # Note [interpreter bf16 rounding]: the rotary rounds by hand there.
+            rope_meta = dict(RNE_BF16=interpreting() and query.dtype == torch.bfloat16) if rope else None
             self.run = _decode_run(B, T, H, KVH, D, qpk, query.device, query_start_loc, seq_lens,
-                                   block_table, strides, common, S, min_split, bool(two), bind)
+                                   block_table, strides, common, S, min_split, bool(two), bind,
+                                   rope_meta)
         else:
+            assert not rope, "rotary inside attention: decode batches only"
             block_m = max(_dot_dim(cfg["BLOCK_M"]), next_pow2(qpk))
             block_q = block_m // qpk
             prefill = Launch(_prefill_kernel, (request_grid(T, B, block_q, False), KVH),
@@ -598,11 +817,14 @@ def merge_chunk(block_hm: int, block_d: int, block_s: int) -> int:
 
 
 def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table, strides,
-                common, S, min_split, two_launch, bind):
+                common, S, min_split, two_launch, bind, rope=None):
     """The decode launch (Note [one-launch decode]), with its scratch
     (`_split_partials`; none for S == 1) and the stream's ticket counters
     (Note [decode tickets]). `two_launch` (or a capture without tickets): the
-    split kernel and the reduce kernel instead."""
+    split kernel and the reduce kernel instead. `rope` (their extra meta, or
+    None): the kernels of Note [rotary inside decode attention], whose runs
+    take the rope arguments (k, v, positions, inv_freq, slot_mapping, then k's
+    and v's token and head strides)."""
     tickets = None
     if S > 1 and not two_launch:
         tickets = decode_tickets(device, B * KVH)
@@ -611,7 +833,7 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
             two_launch = True
     if two_launch:
         return _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens,
-                                      block_table, strides, common, S, bind)
+                                      block_table, strides, common, S, bind, rope)
     if S > 1:
         part_acc, part_m, part_l = _split_partials(B, H, S, D, device)
         part_strides = (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
@@ -624,16 +846,17 @@ def _decode_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_t
     block_hm = next_pow2(qpk)
     block_s = next_pow2(S)
     chunk = merge_chunk(block_hm, common["BLOCK_D"], block_s)
-    kernel = Launch(_decode_kernel, (request_grid(T, B, 1, True), KVH, S),
+    kernel = Launch(_decode_kernel if rope is None else _decode_rope_kernel,
+                    (request_grid(T, B, 1, True), KVH, S),
                     dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), BLOCK_HM=block_hm,
                          NUM_SPLITS=S, BLOCK_S=block_s, CHUNK=chunk, SEARCH=SEARCH, **common,
-                         **pdl_meta(device)),
+                         **pdl_meta(device), **(rope or {})),
                     bind=bind)
     mid = (part_acc, part_m, part_l, tickets, query_start_loc, seq_lens, block_table)
     tail = (B, T, min_split, *strides, *part_strides)
 
-    def run(q, kc, vc, out, scale_log2, stream):
-        kernel.launch(stream, (q, kc, vc, out, *mid, scale_log2, *tail))
+    def run(q, kc, vc, out, scale_log2, stream, rope_args=()):
+        kernel.launch(stream, (q, kc, vc, out, *mid, scale_log2, *tail, *rope_args))
 
     return run
 
@@ -649,13 +872,14 @@ def _split_partials(B: int, H: int, S: int, D: int, device: torch.device):
 
 
 def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_lens, block_table,
-                           strides, common, S, bind):
+                           strides, common, S, bind, rope=None):
     """The two-launch decode (split kernel, then reduce kernel), with its
-    scratch (`_split_partials`). Every split writes a partial, empty or not."""
+    scratch (`_split_partials`). Every split writes a partial, empty or not.
+    `rope`: as `_decode_run`'s."""
     part_acc, part_m, part_l = _split_partials(B, H, S, D, device)
-    split = Launch(_decode_split_kernel, (B, KVH, S),
+    split = Launch(_decode_split_kernel if rope is None else _decode_split_rope_kernel, (B, KVH, S),
                    dict(QUERIES_PER_KV=qpk, BLOCK_H=_dot_dim(qpk), NUM_SPLITS=S, **common,
-                        **pdl_meta(device)), bind=bind)
+                        **pdl_meta(device), **(rope or {})), bind=bind)
     reduce = Launch(_decode_reduce_kernel, (request_grid(T, B, 1, True), H),
                     dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=S, BLOCK_S=next_pow2(S),
                          SEARCH=SEARCH, num_warps=4, **pdl_meta(device)), bind=bind)
@@ -666,8 +890,8 @@ def _decode_two_launch_run(B, T, H, KVH, D, qpk, device, query_start_loc, seq_le
     split_tail = (*strides[:2], *strides[4:], *part_strides)
     reduce_tail = (query_start_loc, B, T, *part_strides, *strides[2:4])
 
-    def run(q, kc, vc, out, scale_log2, stream):
-        split.launch(stream, (q, kc, vc, *split_mid, scale_log2, *split_tail))
+    def run(q, kc, vc, out, scale_log2, stream, rope_args=()):
+        split.launch(stream, (q, kc, vc, *split_mid, scale_log2, *split_tail, *rope_args))
         reduce.launch(stream, (*parts, out, *reduce_tail))
 
     return run

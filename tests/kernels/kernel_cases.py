@@ -67,6 +67,19 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, w
     assert err <= REL_TOL[dtype], f"{what} rel. error {err:.3g} > {REL_TOL[dtype]:.3g} ({dtype})"
 
 
+def assert_one_rounding(out, ref, x, dtype, what):
+    """out within one rounding to `dtype` of ref, plus fp32 noise (cos/sin of
+    another library, a fused multiply-add) relative to the rotated rows' size."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    mag = x.double().cpu().abs().amax(-1, keepdim=True)  # per row
+    allowed = torch.finfo(dtype).eps * ref.abs() + 1e-5 * mag
+    err = (out - ref).abs()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    bad = err > allowed
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements off by more than one {dtype} "
+                           f"rounding, max excess {float((err - allowed).max()):.3g}")
+
+
 def stable_seed(*parts) -> int:
     """A seed from the case's values that is the same in every process
     (`hash()` of a str changes with PYTHONHASHSEED, so a failure would not rerun)."""

@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 
-from kernel_cases import DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, gen, paged_batch, randn, stable_seed
+from kernel_cases import (
+    DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, assert_one_rounding, gen, paged_batch, randn,
+    stable_seed,
+)
 from compile_backend.kernels import debug_checks
 from compile_backend.kernels.rope_and_cache import rope_and_cache, rope_and_cache_ref, rotary_ref
 
@@ -42,19 +45,6 @@ def _qkv(T, H, KVH, D, dtype, device, g):
     return q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
 
 
-def _assert_one_rounding(out, ref, x, dtype, what):
-    """out within one rounding to `dtype` of ref, plus fp32 noise (cos/sin of
-    another library, a fused multiply-add) relative to the rotated rows' size."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    mag = x.double().cpu().abs().amax(-1, keepdim=True)  # per row
-    allowed = torch.finfo(dtype).eps * ref.abs() + 1e-5 * mag
-    err = (out - ref).abs()
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    bad = err > allowed
-    assert not bad.any(), (f"{what}: {int(bad.sum())} elements off by more than one {dtype} "
-                           f"rounding, max excess {float((err - allowed).max()):.3g}")
-
-
 def _check_case(q_lens, seq_lens, pad, H, KVH, D, dtype, device, seed, block_size=16,
                 theta=10000.0):
     g = gen(seed)
@@ -70,7 +60,7 @@ def _check_case(q_lens, seq_lens, pad, H, KVH, D, dtype, device, seed, block_siz
     ref = rope_and_cache_ref(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), inv_freq.cpu(), kc_ref,
                              vc_ref, batch.slot_mapping.cpu())
     assert out.shape == (T, H, D) and out.dtype == dtype and out.is_contiguous()
-    _assert_one_rounding(out, ref, q, dtype, "q_rot")
+    assert_one_rounding(out, ref, q, dtype, "q_rot")
     assert_close_rel(out, ref, dtype, "q_rot")
     # The whole caches: rows of real tokens as the reference wrote them,
     # every other row (padding tokens' included) untouched.
@@ -82,10 +72,10 @@ def _check_case(q_lens, seq_lens, pad, H, KVH, D, dtype, device, seed, block_siz
     written = written.view(batch.num_blocks, block_size)
     assert torch.equal(kc[~written], kc_ref[~written])
     assert torch.equal(vc, vc_ref)  # v is copied, not rotated: exact
-    _assert_one_rounding(kc[written], kc_ref[written], kc_ref[written], dtype, "key_cache")
+    assert_one_rounding(kc[written], kc_ref[written], kc_ref[written], dtype, "key_cache")
     # Each real token's rotated key and its value are where its slot says.
     k_rot = rotary_ref(k.cpu(), positions.cpu(), inv_freq.cpu())
-    _assert_one_rounding(kc.view(-1, KVH, D)[slots[real]], k_rot[real], k.cpu()[real], dtype,
+    assert_one_rounding(kc.view(-1, KVH, D)[slots[real]], k_rot[real], k.cpu()[real], dtype,
                          "keys at their slots")
     assert torch.equal(vc.view(-1, KVH, D)[slots[real]], v.cpu()[real])
 
@@ -143,8 +133,8 @@ def test_inv_freq_in_the_model_dtype(inv_dtype, device):
     out = rope_and_cache(q, k, v, positions, inv_freq, kc, vc, batch.slot_mapping)
     ref = rope_and_cache_ref(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), inv_freq.cpu(), kr, vr,
                              batch.slot_mapping.cpu())
-    _assert_one_rounding(out, ref, q, torch.float32, "q_rot")
-    _assert_one_rounding(kc, kr, kr, torch.float32, "key_cache")
+    assert_one_rounding(out, ref, q, torch.float32, "q_rot")
+    assert_one_rounding(kc, kr, kr, torch.float32, "key_cache")
     assert torch.equal(vc.cpu(), vr)
 
 
@@ -164,8 +154,8 @@ def test_out_parameter_and_int32_positions(device):
     assert got is out
     ref = rope_and_cache_ref(q.cpu(), k.cpu(), v.cpu(), positions.long().cpu(), inv_freq.cpu(),
                              kr, vr, batch.slot_mapping.cpu())
-    _assert_one_rounding(out, ref, q, torch.float16, "q_rot")
-    _assert_one_rounding(kc, kr, kr, torch.float16, "key_cache")
+    assert_one_rounding(out, ref, q, torch.float16, "q_rot")
+    assert_one_rounding(kc, kr, kr, torch.float16, "key_cache")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -178,7 +168,7 @@ def test_no_cache_blocks(device):
     kc = torch.empty(0, 16, KVH, D, device=device)
     slots = torch.full((T,), -1, dtype=torch.int64, device=device)
     out = rope_and_cache(q, k, v, positions, inv_freq, kc, kc.clone(), slots)
-    _assert_one_rounding(out, rotary_ref(q.cpu(), positions.cpu(), inv_freq.cpu()), q,
+    assert_one_rounding(out, rotary_ref(q.cpu(), positions.cpu(), inv_freq.cpu()), q,
                          torch.float32, "q_rot")
     empty = q[:0]
     assert rope_and_cache(empty, k[:0], v[:0], positions[:0], inv_freq, kc, kc.clone(),
