@@ -77,6 +77,14 @@ class CompilationConfig:
         in torch (compile_backend/passes/fuse_norm_linear.py). On by
         default: llama8b decode 1.4-2.1% faster at 1-16 requests, within
         1.2% at 32-64 (docs/design.md, "RMSNorm, projection and gate").
+    fuse_rope_attention: a `mrv2::rope_and_cache` whose rotated q feeds only
+        the `mrv2::unified_attention` of the same layer and caches becomes
+        one `mrv2::rope_attention`: rotary and the KV write inside the
+        decode attention's launch (compile_backend/passes/fuse_rope_attention.py).
+        Only in graphs compiled for cudagraph_mode="full": in PIECEWISE the
+        rope kernel is inside a captured piece already, while the fused op
+        would run at the eager breakpoint with its plan built per call. Off
+        until measured on the H200.
     direct_op_calls: eager pieces call registered ops' implementations without
         the dispatcher while grad is off (compile_backend/core/direct_calls.py).
     capture_warmup: when a runner's plan runs the eager step before a capture:
@@ -167,6 +175,7 @@ class CompilationConfig:
     fuse_sibling_linears: bool = True
     fuse_linear_residual: bool = True
     fuse_norm_linear: bool = True
+    fuse_rope_attention: bool = False
     direct_op_calls: bool = True
     capture_warmup: str = "on_demand"
     derive_mixed_graphs: bool = False
@@ -268,7 +277,7 @@ class CompilationConfig:
         for name in ("debug_checks", "strict_capture", "enable_passes",
                      "reorder_for_fewer_pieces", "growing_caches_eager", "fuse_sibling_linears",
                      "fuse_linear_residual",
-                     "fuse_norm_linear",
+                     "fuse_norm_linear", "fuse_rope_attention",
                      "direct_op_calls", "serializable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -22,6 +22,7 @@ from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from .norm_linear import norm_linear, norm_linear_ref
 from .rms_norm import rms_norm_ref
 from .rope_and_cache import rope_and_cache, rope_and_cache_ref
+from .rope_attention import rope_attention, rope_attention_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
 from .skinny_linear import L2_NEXT_ENV, SKINNY_ENV, WIDE_ENV, linear_add, skinny_linear
@@ -36,6 +37,7 @@ __all__ = [
     "KERNEL_SWITCHES", "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "norm_linear", "norm_linear_ref", "num_kv_splits", "pack_siblings", "packed_view",
     "reshape_and_cache", "reshape_and_cache_ref", "rope_and_cache", "rope_and_cache_ref",
+    "rope_attention", "rope_attention_ref",
     "rms_norm_ref", "sconv", "sconv_ref", "set_debug_checks",
     "linear_add", "sibling_linear", "skinny_linear", "unified_attention", "unified_attention_ref",
 ]

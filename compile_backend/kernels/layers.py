@@ -22,6 +22,7 @@ from torch import nn
 from . import kv_compress as _kv_compress  # noqa: F401  (registers mrv2::kv_compress)
 from . import reshape_and_cache as _reshape_and_cache  # noqa: F401
 from . import rope_and_cache as _rope_and_cache  # noqa: F401
+from . import rope_attention as _rope_attention  # noqa: F401  (the pass's fused op)
 from . import sconv as _sconv  # noqa: F401
 from . import unified_attention as _unified_attention  # noqa: F401
 from .unified_attention import MAX_HEAD_DIM

@@ -23,7 +23,9 @@ from compile_backend.core.op_registry import OpRole, register_op
 from ._device import use_triton
 from ._metadata import layer_metadata
 from .rope_and_cache import _check_args as _check_rope, rope_and_cache, rope_and_cache_ref
-from .unified_attention import LOG2E, _check, _Plan, unified_attention, unified_attention_ref
+from .unified_attention import (
+    LOG2E, _check, _check_output, _Plan, unified_attention, unified_attention_ref,
+)
 
 
 def rope_attention(
@@ -97,8 +99,7 @@ def rope_attention_impl(q, k, v, positions, inv_freq, key_cache, value_cache, ou
                        meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
                        meta.max_query_len, meta.max_seq_len, out=output)
         return
-    _check(q, key_cache, value_cache, output, meta.query_start_loc, meta.seq_lens,
-           meta.block_table, meta.max_query_len, meta.max_seq_len)
+    _check_output(q, output, q.device)  # the references check the rest
     output.copy_(rope_attention_ref(q, k, v, positions, inv_freq, key_cache, value_cache,
                                     meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                     meta.block_table, scale))

@@ -2,8 +2,9 @@
 
 PassManager (pass_manager.py) runs them in a fixed, documented order:
 capture safety, the all-reduce rewrite, sibling-linear fusion,
-linear + residual fusion, norm + linear fusion, growing caches beside the
-attention, then segment ordering. Each
+linear + residual fusion, norm + linear fusion, rotary into the decode
+attention (FULL graphs), growing caches beside the attention, then segment
+ordering. Each
 pass is a class with `__call__(graph)` and `uuid()` (pass_base.py, with the
 fusion passes' skeleton `FusionPass`); the node helpers they share are in
 fx_nodes.py, the effect analysis in effects.py.
@@ -20,6 +21,7 @@ from compile_backend.core.op_registry import (
 from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
+from .fuse_rope_attention import FuseRopeAttentionPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .growing_caches import GrowingCachesPass
 from .pass_base import FusionPass, Mrv2Pass, PassReport
@@ -33,6 +35,7 @@ __all__ = [
     "GrowingCachesPass",
     "FuseLinearResidualPass",
     "FuseNormLinearPass",
+    "FuseRopeAttentionPass",
     "FuseSiblingLinearsPass",
     "FusionPass",
     "Mrv2Pass",

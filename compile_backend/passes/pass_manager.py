@@ -6,11 +6,11 @@
     manager.uuid()      # hash of the members' uuids (part of compile-cache keys)
 
 The order: CaptureSafetyPass, SymmetricAllReducePass, FuseSiblingLinearsPass,
-FuseLinearResidualPass, FuseNormLinearPass, GrowingCachesPass,
-SegmentAttentionLikePass. Safety first, the rewrites after it (they leave
-alone what it marked eager), then what runs with the attention by choice
-(earlier, it would stop the fusions there), the segment order last (it sees
-the final graph and the final eager set). Why each
+FuseLinearResidualPass, FuseNormLinearPass, FuseRopeAttentionPass,
+GrowingCachesPass, SegmentAttentionLikePass. Safety first, the rewrites
+after it (they leave alone what it marked eager), then what runs with the
+attention by choice (earlier, it would stop the fusions there), the segment
+order last (it sees the final graph and the final eager set). Why each
 stands where it does: docs/design.md, "The FX passes".
 """
 
@@ -27,6 +27,7 @@ from compile_backend.core.op_registry import OpRegistry
 from .capture_safety import CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
+from .fuse_rope_attention import FuseRopeAttentionPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .growing_caches import GrowingCachesPass
 from .pass_base import Mrv2Pass
@@ -50,6 +51,8 @@ class PassManager:
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             FuseLinearResidualPass(roles, enabled=config.fuse_linear_residual),
             FuseNormLinearPass(roles, enabled=config.fuse_norm_linear),
+            FuseRopeAttentionPass(roles, enabled=config.fuse_rope_attention,
+                                  mode=config.cudagraph_mode),
             GrowingCachesPass(roles, enabled=config.growing_caches_eager),
             SegmentAttentionLikePass(roles, reorder=config.reorder_for_fewer_pieces),
         ])

@@ -250,10 +250,10 @@ def test_core_names_no_kernel_op_and_the_kernels_register_their_own():
 
         import compile_backend.kernels
         reg = OpRegistry()
-        ops = ["mrv2::unified_attention", "mrv2::reshape_and_cache", "mrv2::rope_and_cache",
-               "mrv2::sconv", "mrv2::kv_compress"]
-        assert reg.role_of_name(ops[0]) is OpRole.BREAKPOINT
-        assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[1:])
+        ops = ["mrv2::unified_attention", "mrv2::rope_attention", "mrv2::reshape_and_cache",
+               "mrv2::rope_and_cache", "mrv2::sconv", "mrv2::kv_compress"]
+        assert all(reg.role_of_name(n) is OpRole.BREAKPOINT for n in ops[:2])
+        assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[2:])
         assert reg.layer_keyed_ops() == sorted(ops)
         # sibling_linear, linear_add, norm_linear: ordinary ops (no role, no
         # layer name), capture-safe; all_reduce: a collective, capture-safe
