@@ -4,9 +4,10 @@ import torch
 import torch._dynamo
 
 
-def dynamo_graph(model, x):
-    """The graph Dynamo hands a backend for model(x) (one graph, no
-    breaks), and its example inputs."""
+def dynamo_graph(model, *args):
+    """The graph Dynamo hands a backend for model(*args) (one graph, no
+    breaks), and its example inputs (the model's own parameters and buffers
+    among them)."""
     graphs = []
 
     def grab(gm, example_inputs):
@@ -15,7 +16,7 @@ def dynamo_graph(model, x):
 
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend=grab, fullgraph=True)(x)
+        torch.compile(model, backend=grab, fullgraph=True)(*args)
     ((gm, inputs),) = graphs
     return gm, inputs
 

@@ -21,7 +21,7 @@ from torch import nn
 import compile_backend as cb
 import compile_backend.kernels  # noqa: F401  (registers mrv2::rope_attention)
 import pass_ops  # noqa: F401  (registers passtest::host_read)
-from fx_helpers import calls
+from fx_helpers import calls, dynamo_graph
 from compile_backend.core.forward_context import ForwardContext, set_forward_context
 from compile_backend.core.op_registry import EAGER_REASON
 from compile_backend.demo.models import build_model, preset
@@ -183,22 +183,6 @@ DECODE = ([1, 1, 1], [7, 13, 2])
 MIXED = ([3, 1, 2], [3, 16, 9])
 
 
-def _graph(model, *args):
-    """The graph Dynamo hands a backend for model(*args), and its example
-    inputs (the model's own parameters and buffers among them)."""
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=grab, fullgraph=True)(*args)
-    ((gm, inputs),) = graphs
-    return gm, inputs
-
-
 def _passes(gm, **options):
     """Every pass, as the backend runs them; this pass's log entry."""
     config = cb.CompilationConfig(**{"cudagraph_mode": "full", "fuse_rope_attention": True,
@@ -229,7 +213,7 @@ def test_fires_on_a_dynamo_graph_and_computes_the_same(batch, caplog):
     metas, positions = _metadata(*batch)
     x = torch.randn(positions.shape[0], C)
     with set_forward_context(ForwardContext(metas)):
-        gm, inputs = _graph(model, x, positions)  # ran once: the caches are written
+        gm, inputs = dynamo_graph(model, x, positions)  # ran once: the caches are written
     for name, cache in model.named_buffers():
         if name in before:
             cache.copy_(before[name])
@@ -267,7 +251,7 @@ def test_only_full_graphs_with_the_option_on(mode, on):
     model = _bind(RopeLayers().eval(), seed=2)
     metas, positions = _metadata(*DECODE)
     with set_forward_context(ForwardContext(metas)):
-        gm, _ = _graph(model, torch.randn(3, C), positions)
+        gm, _ = dynamo_graph(model, torch.randn(3, C), positions)
     entry = _passes(gm, cudagraph_mode=mode, fuse_rope_attention=on)
     details = entry["details"]
     fires = on and mode == "full"
@@ -296,7 +280,7 @@ def test_without_the_op_the_graph_is_unchanged_and_the_report_says_why(monkeypat
     model = _bind(RopeLayers(layers=1).eval(), seed=3)
     metas, positions = _metadata(*DECODE)
     with set_forward_context(ForwardContext(metas)):
-        gm, _ = _graph(model, torch.randn(3, C), positions)
+        gm, _ = dynamo_graph(model, torch.randn(3, C), positions)
     monkeypatch.setattr(FuseRopeAttentionPass, "fused_op", lambda self: None)
     before = str(gm.graph)
     report = FuseRopeAttentionPass(cb.OpRegistry())(gm.graph)
@@ -314,7 +298,7 @@ def test_does_not_fire(cls, reason):
     model = _bind(cls().eval(), seed=4)
     metas, positions = _metadata(*DECODE)
     with set_forward_context(ForwardContext(metas)):
-        gm, _ = _graph(model, torch.randn(3, C), positions)
+        gm, _ = dynamo_graph(model, torch.randn(3, C), positions)
     entry = _passes(gm)
     assert not entry["changed"] and entry["details"]["fused"] == []
     assert not calls(gm, FUSED) and len(calls(gm, ROPE)) == 1
@@ -328,7 +312,7 @@ def test_nodes_marked_eager_are_not_fused(marked):
     model = _bind(RopeLayers(layers=1).eval(), seed=5)
     metas, positions = _metadata(*DECODE)
     with set_forward_context(ForwardContext(metas)):
-        gm, _ = _graph(model, torch.randn(3, C), positions)
+        gm, _ = dynamo_graph(model, torch.randn(3, C), positions)
     node = (calls(gm, ROPE) if marked == "rope" else calls(gm, ATTENTION))[0]
     node.meta[EAGER_REASON] = "marked by the test"
     report = FuseRopeAttentionPass(cb.OpRegistry())(gm.graph)
@@ -344,7 +328,7 @@ def test_an_attention_that_is_no_breakpoint_keeps_its_rope():
     model = _bind(RopeLayers(layers=1).eval(), seed=6)
     metas, positions = _metadata(*DECODE)
     with set_forward_context(ForwardContext(metas)):
-        gm, _ = _graph(model, torch.randn(3, C), positions)
+        gm, _ = dynamo_graph(model, torch.randn(3, C), positions)
     entry = _passes(gm, non_splitting_ops=["mrv2::unified_attention"])
     (why,) = entry["details"]["not_fused"]
     assert why["reason"].startswith("the attention's role is ordinary, the fused op's breakpoint")
