@@ -246,10 +246,16 @@ def decode_specs() -> list[Spec]:
                    stride_pa_b=HEADS * splits * HEAD_DIM, stride_pa_h=splits * HEAD_DIM,
                    stride_pa_s=HEAD_DIM, stride_pm_b=HEADS * splits, stride_pm_h=splits)
     sizes = dict(scale_log2=0.1275, num_reqs=64, num_tokens=64, min_split_len=ua.MIN_SPLIT_LEN)
-    allargs = {**ptrs, **strides, **sizes}
+    # The rope kernels' extra arguments (Note [rotary inside decode attention]):
+    # k, v column slices of one fused qkv output, int64 positions and slots.
+    rope = dict(kn_ptr="*bf16", vn_ptr="*bf16", pos_ptr="*i64", inv_freq_ptr="*fp32",
+                slot_ptr="*i64", stride_kn_t=(HEADS + 2 * KV_HEADS) * HEAD_DIM,
+                stride_kn_h=HEAD_DIM, stride_vn_t=(HEADS + 2 * KV_HEADS) * HEAD_DIM,
+                stride_vn_h=HEAD_DIM)
+    allargs = {**ptrs, **strides, **sizes, **rope}
     pick = lambda kernel: {n: allargs[n] for n in kernel.arg_names if n in allargs}  # noqa: E731
     w, s = tiles["num_warps"], tiles["num_stages"]
-    return [
+    one = [
         Spec("decode_split", ua._decode_split_kernel, pick(ua._decode_split_kernel),
              dict(common, NUM_SPLITS=splits), w, s),
         Spec("decode_reduce", ua._decode_reduce_kernel, pick(ua._decode_reduce_kernel),
@@ -260,6 +266,10 @@ def decode_specs() -> list[Spec]:
                   CHUNK=ua.merge_chunk(ua.next_pow2(qpk), HEAD_DIM, ua.next_pow2(splits)),
                   SEARCH=ua.SEARCH), w, s),
     ]
+    return one + [Spec(f"{spec.name}_rope", rope_kernel, pick(rope_kernel),
+                       dict(spec.meta, RNE_BF16=False), spec.num_warps, spec.num_stages)
+                  for spec, rope_kernel in ((one[0], ua._decode_split_rope_kernel),
+                                            (one[2], ua._decode_rope_kernel))]
 
 
 def prefetch_specs() -> list[Spec]:

@@ -68,8 +68,10 @@ def test_the_decode_steps_kernels_compile_pipelined(tmp_path):
     assert rows["l2_prefetch"]["l2_prefetches"] == 1 and rows["l2_prefetch"]["pre_wait_loads"] == 0
     # 5 linears x 4 decode row counts, o and down at 128 and 256 rows, each also
     # asking L2 for the next weight (_l2: one bulk prefetch, the others none);
-    # the one-launch decode, its two-launch form
-    assert len(skinny) == 48 and {"decode_split", "decode_reduce", "decode_one_launch"} <= set(rows)
+    # the one-launch decode, its two-launch form, both with rotary inside
+    decode = {"decode_split", "decode_reduce", "decode_one_launch", "decode_split_rope",
+              "decode_one_launch_rope"}
+    assert len(skinny) == 48 and decode <= set(rows)
     assert all(rows[n]["l2_prefetches"] == n.endswith("_l2") for n in skinny)
     for name, r in rows.items():
         assert r["loop_loads"] == 0, (name, r)  # no memory round trip per iteration
