@@ -4,10 +4,10 @@
 un-rotated [T, H, D] / [T, KVH, D], v [T, KVH, D] -> out [T, H, D], and k
 rotated and v written into the paged caches at slot_mapping. On a decode
 batch (max_query_len == 1) the decode kernels of unified_attention.py run
-with ROPE on: each program rotates its query heads as it loads them, attends
-over the cached keys before this step's, and the program whose split ends
-at seq_len adds this step's key and value from registers and writes them to
-the cache (nothing else reads that slot in the launch). Anything else (a
+with ROPE on: each program rotates its query heads as it loads them, and the
+program whose split ends at seq_len writes this step's rotated key and value
+at its slot before it reads its keys (that slot's only reader in the
+launch): the bits of the two ops, one launch fewer. Anything else (a
 prefill or mixed batch, unbound caches, plain CPU tensors) runs the two ops.
 Written by FuseRopeAttentionPass (compile_backend/passes/fuse_rope_attention.py)
 for FULL graphs only. docs/design.md, "Rotary inside decode attention".

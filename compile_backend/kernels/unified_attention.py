@@ -193,12 +193,16 @@ def _prefill_kernel(
 # rope_attention.py) hands the decode kernels q and this step's k un-rotated
 # and k, v not yet in the caches. Each program rotates its query heads as it
 # loads them (rope_and_cache's half-split layout and fp32 math, rounded to
-# q's dtype once), reads the cached keys below seq_len - 1, and the one
-# program of (request, kv head) whose split ends at seq_len takes the key at
-# seq_len - 1 from registers, one more online-softmax step, then writes the
-# rotated key and the value at the token's slot. No program of the launch
-# reads that slot (its position is seq_len - 1 in the request's block
-# table), so the write races nothing; the next launch sees it.
+# q's dtype once). The one program of a (request, kv head) whose split ends
+# at seq_len first writes the token's rotated key and its value at the
+# token's slot, then passes a barrier, then attends over its split as any
+# other: it reads that slot back like every cached key. It is the slot's only
+# reader in the launch: the slot is position seq_len - 1 of the request's
+# block table (as every metadata builder makes it), which only that split
+# covers, and other kv heads' programs read other bytes of the row. The
+# barrier (bar.sync) makes the program's own global writes visible to all of
+# its threads before their loads. So the output and the caches are the bits
+# of rope_and_cache then the attention kernel, one launch fewer.
 @triton.jit
 def _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM: tl.constexpr):
     """cos, sin [BLOCK_D] of token t's position for lanes d (lanes d and
@@ -222,35 +226,23 @@ def _rotate(ptr, offs, partner_offs, mask, first, cos, sin, RNE_BF16: tl.constex
 
 
 @triton.jit
-def _new_key(q, m, l, acc, last, t, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-             stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off,
-             stride_c_h, d, partner, first, cos, sin, scale_log2, HEAD_DIM: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Where `last`: token t's key (rotated) and value for kv head kvh as one
-    more online-softmax step of the query heads q [BLOCK_H, BLOCK_D] (m, l,
-    acc as `_kv_tile_step`'s), and their write at slot_mapping[t]. Elsewhere
-    m, l, acc come back unchanged and nothing is written."""
-    n = tl.where(last, HEAD_DIM, 0)  # Note [scalar masks]
-    kv_mask = d < n
+def _write_new_key(last, t, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                   stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off,
+                   stride_c_h, d, partner, first, cos, sin, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Where `last`: token t's key (rotated) and value for kv head kvh into
+    the caches at slot_mapping[t] (slot -1: nothing). Elsewhere nothing."""
     t64 = t.to(tl.int64)
-    k_row = t64 * stride_kn_t + kvh * stride_kn_h
-    k = _rotate(kn_ptr, k_row + d, k_row + partner, kv_mask, first, cos, sin, RNE_BF16)  # [BLOCK_D]
-    v = tl.load(vn_ptr + t64 * stride_vn_t + kvh * stride_vn_h + d, mask=kv_mask, other=0.0)
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2  # [BLOCK_H]
-    s = tl.where(n > 0, s, float("-inf"))
-    m_new = tl.maximum(m, s)
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new)
-    l = l * alpha + p
-    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
     slot = tl.load(slot_ptr + tl.where(last, t, 0)).to(tl.int64)
     slot = tl.where(last, slot, -1)
-    w_mask = d < tl.where(slot >= 0, HEAD_DIM, 0)
+    mask = d < tl.where(slot >= 0, HEAD_DIM, 0)  # Note [scalar masks]
+    k_row = t64 * stride_kn_t + kvh * stride_kn_h
+    k = _rotate(kn_ptr, k_row + d, k_row + partner, mask, first, cos, sin, RNE_BF16)  # [BLOCK_D]
+    v = tl.load(vn_ptr + t64 * stride_vn_t + kvh * stride_vn_h + d, mask=mask, other=0.0)
     dst = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_off
            + kvh * stride_c_h + d)
-    tl.store(k_cache_ptr + dst, k, mask=w_mask)
-    tl.store(v_cache_ptr + dst, v, mask=w_mask)
-    return m_new, l, acc
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit(do_not_specialize=BATCH_INTS)
@@ -370,19 +362,17 @@ def _decode_program(
             cos, sin, partner, first = _rope_angles(pos_ptr, q_start, inv_freq_ptr, d, HEAD_DIM)
             q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask,
                         first[None, :], cos[None, :], sin[None, :], RNE_BF16)
-            hi_cached = tl.minimum(hi, seq_len - 1)  # this step's key comes from registers
+            _write_new_key(hi == seq_len, q_start, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr,
+                           v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+                           stride_c_blk, stride_c_off, stride_c_h, d, partner, first, cos, sin,
+                           HEAD_DIM, BLOCK_SIZE, RNE_BF16)
+            tl.debug_barrier()  # the loads below see the write (Note [rotary inside ...])
         else:
             q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
-            hi_cached = hi
         m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
-                                  lo, hi_cached, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
+                                  lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
                                   stride_c_h, BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST,
                                   DOT_PRECISION)
-        if ROPE:
-            m, l, acc = _new_key(q, m, l, acc, hi == seq_len, q_start, kvh, kn_ptr, vn_ptr, slot_ptr,
-                                 k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t,
-                                 stride_vn_h, stride_c_blk, stride_c_off, stride_c_h, d, partner,
-                                 first, cos, sin, scale_log2, HEAD_DIM, BLOCK_SIZE, RNE_BF16)
         pdl_release(PDL)
         o_rows = out_ptr + q_start.to(tl.int64) * stride_o_t
         if n_split == 1:  # the whole context in this program: no scratch, no ticket
@@ -536,18 +526,17 @@ def _decode_split_program(
         cos, sin, partner, first = _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM)
         q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask, first[None, :],
                     cos[None, :], sin[None, :], RNE_BF16)
-        hi_cached = tl.minimum(hi, seq_len - 1)  # this step's key comes from registers
+        # The split that ends at seq_len (empty splits past it start at or after it).
+        _write_new_key((lo < seq_len) & (hi == seq_len), t, kvh, kn_ptr, vn_ptr, slot_ptr,
+                       k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+                       stride_c_blk, stride_c_off, stride_c_h, d, partner, first, cos, sin,
+                       HEAD_DIM, BLOCK_SIZE, RNE_BF16)
+        tl.debug_barrier()  # the loads below see the write (Note [rotary inside ...])
     else:
         q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
-        hi_cached = hi
     m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
-                              lo, hi_cached, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
+                              lo, hi, kvh, d, d_ok, scale_log2, stride_c_blk, stride_c_off,
                               stride_c_h, BLOCK_H, BLOCK_D, BLOCK_SIZE, TILE_N, UPCAST, DOT_PRECISION)
-    if ROPE:  # the split that ends at seq_len (empty splits past it start at or after it)
-        m, l, acc = _new_key(q, m, l, acc, (lo < seq_len) & (hi == seq_len), t, kvh, kn_ptr, vn_ptr,
-                             slot_ptr, k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h,
-                             stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off, stride_c_h, d,
-                             partner, first, cos, sin, scale_log2, HEAD_DIM, BLOCK_SIZE, RNE_BF16)
     pdl_release(PDL)
 
     pm = b.to(tl.int64) * stride_pm_b + head * stride_pm_h + split

@@ -1,8 +1,8 @@
 """mrv2::rope_attention's launcher against its torch reference (rope_and_cache
 then unified attention): decode batches in the fused launch (one-launch and
 split + reduce forms, one split and several, the new token alone in its
-split, a first token, a block's last slot), prefill batches through the two
-ops; the caches after each call; misuse raising before anything is written;
+split, a first token, a block's last slot) bit-equal to the two kernels it
+replaces, prefill batches through the two ops; the caches after each call; misuse raising before anything is written;
 on the GPU, replays of one captured graph on fresh inputs equal to eager
 launches bit for bit. Note [rotary inside decode attention]."""
 
@@ -15,7 +15,9 @@ from kernel_cases import (
     DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, assert_one_rounding, gen, paged_batch, randn,
     stable_seed,
 )
+from compile_backend.kernels.rope_and_cache import rope_and_cache
 from compile_backend.kernels.rope_attention import rope_attention, rope_attention_ref
+from compile_backend.kernels.unified_attention import unified_attention
 
 ra = importlib.import_module("compile_backend.kernels.rope_attention")
 
@@ -61,6 +63,17 @@ class Case:
         return rope_attention(*self.inputs, kc, vc, *self.metadata(), self.scale, b.max_query_len,
                               b.max_seq_len, **kw)
 
+    def two_ops(self, **kw):
+        """(out, key_cache, value_cache) of rope_and_cache then unified_attention
+        (the launches the fused op replaces) on copies of the caches."""
+        b = self.batch
+        kc, vc = (t.clone() for t in self.caches)
+        q, k, v, positions, inv_freq = self.inputs
+        q_rot = rope_and_cache(q, k, v, positions, inv_freq, kc, vc, b.slot_mapping)
+        out = unified_attention(q_rot, kc, vc, b.query_start_loc, b.seq_lens, b.block_table,
+                                self.scale, b.max_query_len, b.max_seq_len, **kw)
+        return out, kc, vc
+
     def reference(self):
         """(out, key_cache, value_cache) of the reference on CPU copies."""
         kc, vc = (c.cpu().clone() for c in self.caches)
@@ -102,9 +115,14 @@ def test_decode_matches_reference(case, form, dtype, device):
             c = Case(q_lens, seq_lens, pad, H, KVH, D, dtype, device,
                      stable_seed(case, form, str(dtype), H, KVH, D, splits))
             ref = c.reference()
-            out = c.run(num_splits=splits,
-                        config=dict(TWO_LAUNCH=form == "two_launch", MIN_SPLIT_LEN=16))
+            cfg = dict(TWO_LAUNCH=form == "two_launch", MIN_SPLIT_LEN=16)
+            two_ops = c.two_ops(num_splits=splits, config=cfg)
+            out = c.run(num_splits=splits, config=cfg)
             c.check(out, ref)
+            # The same bits as the two kernels it replaces (the same rotation,
+            # the same key loop over the same cache bytes).
+            assert torch.equal(out, two_ops[0])
+            assert all(torch.equal(a, b) for a, b in zip(c.caches, two_ops[1:]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,9 +165,9 @@ def test_misuse_raises_before_writing():
 @pytest.mark.parametrize("form", ["one_launch", "two_launch"])
 def test_graph_replays_gpu(form):
     """One captured launch replayed on fresh inputs, caches and block tables
-    copied into its buffers: every replay equals an eager launch on the same
-    values bit for bit (output and caches), and the reference within bf16
-    bounds."""
+    copied into its buffers: every replay equals an eager launch and the two
+    kernels it replaces on the same values bit for bit (output and caches),
+    and the reference within bf16 bounds."""
     H, KVH, D = 32, 8, 128
     lens = [1, 16, 17, 300, 1000, 2047, 4096, 65]
     cfg = dict(TWO_LAUNCH=form == "two_launch", MIN_SPLIT_LEN=64)
@@ -173,6 +191,7 @@ def test_graph_replays_gpu(form):
     for i in range(3):
         fresh = case(i)
         ref = fresh.reference()
+        two_ops = fresh.two_ops(num_splits=16, config=cfg)
         for dst, src in zip((*live.inputs, *live.caches, *live.metadata()),
                             (*fresh.inputs, *fresh.caches, *fresh.metadata())):
             dst.copy_(src)
@@ -182,4 +201,6 @@ def test_graph_replays_gpu(form):
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"replay {i}: output differs from an eager launch"
         assert all(torch.equal(a, e) for a, e in zip(live.caches, fresh.caches)), f"replay {i}"
+        assert torch.equal(out, two_ops[0]), f"replay {i}: output differs from the two kernels"
+        assert all(torch.equal(a, e) for a, e in zip(live.caches, two_ops[1:])), f"replay {i}"
         fresh.check(out, ref)
