@@ -260,7 +260,9 @@ def run_decode(model_name, variant, setup, batches):
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"],
                    l2_next_launches=cb.counters["skinny_l2_next_launches"],
-                   l2_next_captured=cb.counters["skinny_l2_next_captured"])
+                   l2_next_captured=cb.counters["skinny_l2_next_captured"],
+                   rope_fused=cb.counters["rope_attention_fused_launches"],
+                   rope_fused_captured=cb.counters["rope_attention_fused_captured"])
     if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
         del runner
         largest, _, _, only = build(model_name, variant, setup, [max(sizes)], max(batches),
@@ -370,6 +372,11 @@ def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str
     if asked:
         L += ["", "Skinny launches, run or captured, that asked L2 for the next weight "
               "(MRV2_L2_NEXT): " + "; ".join(asked)]
+    fused = [f"{s['model']} {s['variant']} {s['rope_fused']} ({s['rope_fused_captured']} captured)"
+             for s in startup if s.get("rope_fused")]
+    if fused:
+        L += ["", "Decode attention launches with rotary and the KV write inside "
+              "(fuse_rope_attention): " + "; ".join(fused)]
     if compile_times:
         L += [""] + table(["model", "variant", "cold compile s", "warm compile s"], "llrr",
                           [[c["model"], c["variant"], f"{c['cold_s']:.1f}", f"{c['warm_s']:.1f}"]

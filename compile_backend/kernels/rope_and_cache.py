@@ -31,6 +31,13 @@ from ._metadata import layer_metadata
 from .reshape_and_cache import reshape_and_cache_ref
 
 
+# Note [rotary's fused multiply-adds]: x1 cos - x2 sin is written as
+# fma(x1, cos, -(x2 sin)) and x2 cos + x1 sin as fma(x2, cos, x1 sin), here and
+# in the decode attention's rotary (compile_backend/kernels/unified_attention.py,
+# Note [rotary inside decode attention]). Left to the compiler, which product
+# it fuses into the add depends on the code around it, so the two kernels
+# rounded some fp32 keys one ulp apart on the GPU; spelled out, both give the
+# same bits (within one rounding of the torch reference either way).
 @triton.jit
 def _rope_and_cache_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, inv_freq_ptr, out_ptr,
@@ -72,8 +79,9 @@ def _rope_and_cache_kernel(
     c2, s2 = cos[None, :], sin[None, :]
     dst = out_ptr + t64 * stride_o_t + qh[:, None] * stride_o_h + j[None, :]
     qty: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(dst, round_to(x1 * c2 - x2 * s2, qty, RNE_BF16), mask=q_mask)
-    tl.store(dst + HALF, round_to(x2 * c2 + x1 * s2, qty, RNE_BF16), mask=q_mask)
+    # Note [rotary's fused multiply-adds]: one fma each, spelled out.
+    tl.store(dst, round_to(tl.fma(x1, c2, -(x2 * s2)), qty, RNE_BF16), mask=q_mask)
+    tl.store(dst + HALF, round_to(tl.fma(x2, c2, x1 * s2), qty, RNE_BF16), mask=q_mask)
 
     if WRITE_CACHE:
         # Scalar conditions enter masks as bounds (Note [scalar masks] in _device.py).
@@ -88,8 +96,9 @@ def _rope_and_cache_kernel(
         v2 = tl.load(vsrc + HALF, mask=kv_mask)
         cdst = blk * stride_c_blk + off * stride_c_off + g * stride_c_h + j
         kty: tl.constexpr = key_cache_ptr.dtype.element_ty
-        tl.store(key_cache_ptr + cdst, round_to(k1 * cos - k2 * sin, kty, RNE_BF16), mask=kv_mask)
-        tl.store(key_cache_ptr + cdst + HALF, round_to(k2 * cos + k1 * sin, kty, RNE_BF16),
+        tl.store(key_cache_ptr + cdst, round_to(tl.fma(k1, cos, -(k2 * sin)), kty, RNE_BF16),
+                 mask=kv_mask)
+        tl.store(key_cache_ptr + cdst + HALF, round_to(tl.fma(k2, cos, k1 * sin), kty, RNE_BF16),
                  mask=kv_mask)
         tl.store(value_cache_ptr + cdst, v1, mask=kv_mask)
         tl.store(value_cache_ptr + cdst + HALF, v2, mask=kv_mask)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from compile_backend.core.counters import counters
 from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import OpRole, register_op
 
@@ -70,6 +71,8 @@ def rope_attention(
     rope = (k, v, positions, inv_freq, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1))
     plan.run(q, key_cache, value_cache, out, float(scale) * LOG2E, plan.stream, rope)
+    counters["rope_attention_fused_launches"] += 1
+    counters["rope_attention_fused_captured"] += int(plan.in_capture)  # replays run it too
     return out
 
 

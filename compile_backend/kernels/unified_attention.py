@@ -221,7 +221,8 @@ def _rotate(ptr, offs, partner_offs, mask, first, cos, sin, RNE_BF16: tl.constex
     in ptr's dtype: x1 cos - x2 sin, x2 cos + x1 sin as rope_and_cache."""
     x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
-    return round_to(tl.where(first, x * cos - xp * sin, x * cos + xp * sin),
+    # Note [rotary's fused multiply-adds] (compile_backend/kernels/rope_and_cache.py).
+    return round_to(tl.where(first, tl.fma(x, cos, -(xp * sin)), tl.fma(x, cos, xp * sin)),
                     ptr.dtype.element_ty, RNE_BF16)
 
 

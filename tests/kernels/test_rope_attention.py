@@ -15,9 +15,11 @@ from kernel_cases import (
     DEVICES, DTYPE_IDS, DTYPES, assert_close_rel, assert_one_rounding, gen, paged_batch, randn,
     stable_seed,
 )
+from compile_backend.core.counters import counters
 from compile_backend.kernels.rope_and_cache import rope_and_cache
 from compile_backend.kernels.rope_attention import rope_attention, rope_attention_ref
 from compile_backend.kernels.unified_attention import unified_attention
+from compile_backend.runtime import graph_pool
 
 ra = importlib.import_module("compile_backend.kernels.rope_attention")
 
@@ -117,7 +119,9 @@ def test_decode_matches_reference(case, form, dtype, device):
             ref = c.reference()
             cfg = dict(TWO_LAUNCH=form == "two_launch", MIN_SPLIT_LEN=16)
             two_ops = c.two_ops(num_splits=splits, config=cfg)
+            before = counters["rope_attention_fused_launches"]
             out = c.run(num_splits=splits, config=cfg)
+            assert counters["rope_attention_fused_launches"] == before + 1
             c.check(out, ref)
             # The same bits as the two kernels it replaces (the same rotation,
             # the same key loop over the same cache bytes).
@@ -139,8 +143,9 @@ def test_prefill_runs_the_two_ops(device, monkeypatch):
     monkeypatch.setattr(ra, "_Plan", spy)
     c = Case([5, 1, 9], [20, 40, 9], 1, 4, 2, 32, torch.bfloat16, device, stable_seed("prefill"))
     ref = c.reference()
+    before = counters["rope_attention_fused_launches"]
     c.check(c.run(), ref)
-    assert launched == []
+    assert launched == [] and counters["rope_attention_fused_launches"] == before
 
 
 def test_misuse_raises_before_writing():
@@ -185,9 +190,15 @@ def test_graph_replays_gpu(form):
 
     launch(live, out)  # compiles
     torch.cuda.synchronize()
+    # mrv2's capture stream, warmed as its graph pool warms it: it has the
+    # one-launch decode's ticket counters (torch.cuda.graph's own stream has
+    # none, and a capture there takes the two-launch form).
+    graph_pool.warm_capture_stream()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    captured = counters["rope_attention_fused_captured"]
+    with torch.cuda.graph(graph, stream=graph_pool.capture_stream()):
         launch(live, out)
+    assert counters["rope_attention_fused_captured"] == captured + 1
     for i in range(3):
         fresh = case(i)
         ref = fresh.reference()
