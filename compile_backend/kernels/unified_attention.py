@@ -227,12 +227,19 @@ def _rotate(ptr, offs, partner_offs, mask, first, cos, sin, RNE_BF16: tl.constex
 
 
 @triton.jit
-def _write_new_key(last, t, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                   stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off,
-                   stride_c_h, d, partner, first, cos, sin, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Where `last`: token t's key (rotated) and value for kv head kvh into
-    the caches at slot_mapping[t] (slot -1: nothing). Elsewhere nothing."""
+def _rotary_query_and_new_key(q_ptr, q_rows, q_mask, last, t, kvh, kn_ptr, vn_ptr, pos_ptr,
+                              inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_kn_t,
+                              stride_kn_h, stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off,
+                              stride_c_h, d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                              RNE_BF16: tl.constexpr):
+    """Note [rotary inside decode attention], one program's part before its
+    key loop: its query heads (q_ptr + q_rows + lane, q_mask) of token t
+    rotated, returned [BLOCK_H, BLOCK_D]; where `last`, token t's rotated key
+    and value for kv head kvh written at slot_mapping[t] (slot -1: nothing);
+    then a barrier, so the program's loads of that slot see the write."""
+    cos, sin, partner, first = _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM)
+    q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask, first[None, :],
+                cos[None, :], sin[None, :], RNE_BF16)
     t64 = t.to(tl.int64)
     slot = tl.load(slot_ptr + tl.where(last, t, 0)).to(tl.int64)
     slot = tl.where(last, slot, -1)
@@ -242,8 +249,10 @@ def _write_new_key(last, t, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr, v_cache_
     v = tl.load(vn_ptr + t64 * stride_vn_t + kvh * stride_vn_h + d, mask=mask, other=0.0)
     dst = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_off
            + kvh * stride_c_h + d)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)  # k's dtype is the cache's (checked)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.debug_barrier()
+    return q
 
 
 @triton.jit(do_not_specialize=BATCH_INTS)
@@ -359,15 +368,12 @@ def _decode_program(
         hi = tl.minimum(lo + per_split, seq_len)
         q_rows = q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
         q_mask = h_ok[:, None] & d_ok[None, :]
-        if ROPE:
-            cos, sin, partner, first = _rope_angles(pos_ptr, q_start, inv_freq_ptr, d, HEAD_DIM)
-            q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask,
-                        first[None, :], cos[None, :], sin[None, :], RNE_BF16)
-            _write_new_key(hi == seq_len, q_start, kvh, kn_ptr, vn_ptr, slot_ptr, k_cache_ptr,
-                           v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
-                           stride_c_blk, stride_c_off, stride_c_h, d, partner, first, cos, sin,
-                           HEAD_DIM, BLOCK_SIZE, RNE_BF16)
-            tl.debug_barrier()  # the loads below see the write (Note [rotary inside ...])
+        if ROPE:  # the last split (hi == seq_len) writes the new key
+            q = _rotary_query_and_new_key(
+                q_ptr, q_rows, q_mask, hi == seq_len, q_start, kvh, kn_ptr, vn_ptr, pos_ptr,
+                inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h,
+                stride_vn_t, stride_vn_h, stride_c_blk, stride_c_off, stride_c_h, d, HEAD_DIM,
+                BLOCK_SIZE, RNE_BF16)
         else:
             q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
         m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,
@@ -523,16 +529,13 @@ def _decode_split_program(
     q_rows = q_start.to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
     q_mask = (hr < tl.where(has_query, QUERIES_PER_KV, 0))[:, None] & d_ok[None, :]
     if ROPE:
-        t = tl.where(has_query, q_start, 0)  # q_start may be T for a request with no query
-        cos, sin, partner, first = _rope_angles(pos_ptr, t, inv_freq_ptr, d, HEAD_DIM)
-        q = _rotate(q_ptr, q_rows + d[None, :], q_rows + partner[None, :], q_mask, first[None, :],
-                    cos[None, :], sin[None, :], RNE_BF16)
-        # The split that ends at seq_len (empty splits past it start at or after it).
-        _write_new_key((lo < seq_len) & (hi == seq_len), t, kvh, kn_ptr, vn_ptr, slot_ptr,
-                       k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
-                       stride_c_blk, stride_c_off, stride_c_h, d, partner, first, cos, sin,
-                       HEAD_DIM, BLOCK_SIZE, RNE_BF16)
-        tl.debug_barrier()  # the loads below see the write (Note [rotary inside ...])
+        # The split that ends at seq_len writes the new key (empty splits past
+        # it start at or after it); q_start may be T for a request with no query.
+        q = _rotary_query_and_new_key(
+            q_ptr, q_rows, q_mask, (lo < seq_len) & (hi == seq_len),
+            tl.where(has_query, q_start, 0), kvh, kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+            k_cache_ptr, v_cache_ptr, stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h,
+            stride_c_blk, stride_c_off, stride_c_h, d, HEAD_DIM, BLOCK_SIZE, RNE_BF16)
     else:
         q = tl.load(q_ptr + q_rows + d[None, :], mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
     m, l, acc = _split_attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) * stride_bt_b,

@@ -73,8 +73,6 @@ class FuseRopeAttentionPass(FusionPass):
     def __init__(self, roles: Any, enabled: bool = True,
                  mode: CUDAGraphMode | str = CUDAGraphMode.FULL) -> None:
         mode = CUDAGraphMode.parse(mode)
-        self.requested = enabled
-        self.mode = mode
         self.disabled: str | None = None
         if not enabled:
             self.disabled = "fuse_rope_attention is off"
