@@ -37,6 +37,7 @@ from compile_backend.testing import check_against_eager
 from runtime_helpers import _torch_reference_kernels, kv_config  # noqa: F401  (autouse fixture)
 
 H, KVH, D, C, BS, NUM_BLOCKS = 4, 2, 16, 32, 4, 24
+BLOCK = 16  # kv_config's block size (the runner tests)
 ROPE = torch.ops.mrv2.rope_and_cache
 ATTENTION = torch.ops.mrv2.unified_attention
 FUSED = torch.ops.mrv2.rope_attention.default
@@ -337,19 +338,30 @@ def test_an_attention_that_is_no_breakpoint_keeps_its_rope():
 # ---- against eager after every step: the runner --------------------------------------------
 
 
-def decode_schedule(seed, sizes=(4, 1, 2, "mixed", 3, 4, 2, 1, 3, 4), slots=4):
-    """A prefill of every request, then decode steps of `sizes` requests
-    (chosen at random; "mixed": one request takes 3 tokens beside the others'
-    one), fresh random tokens each step; blocks as random_schedule's."""
+def decode_schedule(seed, sizes=(4, 1, 2, "mixed", 3, 4, 2, 1, 3, 4), slots=4, prompt=(2, 7),
+                    chunk=None, first_block=1):
+    """One session: a prefill of every request (prompts of `prompt` lengths, in
+    steps of at most `chunk` tokens a request), then decode steps of `sizes`
+    requests (chosen at random; "mixed": one request takes 3 tokens beside the
+    others' one), fresh random tokens each step. Slot s owns its own run of
+    blocks from `first_block` (a later session passes blocks past the
+    earlier's: new cache rows, new block-table entries)."""
     rng = random.Random(seed)
-    lens = [rng.randint(2, 7) for _ in range(slots)]
+    lens = [rng.randint(*prompt) for _ in range(slots)]
+    per_slot = -(-(max(lens) + 3 * len(sizes)) // BLOCK)
 
-    def batch(chosen, qlens):
+    def batch(chosen, qlens, seq):
         return InputBatch([rng.randrange(256) for _ in range(sum(qlens))], qlens,
-                          [lens[s] for s in chosen], chosen,
-                          block_ids=[[1 + 4 * s + i for i in range(4)] for s in chosen])
+                          [seq[s] for s in chosen], chosen,
+                          block_ids=[[first_block + per_slot * s + i for i in range(per_slot)]
+                                     for s in chosen])
 
-    yield batch(list(range(slots)), list(lens))
+    done = [0] * slots
+    while min(d - n for d, n in zip(done, lens)) < 0:  # the prompts, chunk by chunk
+        step = [min(n - d, chunk or n) for d, n in zip(done, lens)]
+        done = [d + q for d, q in zip(done, step)]
+        chosen = [s for s in range(slots) if step[s]]
+        yield batch(chosen, [step[s] for s in chosen], done)
     for n in sizes:
         chosen = sorted(rng.sample(range(slots), slots if n == "mixed" else n))
         qlens = [1] * len(chosen)
@@ -357,25 +369,35 @@ def decode_schedule(seed, sizes=(4, 1, 2, "mixed", 3, 4, 2, 1, 3, 4), slots=4):
             qlens[rng.randrange(len(chosen))] = 3
         for s, q in zip(chosen, qlens):
             lens[s] += q
-        yield batch(chosen, qlens)
+        yield batch(chosen, qlens, lens)
 
 
-def _llama_runner(**options):
-    model = build_model("llama", preset("tiny", num_layers=2))
-    kv = kv_config(num_blocks=20, max_num_tokens=32)  # blocks 1..16: decode_schedule's
-    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cpu")
+def two_sessions(seed, long_prompt, chunk):
+    """What a serving loop sees: a session of short prompts on blocks 1..16,
+    then new requests in the same slots with `long_prompt`-long prompts (so
+    decode runs several splits), prefilled in chunks, on blocks after those."""
+    return [*decode_schedule(seed), *decode_schedule(seed + 1, prompt=long_prompt, chunk=chunk,
+                                                     first_block=17)]
+
+
+def _llama_runner(device="cpu", dtype=torch.float32, num_blocks=112, **options):
+    with torch.device(device):
+        model = build_model("llama", preset("tiny", num_layers=2, dtype=dtype))
+    # blocks 1..16: the short session's; the long one's after them
+    kv = kv_config(num_blocks=num_blocks, max_num_tokens=128, max_model_len=BLOCK * 24)
+    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, device)
     cfg = cb.CompilationConfig(**{"cudagraph_mode": "full", "capture_sizes": [1, 2, 4, 8],
                                   "piece_compiler": "eager", "fuse_rope_attention": True,
-                                  **options})
-    return ModelRunner(model, kv, cfg, "cpu", progress=False)
+                                  "cache_dir": None, **options})
+    return ModelRunner(model, kv, cfg, device, progress=False)
 
 
-def _check_runner(seed, sizes=None):
-    runner = _llama_runner()
-    schedule = list(decode_schedule(seed) if sizes is None else decode_schedule(seed, sizes))
+def _check_runner(schedule, device="cpu", dtype=torch.float32, tol=1e-5):
+    runner = _llama_runner(device, dtype)
     # every step's logits and every parameter and buffer (both layers' KV
     # caches) against an eager runner without passes, after each step
-    report = check_against_eager(runner, schedule, modes=["full"], standin=True)
+    report = check_against_eager(runner, schedule, modes=["full"], standin=device == "cpu",
+                                 atol=tol, rtol=tol)
     assert report["full"].replays > 0 and report["full"].calls == len(schedule)
     step = cb.compiled_steps()[-1]
     assert [f["layer"] for f in fused_rope_attentions(step.pass_log)] == \
@@ -389,9 +411,11 @@ def _check_runner(seed, sizes=None):
 @pytest.mark.parametrize("seed", [11, 12])
 def test_reference_llama_runner_full_equals_eager_after_every_step(seed):
     """FULL replays (the CPU stand-in) of decode steps of 1-4 requests and a
-    mixed step, each compared with an eager runner: logits and both layers'
-    KV caches. On the CPU the op runs the torch references."""
-    _check_runner(seed)
+    mixed step over two sessions (short prompts, then new requests with
+    prompts of 40-70 tokens on other blocks), each step compared with an
+    eager runner: logits and both layers' KV caches. On the CPU the op runs
+    the torch references."""
+    _check_runner(two_sessions(seed, (40, 70), chunk=16))
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
@@ -422,7 +446,7 @@ def test_reference_llama_runner_full_equals_eager_through_the_interpreter(monkey
 
     module_fused = module.fused
     monkeypatch.setattr(module, "fused", fused)
-    _check_runner(14, sizes=(2, 1, "mixed", 2))
+    _check_runner(list(decode_schedule(14, sizes=(2, 1, "mixed", 2))))
     assert True in took and False in took  # decode: the fused launch; prefill, mixed: the pair
 
 
@@ -430,20 +454,17 @@ def test_reference_llama_runner_full_equals_eager_through_the_interpreter(monkey
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["one_launch", "two_launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_reference_llama_runner_full_equals_eager_on_the_gpu(dtype):
-    """FULL CUDA graphs of decode steps of 1-4 requests (the fused launch)
-    and a mixed step (the two ops inside the graph), against an eager runner
-    after every step: logits and both layers' KV caches."""
-    with torch.device("cuda"):
-        model = build_model("llama", preset("tiny", num_layers=2, dtype=dtype))
-    kv = kv_config(num_blocks=20, max_num_tokens=32)
-    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cuda")
-    cfg = cb.CompilationConfig(cudagraph_mode="full", capture_sizes=[1, 2, 4, 8],
-                               piece_compiler="eager", fuse_rope_attention=True, cache_dir=None)
-    runner = ModelRunner(model, kv, cfg, "cuda", progress=False)
+def test_reference_llama_runner_full_equals_eager_on_the_gpu(dtype, form, monkeypatch):
+    """FULL CUDA graphs over two sessions: decode steps of 1-4 requests (the
+    fused launch) and mixed steps (the two ops inside the graph), the second
+    session's new requests with 150-300-token prompts on other blocks, so
+    the replays run several splits and the last one writes the new key;
+    each decode form forced (the tiny model's few programs would pick two
+    launches). Against an eager runner after every step: logits and both
+    layers' KV caches."""
+    monkeypatch.setenv("MRV2_DECODE_TWO_LAUNCH", "1" if form == "two_launch" else "0")
     tol = 1e-4 if dtype is torch.float32 else 3e-2
-    report = check_against_eager(runner, list(decode_schedule(15)), modes=["full"], atol=tol,
-                                 rtol=tol)
+    report = _check_runner(two_sessions(15, (150, 300), chunk=32), "cuda", dtype, tol)
     assert report["full"].replays > 0
-    assert len(fused_rope_attentions(cb.compiled_steps()[-1].pass_log)) == 2
