@@ -72,10 +72,13 @@ CONFIGS = {
 # bench/results/kernel_asm.md): no register spills, every load of the main
 # loop pipelined, 2-4x the weight bytes in flight of the tiles before. The
 # 16-row plain tile is the best of an H100 sweep (qkv at one row: 30.9 µs,
-# against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md),
-# split in two since (as the plain 16-row tile: 192 programs for qkv where
-# it had 96). With the split and Note [norm sums on the tensor cores], qkv at
-# 1-16 rows beats the unfused sequence (21.4 µs against 23.6 on an H100).
+# against 48.8 for the offline pick and 23.6 unfused: bench/results/norm_linear_h100.md).
+# With Note [norm sums on the tensor cores] qkv at 1-16 rows beats the
+# unfused sequence (21.4 and 22.1 µs against 23.6 and 24.2 on an H100). It
+# does not split K: split in two (192 programs for qkv where it has 96) it
+# took 24.6 and 25.4 µs once the benchmark ran the splits for real, and
+# the 21.4 was that split tile run as one split (the erratum under "Split K"
+# in docs/design.md; bench/results/skinny_split_h100_s21.md).
 # The 16-row gated tile is from an H100 sweep at one row: 83.5 µs, 1% from
 # its best (32 x 256, which spills 8 bytes without the norm under Triton
 # 3.6's ptxas), against 90.4 for the 16-column tile before and 87.1
@@ -83,7 +86,7 @@ CONFIGS = {
 # takes them only where MRV2_SKINNY_GEMM=1 forces the kernel (FUSED_ROWS;
 # bench/results/norm_linear_h100.md).
 FUSED_CONFIGS = {
-    (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
+    (16, False): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (32, False): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
     (64, False): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4},
     (16, True): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
