@@ -317,8 +317,9 @@ def test_inductor_pieces_compiled_by_workers_equal_eager_and_load_warm(tmp_path,
     assert cold["how"] == "compiled"
     assert (counts["piece_compiles"], counts["inductor_compiles"]) == (3, 3), counts
     if fail:
-        # Those a worker took failed; the caller compiled them and what it took itself.
-        assert 1 <= counts["compile_worker_fallbacks"] <= 3 and "compile_worker_compiles" not in counts
+        # Every job went to a worker (the script keeps this process from
+        # draining the queue) and failed there; the caller compiled all three.
+        assert counts["compile_worker_fallbacks"] == 3 and "compile_worker_compiles" not in counts
         assert "was not compiled by a compile worker, compiling it here" in err
     else:
         assert counts["compile_worker_compiles"] >= 1, counts

@@ -78,8 +78,18 @@ INDUCTOR_RUNTIME = ("torch._inductor.select_algorithm", "torch._inductor.output_
 
 if args.workers_fail:
     import compile_backend.compile.worker_compile as worker_compile
+    from compile_backend.compile.compile_workers import CompileWorkers
 
     worker_compile.WORKER_COMPILE = "zlib:decompress"  # the payload is no zlib stream: an error
+
+    def _workers_take_every_job(self):
+        """Every job to a worker, so that each fails there: this process does
+        not drain the queue first (on a loaded machine it would, while the
+        workers still import torch, and then nothing would fail)."""
+        self.wait_ready()
+        return 0
+
+    CompileWorkers.run_queued_here = _workers_take_every_job
 
 
 device = torch.device(args.device)
