@@ -259,8 +259,6 @@ def run_decode(model_name, variant, setup, batches):
                      "dispatched": step.mode.value, "first": first})
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"],
-                   l2_next_launches=cb.counters["skinny_l2_next_launches"],
-                   l2_next_captured=cb.counters["skinny_l2_next_captured"],
                    rope_fused=cb.counters["rope_attention_fused_launches"],
                    rope_fused_captured=cb.counters["rope_attention_fused_captured"])
     if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
@@ -367,11 +365,6 @@ def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str
                  s["pieces"], f"{_mib(s, 'pool_bytes')} / {_mib(s, 'pool_largest_alone_bytes')}",
                  f"{_mib(s, 'pool_reserved_bytes')} / {_mib(s, 'pool_largest_alone_reserved_bytes')}",
                  s["replay_input_copies"]] for s in startup])
-    asked = [f"{s['model']} {s['variant']} {s['l2_next_launches']} ({s['l2_next_captured']} "
-             "captured)" for s in startup if s.get("l2_next_launches")]
-    if asked:
-        L += ["", "Skinny launches, run or captured, that asked L2 for the next weight "
-              "(MRV2_L2_NEXT): " + "; ".join(asked)]
     fused = [f"{s['model']} {s['variant']} {s['rope_fused']} ({s['rope_fused_captured']} captured)"
              for s in startup if s.get("rope_fused")]
     if fused:

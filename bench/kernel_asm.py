@@ -192,10 +192,9 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 BLOCK_SIZE, CONTEXT = 16, 512
 
 
-def skinny_specs(prefetch: bool = False) -> list[Spec]:
+def skinny_specs() -> list[Spec]:
     """The skinny GEMM as linear_add (o, down; also at 128 and 256 rows) and
-    norm_linear (qkv, gate_up) launch it; `prefetch`: each also asks L2 for
-    the next weight's rows (Note [the next weight in L2], skinny_linear.py)."""
+    norm_linear (qkv, gate_up) launch it."""
     from compile_backend.kernels._device import cdiv
     from compile_backend.kernels.skinny_linear import MAX_ROWS, _skinny_linear_kernel, skinny_config
 
@@ -212,14 +211,14 @@ def skinny_specs(prefetch: bool = False) -> list[Spec]:
             split = 1 if gated else min(cfg.get("SPLIT_K", 1), cdiv(K, cfg["BLOCK_K"]))
             n_out = N // 2 if gated else N
             args = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16",
-                        out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32", pf_ptr="*bf16",
+                        out_ptr="*bf16", part_ptr="*fp32", arrive_ptr="*i32",
                         M=rows, N=N, K=K, K_SPLIT=cdiv(cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"],
-                        eps=1e-5, pf_rows=HIDDEN, pf_stride=HIDDEN, pf_bytes=1024,
+                        eps=1e-5,
                         stride_xm=K, stride_wn=K, stride_rm=n_out, stride_om=n_out)
             meta = dict(HAS_BIAS=False, HAS_RESIDUAL=residual, NORM=norm, GATED=gated,
                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                        SPLIT_K=split, UPCAST=False, PDL=True, PREFETCH=prefetch)
-            name = f"skinny_{label}_m{rows}{'_l2' if prefetch else ''}"
+                        SPLIT_K=split, UPCAST=False, PDL=True)
+            name = f"skinny_{label}_m{rows}"
             out.append(Spec(name, _skinny_linear_kernel, args, meta, cfg["num_warps"],
                             cfg["num_stages"]))
     return out
@@ -280,8 +279,7 @@ def prefetch_specs() -> list[Spec]:
                  dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]
 
 
-SPECS = {"skinny": skinny_specs, "skinny_l2": lambda: skinny_specs(prefetch=True),
-         "decode": decode_specs, "prefetch": prefetch_specs}
+SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_specs}
 
 COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "mma"),
            ("async copies", "async_copies"), ("loop loads", "loop_loads"),

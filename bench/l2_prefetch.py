@@ -36,12 +36,54 @@ import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
 from timing import graph_us_per  # noqa: E402
-from compile_backend.kernels._device import (l2_bulk_prefetch, l2_prefetch_supported, pdl_meta,  # noqa: E402
+from compile_backend.kernels._device import (_cuda_major, interpreting, pdl_meta,  # noqa: E402
                                              pdl_release, pdl_wait)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 32, 8, 128, 16
 
-# -- the prefetch: Hopper's cp.async.bulk.prefetch.L2.global over a tensor's bytes --
+# -- the prefetch: Hopper's cp.async.bulk.prefetch.L2.global --------------------------
+# Which reads into no register and changes no value. Here and in
+# bench/persistent_chain.py's `persistent+l2` (each program asking L2 for its
+# rows of the next weight once its K loop is done): both measured slower
+# (docs/design.md, "Hiding the fixed cost between kernels"), so the kernels
+# of a step do not use it.
+PREFETCH_LANES = tl.constexpr(128)  # rows a program asks for at once: a lane each at 4 warps
+
+
+def l2_prefetch_supported(device: torch.device) -> bool:
+    """Does the bulk prefetch issue anything on `device` (a CUDA GPU of
+    compute capability 9 or later, not the interpreter)?"""
+    if device.type != "cuda" or interpreting() or torch.version.hip:
+        return False
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@triton.jit
+def l2_bulk_prefetch(ptrs, nbytes):
+    """Ask L2 for `nbytes` (int32, multiples of 16) from each of `ptrs`
+    (16-byte aligned): one bulk prefetch per element, no mask (an asm takes
+    none; point lanes with nothing to ask at a valid address, 16 bytes)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def l2_prefetch_rows(base_ptr, rows, row_stride, nbytes, q, P):
+    """Program q of P asks L2 for the first `nbytes` (a multiple of 16, from a
+    16-byte aligned row start) of its share of `rows` rows of `row_stride`
+    elements from base_ptr: rows [q R, (q + 1) R), R = cdiv(rows, P). GPU
+    only (l2_prefetch_supported)."""
+    per = tl.cdiv(rows, P)
+    lanes = tl.arange(0, PREFETCH_LANES)
+    hi = tl.minimum(rows, (q + 1) * per)
+    for r0 in range(q * per, hi, PREFETCH_LANES):
+        ok = r0 + lanes < hi
+        # lanes past the share ask for 16 bytes of its last row (no mask on an asm)
+        r = tl.minimum(r0 + lanes, hi - 1)
+        l2_bulk_prefetch(base_ptr + r.to(tl.int64) * row_stride, tl.where(ok, nbytes, 16).to(tl.int32))
+
+
+# A weight's bytes from a few programs, one chunk per lane:
 CHUNK = 16 << 10  # bytes per prefetch instruction (a multiple of 16)
 LANES = 128  # prefetch instructions a program issues at once (one per thread at 4 warps)
 

@@ -15,9 +15,6 @@ each its own weight so no replay finds one in L2, at `--rows` rows.
 Variants, each captured in one CUDA graph (median replay / layers):
   launches            a launch of the production kernel per GEMV
                       (`mrv2::linear_add`'s skinny kernel, PDL on where it is)
-  launches+l2         the same, each launch asking L2 for the next weight's
-                      rows once its programs' K loops are done (`prefetch`:
-                      Note [the next weight in L2], `--l2-row-bytes` of each)
   persistent          one launch of `_chain_kernel`: one program per column
                       tile, all resident, a grid barrier (an arrival counter)
                       between GEMVs
@@ -50,8 +47,8 @@ import triton.language as tl  # noqa: E402
 
 import report  # noqa: E402
 from timing import graph_us_per  # noqa: E402
-from compile_backend.kernels._device import (l2_prefetch_rows, l2_prefetch_supported,  # noqa: E402
-                                             upcast_dots)
+from compile_backend.kernels._device import upcast_dots  # noqa: E402
+from l2_prefetch import l2_prefetch_rows, l2_prefetch_supported  # noqa: E402
 
 # A column tile per program; the K loop as the skinny kernel's 32-row tile.
 BLOCK_N, BLOCK_K, WARPS, STAGES = 32, 256, 4, 4
@@ -155,17 +152,13 @@ def persistent_chain(y: torch.Tensor, w: torch.Tensor, count: torch.Tensor, prel
     return y[L]
 
 
-def launches_chain(y: torch.Tensor, w: torch.Tensor, l2_row_bytes: int = 0) -> torch.Tensor:
-    """The same chain as a launch per GEMV (mrv2::linear_add's kernel), each
-    asking L2 for `l2_row_bytes` of the next weight's rows (0: nothing)."""
+def launches_chain(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same chain as a launch per GEMV (mrv2::linear_add's kernel)."""
     from compile_backend.kernels.skinny_linear import skinny_linear
 
-    L = w.shape[0]
-    for i in range(L):
-        nxt = dict(prefetch=w[i + 1], prefetch_bytes=l2_row_bytes * w.shape[1]) \
-            if l2_row_bytes and i + 1 < L else {}
-        skinny_linear(y[i], w[i], None, y[i], out=y[i + 1], **nxt)
-    return y[L]
+    for i in range(w.shape[0]):
+        skinny_linear(y[i], w[i], None, y[i], out=y[i + 1])
+    return y[w.shape[0]]
 
 
 def reference_chain(y0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -186,15 +179,14 @@ def bench_rows(M: int, args, device: str, bw: float) -> list[dict]:
     rows = []
     variants = ["launches", "persistent", "persistent+preload"]
     if args.l2_row_bytes and l2_prefetch_supported(w.device):
-        variants[1:1] = ["launches+l2"]
         variants.append("persistent+l2")
     for name in variants:
         y = torch.empty(L + 1, M, N, dtype=torch.bfloat16, device=device)
         y[0] = y0
         count = torch.zeros(1, dtype=torch.int32, device=device)
-        if name.startswith("launches"):
-            def fn(y=y, l2=args.l2_row_bytes if name.endswith("l2") else 0):
-                return launches_chain(y, w, l2)
+        if name == "launches":
+            def fn(y=y):
+                return launches_chain(y, w)
         else:
             def fn(y=y, count=count, preload=name.endswith("preload"),
                    l2=args.l2_row_bytes if name.endswith("l2") else 0):

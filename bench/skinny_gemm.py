@@ -12,8 +12,7 @@ it (`F.linear`, or `torch.addmm(residual, x, w.t())` where the step adds a
 residual: what Inductor emits, a memcpy of the residual and then the GEMM,
 often with a split-K reduce), and the kernel with its default
 meta-parameters (`skinny_config`), with the residual in its epilogue where
-the step has one (`--l2-next BYTES`: each call asking L2 for that much of
-the next call's weight). `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps,
+the step has one. `--sweep` also times every (BLOCK_N, BLOCK_K, num_warps,
 num_stages) of a small grid and reports the best per shape; above 64 rows
 (the 128-row tiles of Note [wide rows], docs/design.md) a grid of GEMM
 tiles and splits instead (WIDE_SWEEP).
@@ -114,7 +113,7 @@ def check(out, ref, what, tol=1e-2):
     return err
 
 
-def bench_shape(name, N, K, residual, M, bw, sweep, g, l2_next=0):
+def bench_shape(name, N, K, residual, M, bw, sweep, g):
     ws, x, r = operands(M, N, K, residual, g)
     ref = x.double() @ ws[0].double().T + (r.double() if residual else 0)
     nbytes = N * K * 2 + M * K * 2 + M * N * 2 * (2 if residual else 1)
@@ -136,10 +135,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g, l2_next=0):
                     if (block_m + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= 200 * 1024]
     timings = []
     for cfg in configs:
-        # --l2-next: each call asks L2 for the next call's weight (Note [the next weight in L2])
-        fns = [lambda w=w, c=cfg, nxt=ws[(i + 1) % len(ws)]: skinny_linear(
-                   x, w, None, r, config=c, prefetch=nxt if l2_next else None, prefetch_bytes=l2_next)
-               for i, w in enumerate(ws)]
+        fns = [lambda w=w, c=cfg: skinny_linear(x, w, None, r, config=c) for w in ws]
         try:
             poisoned = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
             err = check(skinny_linear(x, ws[0], None, r, config=cfg, out=poisoned), ref, f"{name} {cfg}")
@@ -404,9 +400,6 @@ def main(argv=None) -> int:
     ap.add_argument("--split-sweep", dest="sweep", action="store_const", const="split",
                     help="also time split K (1, 2, 4) with 32-128 column tiles")
     ap.add_argument("--only", default="", help="comma-separated weight names (qkv,o,...)")
-    ap.add_argument("--l2-next", type=int, default=0, metavar="BYTES",
-                    help="each kernel call asks L2 for BYTES of the next call's weight "
-                         "(Note [the next weight in L2]); cuBLAS's calls do not")
     ap.add_argument("--fused", action="store_true",
                     help="time mrv2::norm_linear (RMSNorm + qkv, RMSNorm + gate_up + SiLU·mul) "
                          "against the unfused sequence at llama-8B's shapes")
@@ -428,8 +421,7 @@ def main(argv=None) -> int:
             if only and name not in only:
                 continue
             for M in map(int, args.rows.split(",")):
-                row = bench_shape(f"{preset} {name}", N, K, residual, M, bw, args.sweep, g,
-                                  args.l2_next)
+                row = bench_shape(f"{preset} {name}", N, K, residual, M, bw, args.sweep, g)
                 rows.append(row)
                 print(f"{row['shape']} M={M}: floor {row['floor_us']:.1f} cuBLAS {row['cublas_us']:.1f} "
                       f"skinny {row['skinny_us']:.1f} best {row['best_us']:.1f} {row['best_config']}",

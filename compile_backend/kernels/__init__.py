@@ -25,13 +25,13 @@ from .rope_and_cache import rope_and_cache, rope_and_cache_ref
 from .rope_attention import rope_attention, rope_attention_ref
 from .sconv import sconv, sconv_ref
 from .sibling_linear import pack_siblings, packed_view, sibling_linear
-from .skinny_linear import L2_NEXT_ENV, SKINNY_ENV, WIDE_ENV, linear_add, skinny_linear
+from .skinny_linear import SKINNY_ENV, WIDE_ENV, linear_add, skinny_linear
 from .unified_attention import TWO_LAUNCH_ENV, num_kv_splits, unified_attention, unified_attention_ref
 
 # The environment switches that change which kernels run (the debug manifest
 # records their values): PDL off, the skinny GEMM's rule and its wide rows,
 # the decode's form.
-KERNEL_SWITCHES = (PDL_ENV, SKINNY_ENV, WIDE_ENV, L2_NEXT_ENV, TWO_LAUNCH_ENV)
+KERNEL_SWITCHES = (PDL_ENV, SKINNY_ENV, WIDE_ENV, TWO_LAUNCH_ENV)
 
 __all__ = [
     "KERNEL_SWITCHES", "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",

@@ -131,49 +131,6 @@ def pdl_release(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-# Note [the next weight in L2]: a decode GEMV's programs finish at different
-# times, and the launch after it starts with a DRAM round trip; a program
-# whose K loop is done can ask L2 (Hopper's bulk prefetch, which reads into
-# no register and changes no value) for the first bytes of rows of the weight
-# that the next launch streams. Measured as an experiment (docs/design.md,
-# "Hiding the fixed cost between kernels"); `l2_prefetch_supported` says where
-# the instruction exists.
-PREFETCH_LANES = tl.constexpr(128)  # rows a program asks for at once: a lane each at 4 warps
-
-
-def l2_prefetch_supported(device: torch.device) -> bool:
-    """Does `l2_prefetch_rows` issue anything on `device` (a CUDA GPU of
-    compute capability 9 or later, not the interpreter)?"""
-    if device.type != "cuda" or interpreting() or torch.version.hip:
-        return False
-    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@triton.jit
-def l2_bulk_prefetch(ptrs, nbytes):
-    """Ask L2 for `nbytes` (int32, multiples of 16) from each of `ptrs`
-    (16-byte aligned): one bulk prefetch per element, no mask (an asm takes
-    none; point lanes with nothing to ask at a valid address, 16 bytes)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch_rows(base_ptr, rows, row_stride, nbytes, q, P):
-    """Program q of P asks L2 for the first `nbytes` (a multiple of 16, from a
-    16-byte aligned row start) of its share of `rows` rows of `row_stride`
-    elements from base_ptr: rows [q R, (q + 1) R), R = cdiv(rows, P). GPU
-    only (l2_prefetch_supported)."""
-    per = tl.cdiv(rows, P)
-    lanes = tl.arange(0, PREFETCH_LANES)
-    hi = tl.minimum(rows, (q + 1) * per)
-    for r0 in range(q * per, hi, PREFETCH_LANES):
-        ok = r0 + lanes < hi
-        # lanes past the share ask for 16 bytes of its last row (no mask on an asm)
-        r = tl.minimum(r0 + lanes, hi - 1)
-        l2_bulk_prefetch(base_ptr + r.to(tl.int64) * row_stride, tl.where(ok, nbytes, 16).to(tl.int32))
-
-
 # Note [interpreter bf16 rounding]: Triton 3.9's interpreter converts fp32 to
 # bf16 by truncation; the GPU (and torch) round to nearest even. When
 # interpreting a bf16 kernel, `round_to` rounds the fp32 value to nearest

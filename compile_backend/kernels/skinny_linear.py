@@ -17,7 +17,6 @@ overrides; 65-512 rows only with MRV2_WIDE_GEMM=1). Note [skinny GEMMs],
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +28,8 @@ from compile_backend.core.counters import counters
 from compile_backend.core.op_definition import define_op
 from compile_backend.core.op_registry import register_op
 
-from ._device import (cdiv, env, interpreting, l2_prefetch_rows, l2_prefetch_supported, next_pow2,
-                      pdl_meta, pdl_release, pdl_wait, sm_count, upcast_dots)
+from ._device import (cdiv, env, interpreting, next_pow2, pdl_meta, pdl_release, pdl_wait,
+                      sm_count, upcast_dots)
 from ._launch import Launch, LayoutMemo, launch_here, layout
 
 SKINNY_ENV = "MRV2_SKINNY_GEMM"  # "0": never the kernel, "1": whenever the inputs allow
@@ -97,12 +96,12 @@ FUSED_CONFIGS = {
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, part_ptr, arrive_ptr, pf_ptr,
-    M, N, K, K_SPLIT, eps, pf_rows, pf_stride, pf_bytes,
+    x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, part_ptr, arrive_ptr,
+    M, N, K, K_SPLIT, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: out[m0:m0+BLOCK_M, n0:n0+BLOCK_N] over K (SPLIT_K == 1), or
     # its part [k_lo, k_lo + K_SPLIT) of K (program_id(1); Note [split K]).
@@ -162,9 +161,6 @@ def _skinny_linear_kernel(
             if UPCAST:
                 ut = ut.to(tl.float32)
             acc_u = tl.dot(xt, tl.trans(ut), acc_u)  # [BM, BN]
-    if PREFETCH:  # Note [the next weight in L2]: this program's share of its rows' first bytes
-        l2_prefetch_rows(pf_ptr, pf_rows, pf_stride, pf_bytes,
-                         tile * SPLIT_K + tl.program_id(1), tl.num_programs(0) * SPLIT_K)
     pdl_release(PDL)
     mask = m_ok[:, None] & n_ok[None, :]
     if NORM:  # [BM]: sum of x^2 over this program's run of K, the Gram matrix's diagonal
@@ -301,8 +297,7 @@ def check_norm_weight(op: str, x: torch.Tensor, norm_weight: torch.Tensor, eps: 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, config: dict | None = None,
                   out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6, gated: bool = False, prefetch: torch.Tensor | None = None,
-                  prefetch_bytes: int = 0) -> torch.Tensor:
+                  eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """Launcher. x [..., K] with M = prod(leading dims) in 1..MAX_ROWS (up to
     WIDE_ROWS without norm_weight and not gated), unit stride along K;
     weight [N, K] with unit stride along K (a row slice of a packed weight
@@ -310,81 +305,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     RMS-normalized with `eps` first); gated: the output is
     silu(y[:, :N/2]) * y[:, N/2:] of y = the linear (N even). residual
     [..., N_out] or None, N_out = N / 2 when gated, else N.
-    Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out]).
-    prefetch: a 2-D tensor (the next launch's weight) whose rows' first bytes,
-    `prefetch_bytes` of it in all, the programs ask L2 for once their K loops
-    are done (Note [the next weight in L2]; an experiment: without it, or
-    where `next_weight_rows` says no, nothing is asked). Unset, MRV2_L2_NEXT=<bytes>
-    takes the weight launched after this one last time (`NextWeights`)."""
-    if prefetch is None and env(L2_NEXT_ENV):
-        prefetch_bytes = l2_next_bytes()
-        prefetch = _NEXT.after(weight, x.numel() // x.shape[-1] if x.shape[-1] else 0)
-    row_bytes = next_weight_rows(prefetch, prefetch_bytes, x.device) if prefetch is not None else 0
-    if row_bytes:  # launches run or captured (a replay runs no Python), and of them the captured
-        counters["skinny_l2_next_launches"] += 1
-        counters["skinny_l2_next_captured"] += int(torch.cuda.is_current_stream_capturing())
+    Returns [..., N_out] in x's dtype (new, or `out`, a contiguous [..., N_out])."""
     key = layout(x, weight, bias, residual, norm_weight, out) if config is None else None
     # A config (tests, benchmarks) is not remembered.
     plan, _ = _LAUNCHES.entry(
-        x.device, (key, float(eps), bool(gated), row_bytes > 0) if key is not None else None,
-        lambda: _SkinnyPlan(x, weight, bias, residual, config, out, norm_weight, eps, gated,
-                            row_bytes > 0))
-    return plan.run(x, weight, bias, residual, out, norm_weight, prefetch, row_bytes)
-
-
-L2_NEXT_ENV = "MRV2_L2_NEXT"  # bytes of the next weight to ask L2 for (Note [the next weight in L2])
-
-
-def l2_next_bytes() -> int:
-    """MRV2_L2_NEXT as a byte count (ValueError naming the fix otherwise)."""
-    text = env(L2_NEXT_ENV)
-    if not text.isdigit():
-        raise ValueError(f"{L2_NEXT_ENV} must be a byte count (e.g. 8388608), got {text!r}; "
-                         "unset it to ask L2 for nothing")
-    return int(text)
-
-
-def next_weight_rows(prefetch: torch.Tensor | None, total: int, device: torch.device) -> int:
-    """The bytes of each of `prefetch`'s rows to ask L2 for, `total` in all
-    (a multiple of 16, at most a row's bytes), or 0: nothing to ask (no
-    tensor, not 2-D with unit stride along its rows and 16-byte aligned
-    rows, on another device, or no bulk prefetch there)."""
-    if (prefetch is None or total < 16 or prefetch.dim() != 2 or prefetch.shape[0] == 0
-            or prefetch.stride(1) != 1 or prefetch.device != device
-            or not l2_prefetch_supported(device)):
-        return 0
-    size = prefetch.element_size()
-    if prefetch.data_ptr() % 16 or (prefetch.stride(0) * size) % 16:
-        return 0
-    return min(prefetch.shape[1] * size, total // prefetch.shape[0]) // 16 * 16
-
-
-class NextWeights:
-    """Which weight the skinny kernel launched after each weight last time
-    (by data pointer; the tensor weakly held, so a model's weights die with
-    it): MRV2_L2_NEXT's guess of what the next launch streams. Learned per
-    row count (which linears take the kernel depends on the rows, so a
-    step's order does too) and, for a row count not launched yet, the
-    weight's last successor at any row count: a runner's plan captures most
-    sizes without an eager step first (capture_warmup "on_demand"), so the
-    order the first step learned is what those captures use."""
-
-    def __init__(self) -> None:
-        self.next: dict[tuple[int, int], weakref.ref] = {}  # (weight, rows) -> successor
-        self.any: dict[int, weakref.ref] = {}  # weight -> its last successor, any row count
-        self.last: tuple[int, int] | None = None
-
-    def after(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-        key = (weight.data_ptr(), rows)
-        last = self.last
-        if last is not None and last[1] == rows and last[0] != key[0]:
-            self.next[last] = self.any[last[0]] = weakref.ref(weight)
-        self.last = key
-        ref = self.next.get(key) or self.any.get(key[0])
-        return ref() if ref is not None else None
-
-
-_NEXT = NextWeights()
+        x.device, (key, float(eps), bool(gated)) if key is not None else None,
+        lambda: _SkinnyPlan(x, weight, bias, residual, config, out, norm_weight, eps, gated))
+    return plan.run(x, weight, bias, residual, out, norm_weight)
 
 
 # Checked launches by layout (Note [checked layouts] in compile_backend/kernels/_launch.py).
@@ -396,8 +323,7 @@ class _SkinnyPlan:
     each split count (`split_plan` decides per call: it depends on the
     stream's counters)."""
 
-    def __init__(self, x, weight, bias, residual, config, out, norm_weight, eps, gated,
-                 prefetching: bool) -> None:
+    def __init__(self, x, weight, bias, residual, config, out, norm_weight, eps, gated) -> None:
         """Every check of `skinny_linear` (ValueError), then what its launch needs."""
         fused = gated or norm_weight is not None
         if not skinny_allowed(x, weight, fused):
@@ -435,11 +361,10 @@ class _SkinnyPlan:
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
                          BLOCK_N=self.cfg["BLOCK_N"], BLOCK_K=self.cfg["BLOCK_K"],
                          UPCAST=upcast_dots(x.dtype), num_warps=self.cfg["num_warps"],
-                         num_stages=self.cfg["num_stages"], PREFETCH=prefetching,
-                         **pdl_meta(x.device))
+                         num_stages=self.cfg["num_stages"], **pdl_meta(x.device))
         self.launches: dict[int, Launch] = {}  # by split count
 
-    def run(self, x, weight, bias, residual, out, norm_weight, prefetch, row_bytes) -> torch.Tensor:
+    def run(self, x, weight, bias, residual, out, norm_weight) -> torch.Tensor:
         """Launch for these tensors (of the checked layout); returns the output."""
         M, K, n_out = self.M, self.K, self.n_out
         x2 = x.reshape(M, K)
@@ -462,8 +387,7 @@ class _SkinnyPlan:
         launch_here(launch, (
             x2, weight, bias if bias is not None else weight, r2 if r2 is not None else o2,
             norm_weight if norm_weight is not None else weight, o2, parts, arrivals,
-            prefetch if row_bytes else weight, M, self.N, K, k_split, self.eps,
-            prefetch.shape[0] if row_bytes else 0, prefetch.stride(0) if row_bytes else 0, row_bytes,
+            M, self.N, K, k_split, self.eps,
             x2.stride(0), weight.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0)))
         return out
 

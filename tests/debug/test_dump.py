@@ -53,7 +53,7 @@ def check_schema(dump):
     _check(m, TOP_LEVEL)
     assert set(m["versions"]) == {"torch", "triton", "python"}
     assert set(m["kernel_switches"]) == {"MRV2_PDL", "MRV2_SKINNY_GEMM", "MRV2_WIDE_GEMM",
-                                        "MRV2_L2_NEXT", "MRV2_DECODE_TWO_LAUNCH"}
+                                        "MRV2_DECODE_TWO_LAUNCH"}
     for g in m["graphs"]:
         _check(g, GRAPH)
         for name in ("graph_before_passes.py", "graph_after_passes.py", "split_graph.py"):
