@@ -77,7 +77,7 @@ CONFIGS = {
 # does not split K: split in two (192 programs for qkv where it has 96) it
 # took 24.6 and 25.4 µs once the benchmark ran the splits for real, and
 # the 21.4 was that split tile run as one split (the erratum under "Split K"
-# in docs/design.md; bench/results/skinny_split_h100_s21.md).
+# in docs/design.md; bench/results/norm_linear_split_h100_s21.md).
 # The 16-row gated tile is from an H100 sweep at one row: 83.5 µs, 1% from
 # its best (32 x 256, which spills 8 bytes without the norm under Triton
 # 3.6's ptxas), against 90.4 for the 16-column tile before and 87.1
