@@ -77,14 +77,14 @@ def test_draft_path_rejects_a_batch_that_is_not_decode():
         DraftRunner(engine.runner, 0)
 
 
-def _draft_engine(mode, derive=False, device="cpu"):
+def _draft_engine(mode, derive=False, device="cpu", **options):
     from compile_backend.demo.engine import Engine
     from compile_backend.demo.models import build_model, preset
     from runtime_helpers import CAPTURE_SIZES, kv_config
 
     model = build_model("hybrid", preset("tiny", num_layers=2, dtype=torch.float32)).to(device)
     cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=CAPTURE_SIZES,
-                               piece_compiler="eager", derive_mixed_graphs=derive)
+                               piece_compiler="eager", derive_mixed_graphs=derive, **options)
     engine = Engine(model, kv_config(), cfg, device, prefill_chunk=8, progress=False)
     engine.runner.capture()
     draft = DraftRunner(engine.runner, K)
@@ -135,9 +135,9 @@ def _draft_calls(seed, sessions=4, slots=4):
             yield f"session {session} proposal {r}", lambda e, d, r=r: propose(e, d, r)
 
 
-def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11):
+def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11, **options):
     ref, ref_draft = _draft_engine("none", device=device)
-    engine, draft = _draft_engine(mode, derive, device)
+    engine, draft = _draft_engine(mode, derive, device, **options)
     for what, call in _draft_calls(seed):
         want = call(ref, ref_draft).clone()
         got = call(engine, draft)
@@ -155,27 +155,39 @@ def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11):
     return engine
 
 
-@pytest.mark.parametrize("mode, derive", [("full", False), ("full", True),
-                                          ("full_and_piecewise", False), ("piecewise", False)])
-def test_draft_sessions_equal_eager_after_every_call(mode, derive):
+# (mode, derive_mixed_graphs, fuse_rope_attention)
+SESSION_CASES = [("full", False, False), ("full", True, False), ("full", False, True),
+                 ("full_and_piecewise", False, False), ("piecewise", False, False)]
+SESSION_IDS = ["full", "full-derive", "full-rope", "full_and_piecewise", "piecewise"]
+
+
+@pytest.mark.parametrize("mode, derive, rope", SESSION_CASES, ids=SESSION_IDS)
+def test_draft_sessions_equal_eager_after_every_call(mode, derive, rope):
     """Several sessions through one runner and draft loop, as a caller makes
     them (new requests in reused slots, batches of 1-4 requests padded to
     the captured sizes), each call's output and every buffer of the model
-    (KV caches, conv and compressor states) against eager's."""
+    (KV caches, conv and compressor states) against eager's. full-rope: the
+    FULL graphs with rotary and the KV write inside the attention op."""
     torch._dynamo.reset()
     cb.reset_counters()
     with use_graph_backend(StandInGraphs()), torch.no_grad():
-        _draft_sessions_equal_eager(mode, derive)
+        _draft_sessions_equal_eager(mode, derive, fuse_rope_attention=rope)
     if mode != "piecewise":
         assert cb.counters["cudagraph_replays"] >= 8
     if derive:
         assert cb.counters["mixed_graphs_derived"] > 0
+    assert (cb.counters["pass_rope_attention_fused"] > 0) == rope
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, derive", [("full", False), ("full", True), ("piecewise", False)])
-def test_draft_sessions_equal_eager_after_every_call_on_the_gpu(mode, derive):
-    """The same sessions with CUDA graphs and the Triton kernels, fp32."""
+@pytest.mark.parametrize("mode, derive, rope", [c for c in SESSION_CASES if c[0] != "full_and_piecewise"],
+                         ids=[i for i in SESSION_IDS if i != "full_and_piecewise"])
+def test_draft_sessions_equal_eager_after_every_call_on_the_gpu(mode, derive, rope):
+    """The same sessions with CUDA graphs and the Triton kernels, fp32
+    (full-rope: the fused decode launches inside the captured draft loop)."""
     torch._dynamo.reset()
+    cb.reset_counters()
     with torch.no_grad():
-        _draft_sessions_equal_eager(mode, derive, device="cuda")
+        _draft_sessions_equal_eager(mode, derive, device="cuda", fuse_rope_attention=rope)
+    if rope:
+        assert cb.counters["rope_attention_fused_captured"] > 0
