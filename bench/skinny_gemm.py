@@ -125,6 +125,10 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
     check(cublas[0](), ref, f"{name} cuBLAS")
     row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "floor_us": floor_us,
            "cublas_us": graph_ms(cublas, CALLS, ms) * 1e3}
+    if residual:  # what eager runs for `r + linear(x)`: cuBLAS's plain GEMM, then the add
+        mm_add = [lambda w=w: torch.mm(x, w.t()).add_(r) for w in ws]
+        check(mm_add[0](), ref, f"{name} mm + add")
+        row["cublas_mm_add_us"] = graph_ms(mm_add, CALLS, ms) * 1e3
     default = skinny_config(M, N, K)
     configs = [default]
     if sweep:
@@ -186,6 +190,14 @@ def fmt(rows, bw) -> str:
         for f in fits:
             lines.append(f"| {f['preset']} | {f['M']} | {f['n']} | {f['cublas'][0]:.1f} "
                          f"| {1 / f['cublas'][1]:.2f} | {f['skinny'][0]:.1f} | {1 / f['skinny'][1]:.2f} |")
+    added = [r for r in rows if "cublas_mm_add_us" in r]
+    if added:
+        lines += ["", "With a residual, cuBLAS two ways (µs): addmm (a copy of the residual into "
+                  "the output, then the GEMM accumulating into it, as Inductor emits) and mm then "
+                  "an in-place add (as eager runs it); the kernel adds it in its epilogue.", "",
+                  "| weights | rows | addmm | mm + add | skinny |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['shape']} | {r['M']} | {r['cublas_us']:.1f} | {r['cublas_mm_add_us']:.1f} "
+                  f"| {r['skinny_us']:.1f} |" for r in added]
     splits = [r for r in rows if any("SPLIT_K" in t["config"] for t in r["sweep"])]
     if splits:
         lines += ["", "Best per split (--split-sweep), µs:", "",
