@@ -183,8 +183,7 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     # runner may sit in a reference cycle: collect it now, or its memory is
     # freed during this capture and the pool reads negative (seen: hybrid
     # mrv2-piecewise, -2164 MiB, 2026-11-30).
-    if setup.device == "cuda":
-        cb.release_graphs()
+    cb.release_graphs()  # stand-in graphs too (a dry run), which hold their runner
     gc.collect()
     if setup.device == "cuda":
         torch.cuda.empty_cache()
@@ -233,41 +232,47 @@ def build(model_name: str, variant: str, setup: Setup, capture_sizes: list[int],
     return runner, model, kv, startup
 
 
+def time_decode_step(runner, model, kv, b, setup) -> dict:
+    """One batch size's timings: the step, back to back, and (FULL) the
+    graph's replay alone. A function of its own so that nothing it holds
+    (the captured graph keeps its runner and model) outlives it."""
+    batch = decode_batch(b, setup.context, kv, model.cfg.vocab_size)  # built once: not timed
+    first = runner.execute(batch).float().cpu().clone()  # a replay overwrites its output
+    for _ in range(5):
+        runner.execute(batch)
+    ms = median_ms(lambda: runner.execute(batch), setup)
+    b2b_ms = back_to_back_ms(lambda: runner.execute(batch), setup)
+    step = runner.dispatch(batch)
+    replay_ms = None
+    if step.mode is cb.CUDAGraphMode.FULL and step.key in runner.full_graph.entries:
+        replay_ms = median_ms(runner.full_graph.entries[step.key].cuda_graph.replay, setup)
+    return {"ms": ms, "b2b_ms": b2b_ms, "replay_ms": replay_ms,
+            "work": step_floor_work(model, b, setup.context), "dispatched": step.mode.value,
+            "first": first}
+
+
 @torch.no_grad()
 def run_decode(model_name, variant, setup, batches):
     sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
     blocks = max(batches) * (math.ceil((setup.context + 1) / 16) + 2) + 2
     runner, model, kv, startup = build(model_name, variant, setup, sizes, max(batches),
                                        max(sizes), blocks)
-    vocab = model.cfg.vocab_size
-    rows = []
-    for b in batches:
-        batch = decode_batch(b, setup.context, kv, vocab)  # built once: not part of the step
-        first = runner.execute(batch).float().cpu().clone()  # a replay overwrites its output
-        for _ in range(5):
-            runner.execute(batch)
-        ms = median_ms(lambda: runner.execute(batch), setup)
-        b2b_ms = back_to_back_ms(lambda: runner.execute(batch), setup)
-        step = runner.dispatch(batch)
-        desc = step.key
-        replay_ms = None
-        if step.mode is cb.CUDAGraphMode.FULL and desc in runner.full_graph.entries:
-            cuda_graph = runner.full_graph.entries[desc].cuda_graph
-            replay_ms = median_ms(cuda_graph.replay, setup)
-        rows.append({"model": model_name, "variant": variant, "batch": b, "ms": ms,
-                     "b2b_ms": b2b_ms, "replay_ms": replay_ms, "work": step_floor_work(model, b, setup.context),
-                     "dispatched": step.mode.value, "first": first})
+    rows = [dict(model=model_name, variant=variant, batch=b,
+                 **time_decode_step(runner, model, kv, b, setup)) for b in batches]
     startup.update(graphs=cb.counters["cudagraph_captures"], pieces=cb.counters["pieces"],
                    replay_input_copies=cb.counters["replay_input_copies"],
                    rope_fused=cb.counters["rope_attention_fused_launches"],
                    rope_fused_captured=cb.counters["rope_attention_fused_captured"])
     if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
-        del runner
-        largest, _, _, only = build(model_name, variant, setup, [max(sizes)], max(batches),
-                                    max(sizes), blocks)
+        # One model at a time: this variant's (llama8b: 16 GB of weights and,
+        # at b256, 18 GB of KV cache) goes before the largest size is built
+        # alone, or an 80 GB card runs out of memory there (H100, 2026-12-07).
+        del runner, model
+        largest, largest_model, _, only = build(model_name, variant, setup, [max(sizes)],
+                                                max(batches), max(sizes), blocks)
         startup["pool_largest_alone_bytes"] = only["pool_bytes"]
         startup["pool_largest_alone_reserved_bytes"] = only["pool_reserved_bytes"]
-        del largest
+        del largest, largest_model
     if setup.device == "cuda":
         torch.cuda.empty_cache()
     return rows, startup

@@ -38,6 +38,33 @@ def test_dry_run_compares_every_variant_with_eager(bench, tmp_path):
     assert "| hybrid | mrv2-piecewise | 2 |" in (tmp_path / "decode.md").read_text()
 
 
+@pytest.mark.slow  # full tier: a long run
+def test_one_model_at_a_time(bench, tmp_path, monkeypatch):
+    """Regression: each variant builds its model twice (its sizes, then the
+    largest size alone for the pool's reading), and the FULL graph the
+    replay timing held kept the first alive through the second: at llama8b,
+    b256, two models and their KV caches ran an 80 GB card out of memory.
+    Every model built is gone (collected) before the next is built."""
+    import gc
+    import weakref
+
+    built = []
+    real = bench.build_model
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive = [name for name, ref in built if ref() is not None]
+        assert not alive, f"building another model while {alive} is alive"
+        model = real(*args, **kwargs)
+        built.append((f"{args[0]} #{len(built)}", weakref.ref(model)))
+        return model
+
+    monkeypatch.setattr(bench, "build_model", tracked)
+    assert bench.main(["--dry-run", "--model", "llama", "--batches", "1,2", "--mixed", "",
+                       "--variants", "mrv2-full,mrv2-piecewise", "--out", str(tmp_path)]) == 0
+    assert len(built) == 4  # two variants, each its sizes and then the largest alone
+
+
 def test_without_a_gpu_the_benchmark_says_how_to_dry_run(bench):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
