@@ -156,12 +156,14 @@ def _draft_sessions_equal_eager(mode, derive=False, device="cpu", seed=11, **opt
 
 
 # (mode, derive_mixed_graphs, fuse_rope_attention)
-SESSION_CASES = [("full", False, False), ("full", True, False), ("full", False, True),
-                 ("full_and_piecewise", False, False), ("piecewise", False, False)]
-SESSION_IDS = ["full", "full-derive", "full-rope", "full_and_piecewise", "piecewise"]
+SESSION_CASES = [pytest.param("full", False, False, id="full"),
+                 pytest.param("full", True, False, id="full-derive"),
+                 pytest.param("full", False, True, id="full-rope"),
+                 pytest.param("full_and_piecewise", False, False, id="full_and_piecewise"),
+                 pytest.param("piecewise", False, False, id="piecewise")]
 
 
-@pytest.mark.parametrize("mode, derive, rope", SESSION_CASES, ids=SESSION_IDS)
+@pytest.mark.parametrize("mode, derive, rope", SESSION_CASES)
 def test_draft_sessions_equal_eager_after_every_call(mode, derive, rope):
     """Several sessions through one runner and draft loop, as a caller makes
     them (new requests in reused slots, batches of 1-4 requests padded to
@@ -180,8 +182,8 @@ def test_draft_sessions_equal_eager_after_every_call(mode, derive, rope):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, derive, rope", [c for c in SESSION_CASES if c[0] != "full_and_piecewise"],
-                         ids=[i for i in SESSION_IDS if i != "full_and_piecewise"])
+@pytest.mark.parametrize("mode, derive, rope",
+                         [c for c in SESSION_CASES if c.values[0] != "full_and_piecewise"])
 def test_draft_sessions_equal_eager_after_every_call_on_the_gpu(mode, derive, rope):
     """The same sessions with CUDA graphs and the Triton kernels, fp32
     (full-rope: the fused decode launches inside the captured draft loop)."""
