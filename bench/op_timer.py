@@ -13,7 +13,7 @@ kept as self time (a piece's figure leaves out the ops it called).
     # adds: "triton compile in line", "precompile wait", "inductor autotune",
     # "synchronize", "gc.collect" (the region's thread only); and inside
     # norm_linear and linear_add: their norm and gate launches and cuBLAS's
-    # F.linear and torch.addmm
+    # F.linear
 
 For measurement only (bench/startup.py --by-op): it swaps the packets'
 `default` attributes, the direct calls' implementations (core/direct_calls.py)
@@ -77,7 +77,7 @@ def _cold_callees() -> list[tuple[Any, str, str]]:
 def _inner_callees() -> list[tuple[Any, str, str]]:
     """What norm_linear's three-launch form and linear_add's torch form call
     (their self time then leaves these out): the norm and gate kernels'
-    launches and cuBLAS's GEMMs (F.linear, torch.addmm), looked up by name
+    launches and cuBLAS's GEMM (F.linear), looked up by name
     at each call, so a swap of the module attribute times them."""
     import importlib
 
@@ -87,7 +87,7 @@ def _inner_callees() -> list[tuple[Any, str, str]]:
     norm_linear = importlib.import_module("compile_backend.kernels.norm_linear")
     found = [(norm_linear, "rms_norm", "norm_linear: rms_norm"),
              (norm_linear, "silu_mul", "norm_linear: silu_mul"),
-             (F, "linear", "cuBLAS: F.linear"), (torch, "addmm", "cuBLAS: torch.addmm")]
+             (F, "linear", "cuBLAS: F.linear")]
     return [(owner, attr, name) for owner, attr, name in found if attr in owner.__dict__]
 
 

@@ -115,8 +115,8 @@ def test_misuse_raises_with_the_fix_and_leaves_inputs_alone(device):
 
 
 def test_the_op_uses_torch_on_a_cpu_and_where_the_kernel_would_not_fill_the_gpu(monkeypatch):
-    """On plain CPU tensors and for wide batches the op is torch's addmm
-    (one rounding, like the kernel); `MRV2_SKINNY_GEMM=0` never uses the kernel."""
+    """On plain CPU tensors and for wide batches the op is what eager runs
+    (the GEMM, then the add: bit for bit); `MRV2_SKINNY_GEMM=0` never uses the kernel."""
     g = gen(stable_seed("op-cpu"))
     x, w, r = randn((3, 24), torch.float32, "cpu", g), randn((40, 24), torch.float32, "cpu", g), \
         randn((3, 40), torch.float32, "cpu", g)
@@ -129,7 +129,8 @@ def test_the_op_uses_torch_on_a_cpu_and_where_the_kernel_would_not_fill_the_gpu(
     out = linear_add(x, w, None, rt)
     assert out.is_contiguous()
     torch.testing.assert_close(out, rt + F.linear(x, w), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(linear_add_ref(x, w, None, r), torch.addmm(r, x, w.t()))
+    assert torch.equal(linear_add_ref(x, w, None, r), r + F.linear(x, w))
+    assert torch.equal(linear_add_ref(x, w, b, r), r + F.linear(x, w, b))
 
 
 def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
@@ -185,7 +186,7 @@ def test_wide_rows_in_row_tiles(device, M):
 
 
 def test_wide_rows_through_the_op_only_where_asked(monkeypatch):
-    """linear_add at 65-512 rows stays torch's addmm unless MRV2_WIDE_GEMM=1
+    """linear_add at 65-512 rows stays torch's GEMM and add unless MRV2_WIDE_GEMM=1
     (interpreter stand-in for a GPU: skinny_pays sees CUDA-like tensors)."""
     skinny = importlib.import_module("compile_backend.kernels.skinny_linear")
     calls = []
