@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
 
 from compile_backend.core.packed_weights import pack_siblings, packed_view  # noqa: E402
+from compile_backend.kernels._device import sm_count  # noqa: E402
 from compile_backend.kernels.norm_linear import norm_linear_ref  # noqa: E402
 from compile_backend.kernels.rms_norm import rms_norm_ref  # noqa: E402
 from compile_backend.kernels.skinny_linear import (  # noqa: E402
@@ -129,7 +130,7 @@ def bench_shape(name, N, K, residual, M, bw, sweep, g):
         mm_add = [lambda w=w: torch.mm(x, w.t()).add_(r) for w in ws]
         check(mm_add[0](), ref, f"{name} mm + add")
         row["cublas_mm_add_us"] = graph_ms(mm_add, CALLS, ms) * 1e3
-    default = skinny_config(M, N, K)
+    default = skinny_config(M, N, K, num_sms=sm_count(x.device))  # what the op runs
     configs = [default]
     if sweep:
         grid = SPLIT_SWEEP if sweep == "split" else WIDE_SWEEP if M > MAX_ROWS else SWEEP

@@ -212,10 +212,12 @@ def row_tile(M: int) -> int:
 
 
 def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: bool = False,
-                  norm: bool = False) -> dict:
+                  norm: bool = False, num_sms: int | None = None) -> dict:
     """The kernel's meta-parameters for M rows and a [N, K] weight (`config`
     overrides); BLOCK_M is the row tile. With a norm or gated: FUSED_CONFIGS
-    (a gated program reads BLOCK_N gate rows and BLOCK_N up rows)."""
+    (a gated program reads BLOCK_N gate rows and BLOCK_N up rows). Given
+    `num_sms`, the table's split is kept only where the split grid fits one
+    wave (`one_wave_split`)."""
     block_m = row_tile(M)
     if (gated or norm) and M > MAX_ROWS:
         raise ValueError(f"skinny_linear: with a norm or gated, at most {MAX_ROWS} rows (got {M}): "
@@ -224,8 +226,22 @@ def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: boo
     cfg = dict(table, BLOCK_M=block_m)
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
         cfg.update(BLOCK_N=16, BLOCK_K=32)
+    if num_sms is not None and cfg.get("SPLIT_K", 1) > 1:
+        tiles = cdiv(N // 2 if gated else N, cfg["BLOCK_N"]) * cdiv(M, block_m)
+        cfg["SPLIT_K"] = one_wave_split(cfg["SPLIT_K"], tiles, num_sms)
     cfg.update(config or {})
     return cfg
+
+
+def one_wave_split(split: int, tiles: int, num_sms: int) -> int:
+    """Note [split K]: a table's split where `tiles` x split programs still
+    fit one wave of the SMs, else one. Splitting K only pays where the column
+    tiles alone leave SMs idle (o and down at 16 rows: 64 tiles, 128 programs
+    split); a grid that fills them already pays the parts' round trip for
+    nothing (H100, 16-row tile, 1 / 16 rows, split 2 against 1: lm_head 346.5
+    / 370.1 µs against 340.5 / 348.4, gate_up 83.7 / 88.2 against 82.2 / 83.7,
+    qkv 22.3 / 22.9 against 20.6 / 20.9; bench/results/split_sweep*_h100_s2*.md)."""
+    return split if tiles * split <= num_sms else 1
 
 
 def skinny_allowed(x: torch.Tensor, weight: torch.Tensor, fused: bool = False) -> bool:
@@ -266,7 +282,7 @@ def _grid_fills(M: int, N: int, K: int, num_sms: int, gated: bool, norm: bool,
     """skinny_fills' rule without the switches (a function of its arguments
     and the config tables: kept, as every layer of a step asks again)."""
     n_out = N // 2 if gated else N
-    cfg = skinny_config(M, N, K, gated=gated, norm=norm)
+    cfg = skinny_config(M, N, K, gated=gated, norm=norm, num_sms=num_sms)
     programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated else cfg.get("SPLIT_K", 1))
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
@@ -354,7 +370,8 @@ class _SkinnyPlan:
             raise ValueError(f"skinny_linear: out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
         self.M, self.N, self.K, self.n_out, self.lead = M, N, K, n_out, lead
         self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
-        self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None)
+        self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None,
+                                 num_sms=sm_count(x.device) if x.is_cuda else None)
         self.tiles = cdiv(n_out, self.cfg["BLOCK_N"]) * cdiv(M, self.cfg["BLOCK_M"])
         self.gated, self.norm = bool(gated), norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from compile_backend.core import stream_buffers
 from kernel_cases import DEVICES, assert_close_rel, gen, randn, stable_seed
 from kernel_cases import gpu_dot_limits  # noqa: F401  (autouse: tl.dot's GPU minimum)
-from compile_backend.kernels.skinny_linear import (ARRIVALS, MAX_ROWS, WIDE_ROWS, linear_add,
-                                                   linear_add_ref, skinny_allowed, skinny_config,
-                                                   skinny_fills, skinny_linear, skinny_pays)
+from compile_backend.kernels.skinny_linear import (ARRIVALS, CONFIGS, MAX_ROWS, WIDE_ROWS,
+                                                   linear_add, linear_add_ref, one_wave_split,
+                                                   skinny_allowed, skinny_config, skinny_fills,
+                                                   skinny_linear, skinny_pays)
 
 LOW = [torch.float16, torch.bfloat16]
 LOW_IDS = ["fp16", "bf16"]
@@ -166,6 +167,30 @@ def test_the_choice_follows_the_programs_and_the_override(monkeypatch):
     x = x[:16]
     assert not skinny_allowed(x, torch.empty(64, 32, dtype=torch.bfloat16).t())
     assert not skinny_allowed(torch.empty(64, 16, dtype=torch.bfloat16).t(), w)
+
+
+def test_the_split_is_kept_only_where_it_fits_one_wave(monkeypatch):
+    """Note [split K]: the 16-row tile splits K only where its programs still
+    fit one wave of the SMs (llama-8B's o and down on 132 SMs: 64 column
+    tiles, 128 programs), not where the column tiles fill the SMs already
+    (qkv 96 tiles, gate_up 448, lm_head 2004); a config's SPLIT_K still
+    wins, and without `num_sms` the table's split stands."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU's tiles, not the interpreter's
+    split, block_n = CONFIGS[16]["SPLIT_K"], CONFIGS[16]["BLOCK_N"]
+    assert split == 2 and block_n == 64
+    assert one_wave_split(2, 64, 132) == 2 and one_wave_split(2, 66, 132) == 2
+    assert one_wave_split(2, 67, 132) == 1 and one_wave_split(4, 33, 132) == 4
+    for N, K, want in ((4096, 4096, 2), (4096, 14336, 2), (6144, 4096, 1), (28672, 4096, 1),
+                       (128256, 4096, 1)):
+        for M in (1, 16):
+            assert skinny_config(M, N, K, num_sms=132)["SPLIT_K"] == want, (M, N, K)
+            assert skinny_config(M, N, K)["SPLIT_K"] == split  # no SM count: the table's
+            assert skinny_config(M, N, K, {"SPLIT_K": 2}, num_sms=132)["SPLIT_K"] == 2
+    # 256 rows of o in the 128-row tile: 2 row tiles x 32 column tiles, split in two
+    assert skinny_config(256, 4096, 4096, num_sms=132)["SPLIT_K"] == CONFIGS[128]["SPLIT_K"] == 2
+    assert skinny_config(512, 4096, 4096, num_sms=132)["SPLIT_K"] == 1  # 128 tiles fill them
+    # the grid rule counts the programs that would run: qkv at one row fills a quarter unsplit
+    assert skinny_fills(1, 6144, 4096, 132) and not skinny_fills(16, 1024, 4096, 132)
 
 
 @pytest.mark.parametrize("device", DEVICES)
