@@ -67,7 +67,7 @@ class CompilationConfig:
         (compile_backend/passes/fuse_sibling_linears.py).
     fuse_linear_residual: `residual + linear(x, w, b)` (o_proj, down_proj)
         becomes one `mrv2::linear_add`: at decode on a GPU one kernel with
-        the residual added in its epilogue, else torch's `addmm`
+        the residual added in its epilogue, else torch's GEMM and add (as eager)
         (compile_backend/passes/fuse_linear_residual.py).
     fuse_norm_linear: an RMSNorm and the linear(s) that read it, and a
         SwiGLU gate `silu(g) * u` over a linear's two halves, become one

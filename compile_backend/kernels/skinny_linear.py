@@ -52,7 +52,8 @@ stream_buffers.declare(ARRIVALS, ARRIVAL_SLOTS, torch.int32)
 # down projections of llama-8B on the H200 (bench/results/skinny_gemm_sweep*.json).
 # The 16-row tile splits K in two over 64-column tiles (Note [split K];
 # bench/results/skinny_gemm_split.md: o 12.4 -> 12.0 µs and down 32.5 -> 31.4
-# at one row; 12.5 and 32.7 -> 32.4 at 16).
+# at one row; 12.5 and 32.7 -> 32.4 at 16), where the split grid fits one
+# wave of the SMs (`one_wave_split`: not qkv, gate_up, lm_head).
 CONFIGS = {
     16: {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4, "SPLIT_K": 2},
     32: {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
