@@ -241,7 +241,8 @@ def one_wave_split(split: int, tiles: int, num_sms: int) -> int:
     split); a grid that fills them already pays the parts' round trip for
     nothing (H100, 16-row tile, 1 / 16 rows, split 2 against 1: lm_head 346.5
     / 370.1 µs against 340.5 / 348.4, gate_up 83.7 / 88.2 against 82.2 / 83.7,
-    qkv 22.3 / 22.9 against 20.6 / 20.9; bench/results/split_sweep*_h100_s2*.md)."""
+    qkv 22.3 / 22.9 against 20.6 / 20.9; bench/results/split_sweep_h100_s21.md,
+    split_sweep_rest_h100_s22.md)."""
     return split if tiles * split <= num_sms else 1
 
 
@@ -443,10 +444,10 @@ def split_plan(cfg: dict, M: int, n_out: int, K: int, tiles: int, device: torch.
 def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    residual: torch.Tensor) -> torch.Tensor:
     """Plain torch, as eager computes `residual + F.linear(x, weight, bias)`:
-    the GEMM, then the add in place on its fresh output. Not `addmm`: at 256
-    rows its copy of the residual into the output (a memcpy per call) and
-    cuBLAS's beta=1 tiles made o and down 1.4-1.6x their bytes' floor on an
-    H100 (Note [wide rows], docs/design.md)."""
+    the GEMM, then the add in place on its fresh output, so the op's torch
+    form equals eager bit for bit. `addmm` (one rounding) copies the residual
+    into its output first and was no faster at 64-256 rows on an H100 (Note
+    [wide rows], docs/design.md)."""
     return F.linear(x, weight, bias).add_(residual)
 
 
