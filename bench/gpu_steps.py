@@ -10,7 +10,9 @@ ones after it. Each line of the steps file is `<name> <cut seconds>
 is printed at the end (124: cut). Steps are skipped once less than 10 s is
 left. With --pack NAME, each finished step's files move into <out>/NAME.tar
 (a device call returns 8 files at most; a cut call still returns the steps
-done). Exit status: 0 when every step ran and returned 0, else 1.
+done) and the table into <out>/steps_NAME.md; several runs in one call, each
+with its own NAME, keep each other's files. Exit status: 0 when every step
+ran and returned 0, else 1.
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ def parse_steps(text: str) -> list[tuple[str, float, str]]:
     return steps
 
 
-def pack(out: Path, name: str) -> int:
-    """Move every file under `out` but the pack and steps.md into
-    <out>/<name>.tar (appended, paths relative to `out`); the count moved."""
+def pack(out: Path, name: str, keep: frozenset[Path] = frozenset()) -> int:
+    """Move every file under `out` but the pack, steps.md and `keep` (what
+    was there before this run: an earlier run's pack and table, when one
+    device call runs several) into <out>/<name>.tar (appended, paths
+    relative to `out`); the count moved."""
     archive = out / f"{name}.tar"
-    files = sorted(p for p in out.rglob("*") if p.is_file() and p not in (archive, out / "steps.md"))
+    files = sorted(p for p in out.rglob("*") if p.is_file()
+                   and p not in (archive, out / "steps.md") and p not in keep)
     with tarfile.open(archive, "a") as tar:
         for f in files:
             tar.add(f, arcname=str(f.relative_to(out)))
@@ -67,6 +72,7 @@ def pack(out: Path, name: str) -> int:
 def run_steps(steps: list[tuple[str, float, str]], out: Path, budget: float,
               pack_name: str | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
+    before = frozenset(p for p in out.rglob("*") if p.is_file())
     end = time.monotonic() + budget
     rows = []
     for name, cut, command in steps:
@@ -86,7 +92,7 @@ def run_steps(steps: list[tuple[str, float, str]], out: Path, budget: float,
         rows.append({"name": name, "rc": rc, "s": time.monotonic() - t0,
                      "last": lines[-1][:160] if lines else ""})
         if pack_name:
-            pack(out, pack_name)
+            pack(out, pack_name, keep=before)
     return rows
 
 
@@ -117,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = [s for s in steps if s[0] in wanted]
     rows = run_steps(steps, Path(args.out), args.budget, args.pack)
     print(table(rows))
-    (Path(args.out) / "steps.md").write_text(table(rows) + "\n" + "\n".join(
+    # one table per run: a second run in the same call (another --pack) keeps the first's
+    name = f"steps_{args.pack}.md" if args.pack else "steps.md"
+    (Path(args.out) / name).write_text(table(rows) + "\n" + "\n".join(
         f"- {n}: {shlex.quote(c)}" for n, _, c in steps) + "\n")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 

@@ -31,10 +31,20 @@ def test_pack_moves_each_steps_files_into_one_archive(tmp_path, monkeypatch):
                      "b 5 echo y > $OUT/g.txt\n")
     out = tmp_path / "out"
     assert gs.main([str(steps), "--out", str(out), "--budget", "60", "--pack", "all"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["all.tar", "steps.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["all.tar", "steps_all.md"]
     with tarfile.open(out / "all.tar") as tar:
         assert sorted(tar.getnames()) == ["a.log", "b.log", "deep/er/f.txt", "g.txt"]
         assert tar.extractfile("deep/er/f.txt").read() == b"x\n"
+    # a second run in the same folder (one device call, two budgets) packs only its own steps'
+    # files and keeps the first run's pack and table as they were
+    first = (out / "all.tar").read_bytes()
+    assert gs.main([str(steps), "--out", str(out), "--budget", "60", "--pack", "two",
+                    "--only", "b"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["all.tar", "steps_all.md", "steps_two.md",
+                                                      "two.tar"]
+    assert (out / "all.tar").read_bytes() == first
+    with tarfile.open(out / "two.tar") as tar:
+        assert sorted(tar.getnames()) == ["b.log", "g.txt"]
 
 
 def test_a_spent_budget_skips_the_rest(tmp_path, monkeypatch):
