@@ -338,6 +338,36 @@ def test_split_k_is_refused_for_the_gated_kernel_and_falls_back_without_counters
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_wide_rows_on_the_gpu_equal_eager_bit_for_bit(monkeypatch):
+    """linear_add above MAX_ROWS on the GPU (not forced to the kernel) is
+    eager's GEMM then add: equal to `residual + F.linear` bit for bit, with
+    and without bias, its inputs untouched; replayed in a CUDA graph on new
+    values, within bf16's bound (cuBLAS may pick another algorithm inside a
+    capture)."""
+    monkeypatch.delenv("MRV2_SKINNY_GEMM", raising=False)
+    monkeypatch.delenv("MRV2_WIDE_GEMM", raising=False)
+    for M, N, K in ((65, 4096, 4096), (256, 4096, 14336), (512, 2000, 1000)):
+        x, w, b, r = _operands(M, N, K, torch.bfloat16, "cuda", stable_seed("wide-eager", M, N, K))
+        assert not skinny_pays(x, w)
+        for bias in (None, b):
+            before = [t.clone() for t in (x, w, r)]
+            assert torch.equal(linear_add(x, w, bias, r), r + F.linear(x, w, bias)), (M, bias is None)
+            assert all(torch.equal(t, t0) for t, t0 in zip((x, w, r), before))
+        graph = torch.cuda.CUDAGraph()
+        linear_add(x, w, b, r)  # cuBLAS's first call of this problem, outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = linear_add(x, w, b, r)
+        for seed in range(2):
+            g = gen(stable_seed("wide-eager-replay", M, seed))
+            x.copy_(randn((M, K), torch.bfloat16, "cuda", g))
+            r.copy_(randn((M, N), torch.bfloat16, "cuda", g))
+            graph.replay()
+            assert_close_rel(out, _ref(x, w, b, r), torch.bfloat16, f"wide replay M={M} {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (4096, 14336), (2000, 1000)])
 @pytest.mark.parametrize("split,block_n", [(2, 32), (4, 64), (4, 128), (3, 64)])
 def test_split_k_on_the_gpu_chained_in_a_cuda_graph(N, K, split, block_n):
