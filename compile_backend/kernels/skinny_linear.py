@@ -228,10 +228,16 @@ def skinny_config(M: int, N: int, K: int, config: dict | None = None, gated: boo
     if interpreting():  # small tiles: the interpreter's tests reach the masks cheaply
         cfg.update(BLOCK_N=16, BLOCK_K=32)
     if num_sms is not None and cfg.get("SPLIT_K", 1) > 1:
-        tiles = cdiv(N // 2 if gated else N, cfg["BLOCK_N"]) * cdiv(M, block_m)
+        tiles = grid_tiles(M, N // 2 if gated else N, cfg)
         cfg["SPLIT_K"] = one_wave_split(cfg["SPLIT_K"], tiles, num_sms)
     cfg.update(config or {})
     return cfg
+
+
+def grid_tiles(M: int, n_out: int, cfg: dict) -> int:
+    """The (row, column) tiles of a launch over M rows and n_out output
+    columns: its grid's first axis (times SPLIT_K programs in all)."""
+    return cdiv(n_out, cfg["BLOCK_N"]) * cdiv(M, cfg["BLOCK_M"])
 
 
 def one_wave_split(split: int, tiles: int, num_sms: int) -> int:
@@ -285,7 +291,7 @@ def _grid_fills(M: int, N: int, K: int, num_sms: int, gated: bool, norm: bool,
     and the config tables: kept, as every layer of a step asks again)."""
     n_out = N // 2 if gated else N
     cfg = skinny_config(M, N, K, gated=gated, norm=norm, num_sms=num_sms)
-    programs = cdiv(n_out, cfg["BLOCK_N"]) * (1 if gated else cfg.get("SPLIT_K", 1))
+    programs = grid_tiles(M, n_out, cfg) * (1 if gated else cfg.get("SPLIT_K", 1))
     return 4 * programs >= num_sms if M <= 16 else 10 * programs >= 9 * num_sms
 
 
@@ -374,7 +380,7 @@ class _SkinnyPlan:
         self.eps, self.device, self.bind = float(eps), x.device, x.is_cuda
         self.cfg = skinny_config(M, N, K, config, gated, norm=norm_weight is not None,
                                  num_sms=sm_count(x.device) if x.is_cuda else None)
-        self.tiles = cdiv(n_out, self.cfg["BLOCK_N"]) * cdiv(M, self.cfg["BLOCK_M"])
+        self.tiles = grid_tiles(M, n_out, self.cfg)
         self.gated, self.norm = bool(gated), norm_weight is not None
         self.meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                          NORM=norm_weight is not None, GATED=gated, BLOCK_M=self.cfg["BLOCK_M"],
