@@ -1,0 +1,187 @@
+"""cuBLAS at 64-256 rows asked four ways, in CUDA graphs (issue #37 item 4).
+
+    python bench/gemm_forms.py [--rows 64,128,256] [--only o,down] [--out DIR]
+    python bench/gemm_forms.py --dry-run          (CPU, fp32, small shapes: the plumbing)
+
+cuBLAS picks its kernel from the problem as asked; at b256 the step's GEMMs
+ran 1.3-1.6x their floors. Per llama-8B decode weight (a residual where the
+step adds one): `torch` = F.linear(x, w) (.add_(r)), what the ops run today;
+`lt` = the same with torch's cuBLASLt path preferred; `wT` = y^T = w @ x^T,
+added to r read strided (without a residual: the product alone, and
+`wT+copy` with a transposing copy); `split` = two half-row GEMMs. Timing as
+bench/skinny_gemm.py (12 calls in one graph, weights rotated past L2, median
+replay / 12); floor = max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak),
+both measured in the run. Writes gemm_forms.md and gemm_forms.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import copy_bandwidth, graph_ms, median_ms  # noqa: E402
+
+# (name, N, K, residual): llama-8B's decode linears (packed q/k/v and gate/up).
+SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, True), ("gate_up", 28672, 4096, False),
+          ("down", 4096, 14336, True), ("lm_head", 128256, 4096, False)]
+DRY_SHAPES = [("qkv", 96, 64, False), ("o", 64, 64, True)]
+L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
+CALLS = 12
+
+
+@contextlib.contextmanager
+def blas(name: str | None):
+    """torch's preferred BLAS path for the block (None: leave it)."""
+    if name is None:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None) -> dict:
+    """name -> (call, preferred BLAS). Each call returns the [M, N] result,
+    except `wT` without a residual ([N, M], the product alone)."""
+    M = x.shape[0]
+
+    def torch_form():
+        y = F.linear(x, w)
+        return y.add_(r) if r is not None else y
+
+    def wt_form():
+        yt = torch.mm(w, x.t())  # [N, M]
+        if r is None:
+            return yt
+        return torch.add(r, yt.t(), out=torch.empty_like(r))
+
+    def wt_copy():
+        return torch.mm(w, x.t()).t().contiguous()
+
+    def split_form():
+        out = torch.empty((M, w.shape[0]), dtype=x.dtype, device=x.device)
+        h = M // 2
+        torch.mm(x[:h], w.t(), out=out[:h])
+        torch.mm(x[h:], w.t(), out=out[h:])
+        return out.add_(r) if r is not None else out
+
+    lt = None if not x.is_cuda else "cublaslt"
+    out = {"torch": (torch_form, None), "lt": (torch_form, lt), "wT": (wt_form, None)}
+    if r is None:
+        out["wT+copy"] = (wt_copy, None)
+    out["split"] = (split_form, None)
+    return out
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float) -> float:
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    if not err < tol:
+        raise AssertionError(f"{what}: relative error {err:.3g} (tolerance {tol})")
+    return err
+
+
+def cpu_ms(fns: list, calls: int) -> float:
+    """Off CUDA (the dry run): one pass of `calls` calls, ms per call."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def bench_shape(name, N, K, residual, M, device, dtype, g) -> dict:
+    copies = max(1, min(4, -(-L2_BYTES // (N * K * 2)))) if device == "cuda" else 1
+    ws = [(torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype)
+          for _ in range(copies)]
+    x = torch.randn(M, K, generator=g, device=device).to(dtype)
+    r = torch.randn(M, N, generator=g, device=device).to(dtype) if residual else None
+    ref = x.double() @ ws[0].double().T + (r.double() if residual else 0)
+    tol = 1e-2 if dtype != torch.float32 else 1e-5
+    row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "us": {}, "rel_err": {}}
+    for form in forms(x, ws[0], r):
+        calls = [forms(x, w, r)[form] for w in ws]
+        fns = [c[0] for c in calls]
+        with blas(calls[0][1]):
+            y = fns[0]()
+            y = y.t() if form == "wT" and r is None else y
+            row["rel_err"][form] = check(y, ref, f"{name} M={M} {form}", tol)
+            if device == "cuda":
+                t = graph_ms(fns, CALLS, lambda f: median_ms(f, warmup=25, rep=150))
+            else:
+                t = cpu_ms(fns, CALLS)
+        row["us"][form] = t * 1e3
+    row["bytes"] = N * K * 2 + M * K * 2 + M * N * 2 * (3 if residual else 1)
+    row["flops"] = 2 * M * N * K
+    return row
+
+
+def fmt(rows: list[dict], bw: float, peak: float | None, header: str) -> str:
+    names = list(dict.fromkeys(f for r in rows for f in r["us"]))
+    lines = [header, "", "| weight | rows | floor µs | " + " | ".join(names)
+             + " | best / torch |", "|---|---:|---:|" + "---:|" * (len(names) + 1)]
+    for r in rows:
+        floor = max(r["bytes"] / bw, r["flops"] / peak if peak else 0.0) * 1e6
+        cells = [f"{r['us'][n]:.1f}" if n in r["us"] else "" for n in names]
+        best = min(r["us"], key=r["us"].get)
+        lines.append(f"| {r['shape']} | {r['M']} | {floor:.1f} | " + " | ".join(cells)
+                     + f" | {best} {r['us'][best] / r['us']['torch']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="64,128,256")
+    p.add_argument("--only", default="", help="weights by name, comma-separated (default: all)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results"))
+    p.add_argument("--dry-run", action="store_true", help="CPU, fp32, small shapes")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("needs a CUDA device; --dry-run runs the plumbing on the CPU")
+    device, dtype = ("cpu", torch.float32) if args.dry_run else ("cuda", torch.bfloat16)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    only = {s for s in args.only.split(",") if s}
+    unknown = only - {s[0] for s in shapes}
+    if unknown:
+        p.error(f"--only: unknown weights {sorted(unknown)}; known: {[s[0] for s in shapes]}")
+    g = torch.Generator(device=device).manual_seed(0)
+    if args.dry_run:
+        bw, peak, gpu = 1e11, None, "cpu (dry run: the times mean nothing)"
+    else:
+        from roofline import gemm_peak_flops
+
+        bw, peak = copy_bandwidth().median, gemm_peak_flops(device)
+        gpu = torch.cuda.get_device_name()
+    rows = [bench_shape(n, N, K, res, M, device, dtype, g)
+            for n, N, K, res in shapes if not only or n in only
+            for M in (int(m) for m in args.rows.split(","))]
+    header = (f"# cuBLAS forms ({gpu}, torch {torch.__version__}, "
+              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n\n"
+              f"Command: `python bench/gemm_forms.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+              f"copy bandwidth {bw / 1e9:.0f} GB/s"
+              + (f", bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s" if peak else "")
+              + "; µs per call, 12 calls in one CUDA graph (median replay / 12).")
+    text = fmt(rows, bw, peak, header)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemm_forms.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "gemm_forms.json"), "w") as f:
+        json.dump({"bandwidth": bw, "peak_flops": peak, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
