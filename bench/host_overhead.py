@@ -309,14 +309,14 @@ def op_rows(batches: list[int]) -> list[tuple[str, str, str, str]]:
             "torch.addmm (o weight)": lambda: torch.addmm(res, x, w_o.t()),
             "torch.empty": lambda: torch.empty(M, K, device=dev, dtype=dt),
             # norm_linear gate_up's parts, each alone (which of them the op's Python is)
-            "  its checks (_check)": lambda: nl._check(x, norm_w, 1e-5, gate_up, [], True),
+            "  its checks (check_norm_linear)": lambda: nl.check_norm_linear(x, norm_w, 1e-5, gate_up, [], True),
             "  its packed view": lambda: nl.packed_weight_and_bias(gate_up, []),
             "  its kernel-or-cuBLAS rule": lambda: nl.skinny_pays(x, w_gu, True, norm=True),
             "  rms_norm": lambda: rms_norm(x, norm_w, 1e-5),
             "  F.linear (gate_up weight)": lambda: F.linear(x, w_gu),
             "  silu_mul": lambda: silu_mul(y_gu),
             # linear_add o's parts
-            "  linear_add's checks": lambda: sk._check_linear_add(x, w_o, None, res),
+            "  linear_add's checks": lambda: sk.check_linear_add(x, w_o, None, res),
             "  linear_add's rule": lambda: sk.skinny_pays(x, w_o),
             "  linear_add's launch or addmm": (
                 (lambda: sk.skinny_linear(x, w_o, None, res)) if sk.skinny_pays(x, w_o)

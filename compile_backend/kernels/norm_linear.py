@@ -41,7 +41,7 @@ def out_features(weights: list[torch.Tensor], gated: bool) -> int:
     return n // 2 if gated else n
 
 
-def _check(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+def check_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
            weights: list[torch.Tensor], biases: list[torch.Tensor], gated: bool) -> None:
     if not weights:
         raise ValueError("norm_linear: no weights (give the linear's weight, or the siblings')")
@@ -69,16 +69,16 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                 weights: list[torch.Tensor], biases: list[torch.Tensor],
                 gated: bool) -> torch.Tensor:
     """RMSNorm -> linear(s) -> optional SiLU·mul (module docstring)."""
-    _check(x, norm_weight, eps, weights, biases, gated)
+    check_norm_linear(x, norm_weight, eps, weights, biases, gated)
     packed = packed_weight_and_bias(weights, biases)
     if packed is not None and skinny_pays(x, packed[0], gated, norm=norm_weight is not None):
         return skinny_linear(x, *packed, norm_weight=norm_weight, eps=eps, gated=gated)
-    if packed is not None and _unfused_kernels_here(x):
+    if packed is not None and unfused_here(x):
         return _unfused(x, norm_weight, eps, *packed, gated)
     return norm_linear_ref(x, norm_weight, eps, weights, biases, gated).contiguous()
 
 
-def _unfused_kernels_here(x: torch.Tensor) -> bool:
+def unfused_here(x: torch.Tensor) -> bool:
     """Run the three-launch form (norm, linear, gate) for x? On CUDA in bf16
     or fp16, where the reference's op-by-op norm and gate would launch a
     kernel per op; fp32 keeps the reference, equal to eager bit for bit."""
@@ -92,7 +92,11 @@ def _unfused(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
     graph: the plain skinny kernel there measured the same at 32 rows and
     1.5% slower at 64 (llama8b FULL decode on an H100)."""
     h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-    y = F.linear(h, weight, bias)
+    return gate_after(F.linear(h, weight, bias), gated)
+
+
+def gate_after(y: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The gate's launch on the packed linear's output (y itself when not gated)."""
     return silu_mul(y) if gated else y
 
 
@@ -101,5 +105,5 @@ register_op("mrv2::norm_linear", capture_safe=True)
 
 @torch.library.register_fake("mrv2::norm_linear")
 def _(x, norm_weight, eps, weights, biases, gated):
-    _check(x, norm_weight, eps, weights, biases, gated)
+    check_norm_linear(x, norm_weight, eps, weights, biases, gated)
     return x.new_empty((*x.shape[:-1], out_features(weights, gated)))

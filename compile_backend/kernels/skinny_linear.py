@@ -457,7 +457,7 @@ def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias).add_(residual)
 
 
-def _check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor) -> None:
     want = (*x.shape[:-1], weight.shape[0])
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or tuple(residual.shape) != want:
@@ -478,7 +478,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor) -> torch.Tensor:
     """`residual + F.linear(x, weight, bias)`: the skinny kernel at decode
     (`skinny_pays`), else torch (`linear_add_ref`)."""
-    _check_linear_add(x, weight, bias, residual)
+    check_linear_add(x, weight, bias, residual)
     if skinny_pays(x, weight):
         return skinny_linear(x, weight, bias, residual)
     return linear_add_ref(x, weight, bias, residual).contiguous()  # the fake's layout
@@ -489,5 +489,5 @@ register_op("mrv2::linear_add", capture_safe=True)
 
 @torch.library.register_fake("mrv2::linear_add")
 def _(x, weight, bias, residual):
-    _check_linear_add(x, weight, bias, residual)
+    check_linear_add(x, weight, bias, residual)
     return torch.empty_like(residual, memory_format=torch.contiguous_format)

@@ -21,6 +21,7 @@ from compile_backend.core.op_registry import (
 from .capture_safety import CaptureSafetyError, CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
+from .fuse_residual_norm import FuseResidualNormPass
 from .fuse_rope_attention import FuseRopeAttentionPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .growing_caches import GrowingCachesPass
@@ -35,7 +36,7 @@ __all__ = [
     "GrowingCachesPass",
     "FuseLinearResidualPass",
     "FuseNormLinearPass",
-    "FuseRopeAttentionPass",
+    "FuseResidualNormPass", "FuseRopeAttentionPass",
     "FuseSiblingLinearsPass",
     "FusionPass",
     "Mrv2Pass",

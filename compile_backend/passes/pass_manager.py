@@ -27,6 +27,7 @@ from compile_backend.core.op_registry import OpRegistry
 from .capture_safety import CaptureSafetyPass
 from .fuse_linear_residual import FuseLinearResidualPass
 from .fuse_norm_linear import FuseNormLinearPass
+from .fuse_residual_norm import FuseResidualNormPass
 from .fuse_rope_attention import FuseRopeAttentionPass
 from .fuse_sibling_linears import FuseSiblingLinearsPass
 from .growing_caches import GrowingCachesPass
@@ -51,6 +52,7 @@ class PassManager:
             FuseSiblingLinearsPass(roles, enabled=config.fuse_sibling_linears),
             FuseLinearResidualPass(roles, enabled=config.fuse_linear_residual),
             FuseNormLinearPass(roles, enabled=config.fuse_norm_linear),
+            FuseResidualNormPass(roles, enabled=config.fuse_residual_norm),
             FuseRopeAttentionPass(roles, enabled=config.fuse_rope_attention,
                                   mode=config.cudagraph_mode),
             GrowingCachesPass(roles, enabled=config.growing_caches_eager),

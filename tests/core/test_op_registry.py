@@ -255,13 +255,12 @@ def test_core_names_no_kernel_op_and_the_kernels_register_their_own():
         assert all(reg.role_of_name(n) is OpRole.BREAKPOINT for n in ops[:2])
         assert all(reg.role_of_name(n) is OpRole.ATTENTION_LIKE for n in ops[2:])
         assert reg.layer_keyed_ops() == sorted(ops)
-        # sibling_linear, linear_add, norm_linear: ordinary ops (no role, no
-        # layer name), capture-safe; all_reduce: a collective, capture-safe
-        assert reg.capture_safe_ops() == sorted(ops + ["mrv2::sibling_linear", "mrv2::linear_add",
-                                                       "mrv2::norm_linear", "mrv2::all_reduce"])
-        assert reg.role_of_name("mrv2::sibling_linear") is OpRole.ORDINARY
-        assert reg.role_of_name("mrv2::linear_add") is OpRole.ORDINARY
-        assert reg.role_of_name("mrv2::norm_linear") is OpRole.ORDINARY
+        # sibling_linear, linear_add, norm_linear, residual_norm_linear: ordinary
+        # ops (no role, no layer name), capture-safe; all_reduce: a collective
+        ordinary = ["mrv2::sibling_linear", "mrv2::linear_add", "mrv2::norm_linear",
+                    "mrv2::residual_norm_linear"]
+        assert reg.capture_safe_ops() == sorted(ops + ordinary + ["mrv2::all_reduce"])
+        assert all(reg.role_of_name(n) is OpRole.ORDINARY for n in ordinary)
         assert reg.role_of_name("mrv2::all_reduce") is OpRole.COLLECTIVE
         print("ok")
     """)

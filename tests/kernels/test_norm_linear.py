@@ -277,7 +277,7 @@ def test_the_three_launch_form_equals_the_reference(monkeypatch, dtype):
     forced on interpreted CPU tensors, where the linear is F.linear."""
     nl = importlib.import_module("compile_backend.kernels.norm_linear")
     calls = []
-    monkeypatch.setattr(nl, "_unfused_kernels_here", lambda x: calls.append(x.shape) or True)
+    monkeypatch.setattr(nl, "unfused_here", lambda x: calls.append(x.shape) or True)
     for norm in (False, True):
         for gated in (False, True):
             for bias in (False, True):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICES, DTYPE_IDS, DTYPES, gen, randn, stable_seed
-from compile_backend.kernels.rms_norm import MAX_BLOCK_K, rms_norm, rms_norm_ref
+from compile_backend.kernels.rms_norm import MAX_BLOCK_K, add_rms_norm, rms_norm, rms_norm_ref
 from compile_backend.kernels.silu_mul import BLOCK, silu_mul, silu_mul_ref
 
 # One rounding step of the dtype: the kernels and the references may differ
@@ -47,6 +47,37 @@ def test_rms_norm_takes_strided_rows_and_no_rows(device):
     _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype, "strided")
     empty = rms_norm(base[:0], randn((160,), dtype, device, g), 1e-6)
     assert empty.shape == (0, 160)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 100), (2, 5, 48), (3, MAX_BLOCK_K + 904)])
+def test_add_rms_norm_equals_the_add_then_the_reference(device, dtype, shape):
+    """The sum equals torch's add bit for bit (one rounding of the fp32 sum),
+    the norm the reference's of that sum; inputs untouched. K past
+    MAX_BLOCK_K: the second pass recomputes the sum it stored."""
+    g = gen(stable_seed("add-rms", str(dtype), shape))
+    x = randn(shape, dtype, device, g, scale=3.0)
+    r = randn(shape, dtype, device, g, scale=3.0)
+    w = (1.0 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype=dtype, device=device)
+    x0, r0 = x.clone(), r.clone()
+    s, out = add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r), f"{shape}: the sum"
+    assert s.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    _close(out, rms_norm_ref(x + r, w, 1e-5), dtype, f"{shape}")
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_rms_norm_takes_strided_rows(device):
+    dtype = torch.bfloat16
+    g = gen(stable_seed("add-rms-strided"))
+    base = randn((6, 160), dtype, device, g)
+    x, r = base[::2, :96], base[1::2, 40:136]  # rows 320 elements apart
+    w = randn((96,), dtype, device, g)
+    s, out = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and s.is_contiguous()
+    _close(out, rms_norm_ref(x + r, w, 1e-6), dtype, "strided")
 
 
 @pytest.mark.parametrize("device", DEVICES)
