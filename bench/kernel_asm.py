@@ -271,6 +271,22 @@ def decode_specs() -> list[Spec]:
                                             (one[2], ua._decode_rope_kernel))]
 
 
+def norm_specs() -> list[Spec]:
+    """RMSNorm of a row as norm_linear's wide rows launch it, alone and with the
+    residual's add (rms_norm.py: ADD, residual_norm_linear's wide form)."""
+    from compile_backend.kernels.rms_norm import MAX_BLOCK_K, _rms_norm_kernel
+
+    out = []
+    for add in (False, True):
+        args = dict(x_ptr="*bf16", r_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                    K=HIDDEN, stride_xm=HIDDEN, stride_rm=HIDDEN, stride_sm=HIDDEN,
+                    stride_om=HIDDEN, eps=1e-5)
+        meta = dict(BLOCK_K=min(MAX_BLOCK_K, HIDDEN), ADD=add, RNE_BF16=False, PDL=True)
+        out.append(Spec(f"rms_norm{'_add' if add else ''}_k{HIDDEN}", _rms_norm_kernel, args,
+                        meta, 8, 3))
+    return out
+
+
 def prefetch_specs() -> list[Spec]:
     """The L2 prefetch of a weight (bench/l2_prefetch.py's kernel)."""
     from l2_prefetch import CHUNK, LANES, _l2_prefetch_kernel
@@ -279,7 +295,8 @@ def prefetch_specs() -> list[Spec]:
                  dict(CHUNK=CHUNK, LANES=LANES, PDL=True), 4, 3)]
 
 
-SPECS = {"skinny": skinny_specs, "decode": decode_specs, "prefetch": prefetch_specs}
+SPECS = {"skinny": skinny_specs, "decode": decode_specs, "norm": norm_specs,
+         "prefetch": prefetch_specs}
 
 COLUMNS = [("kernel", "name"), ("regs", "regs"), ("spill B", "spill"), ("mma", "mma"),
            ("async copies", "async_copies"), ("loop loads", "loop_loads"),

@@ -31,7 +31,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _row(x_row, r_row, k, ok, ty, ADD: tl.constexpr, RNE_BF16: tl.constexpr):
+def _row(x_row, r_row, k, ok, ty: tl.constexpr, ADD: tl.constexpr, RNE_BF16: tl.constexpr):
     """x's columns k of one row in fp32; with ADD, x + residual rounded to
     x's dtype first (torch's add: fp32 sum, one rounding)."""
     xk = tl.load(x_row + k, mask=ok, other=0.0).to(tl.float32)
