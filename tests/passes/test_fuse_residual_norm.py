@@ -68,6 +68,17 @@ class SumReadBetween(Layers):
         return self.head(_norm(h, self.n1)) + s.sum()
 
 
+class TwoNorms(Layers):
+    """One sum normalized twice (a parallel block: attention and MLP read
+    the same residual): the first norm_linear takes the pair; the second
+    reads the sum after the first did."""
+
+    def forward(self, x):
+        h = x + self.o(x)
+        g, u = self.gate_up(_norm(h, self.n1)).chunk(2, dim=-1)
+        return self.head(_norm(h, self.n2)) + (F.silu(g) * u).sum()
+
+
 class WriteBetween(Layers):
     """The linear_add's input is written between it and the norm."""
 
@@ -120,6 +131,19 @@ def test_does_not_fire_and_says_why(cls, reason):
     (why,) = entry["details"]["not_fused"]
     assert reason in why["reason"], why
     assert not calls(gm, FUSED)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_sum_normalized_twice_fuses_once():
+    torch.manual_seed(5)
+    model = TwoNorms().eval()
+    x = torch.randn(3, D)
+    gm, inputs = dynamo_graph(model, x)
+    entry = _passes(gm)
+    assert entry["details"]["num_fused"] == 1 and len(calls(gm, FUSED)) == 1
+    (why,) = entry["details"]["not_fused"]
+    assert "the sum is read before the norm_linear" in why["reason"], why
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs)[0], model(x), atol=1e-5, rtol=1e-5)
 
@@ -197,6 +221,22 @@ def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
         # o with the post-attention norm, the first layer's down with the next
         # input norm; the final norm stays apart from lm_head (a slice between)
         assert len(fused_residual_norms(step.pass_log)) == 3
+
+
+@pytest.mark.interpreted_kernels
+def test_the_wide_form_forced_in_hf_llama_equals_eager_after_every_call(monkeypatch):
+    """The same, forced, in an unmodified HF Llama (PIECEWISE and FULL with
+    stand-in graphs): every call's logits against eager."""
+    rnl = importlib.import_module("compile_backend.kernels.residual_norm_linear")
+    ran = []
+    monkeypatch.setattr(rnl, "wide_here", lambda *a: ran.append(1) or True)
+    model = small_hf_llama(2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    g = torch.Generator().manual_seed(6)
+    ids = [torch.randint(0, 128, (1, t), generator=g) for t in (5, 5, 1, 1, 3)]
+    calls_ = [lambda m, i=i: m(i, use_cache=False).logits for i in ids]
+    check_against_eager(model, calls_, modes=("piecewise", "full"), standin=True, atol=1e-4,
+                        rtol=1e-4, options={"piece_compiler": "eager", "fuse_residual_norm": True})
+    assert ran
 
 
 # ---- GPU --------------------------------------------------------------------------------------
