@@ -175,18 +175,22 @@ def test_switched_off_and_in_the_uuid():
 # ---- against eager after every call ----------------------------------------------------------
 
 
+def _tiny_llama_runner(mode, sizes):
+    """The reference Llama (2 layers) in a runner with the pass on, stand-in graphs."""
+    model = build_model("llama", preset("tiny", num_layers=2))
+    kv = kv_config(num_blocks=20, max_num_tokens=32)
+    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cpu")
+    cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=sizes, piece_compiler="eager",
+                               fuse_residual_norm=True)
+    return ModelRunner(model, kv, cfg, "cpu", progress=False)
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
 def test_reference_llama_runner_equals_eager_after_every_step(mode):
     """Logits of every step of a random mixed schedule against an eager
     runner, stand-in graphs. Per layer: o with the norm and gate/up, down with
     the next layer's norm and qkv (the last one's: the final norm and lm_head)."""
-    model = build_model("llama", preset("tiny", num_layers=2))
-    kv = kv_config(num_blocks=20, max_num_tokens=32)
-    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cpu")
-    cfg = cb.CompilationConfig(cudagraph_mode=mode, capture_sizes=[1, 2, 4, 8],
-                               piece_compiler="eager", fuse_residual_norm=True)
-    runner = ModelRunner(model, kv, cfg, "cpu", progress=False)
-    report = check_against_eager(runner, list(random_schedule(seed=11, steps=8)), modes=[mode],
+    report = check_against_eager(_tiny_llama_runner(mode, [1, 2, 4, 8]), list(random_schedule(seed=11, steps=8)), modes=[mode],
                                  standin=True)
     assert report[mode].replays > 0
     assert len(fused_residual_norms(cb.compiled_steps()[-1].pass_log)) == 4
@@ -199,13 +203,7 @@ def test_the_wide_form_forced_in_a_runner_equals_eager_after_every_step(monkeypa
     rnl = importlib.import_module("compile_backend.kernels.residual_norm_linear")
     ran = []
     monkeypatch.setattr(rnl, "wide_here", lambda *a: ran.append(1) or True)
-    model = build_model("llama", preset("tiny", num_layers=2))
-    kv = kv_config(num_blocks=20, max_num_tokens=32)
-    model.bind_caches(kv.num_blocks, kv.block_size, kv.max_num_reqs, "cpu")
-    cfg = cb.CompilationConfig(cudagraph_mode="full_and_piecewise", capture_sizes=[1, 2, 4],
-                               piece_compiler="eager", fuse_residual_norm=True)
-    runner = ModelRunner(model, kv, cfg, "cpu", progress=False)
-    report = check_against_eager(runner, list(random_schedule(seed=12, steps=5)),
+    report = check_against_eager(_tiny_llama_runner("full_and_piecewise", [1, 2, 4]), list(random_schedule(seed=12, steps=5)),
                                  modes=["full_and_piecewise"], standin=True, atol=1e-4, rtol=1e-4)
     assert report["full_and_piecewise"].replays > 0 and ran
 
