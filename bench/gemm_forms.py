@@ -110,10 +110,10 @@ def bench_shape(name, N, K, residual, M, device, dtype, g) -> dict:
     ref = x.double() @ ws[0].double().T + (r.double() if residual else 0)
     tol = 1e-2 if dtype != torch.float32 else 1e-5
     row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "us": {}, "rel_err": {}}
-    for form in forms(x, ws[0], r):
-        calls = [forms(x, w, r)[form] for w in ws]
-        fns = [c[0] for c in calls]
-        with blas(calls[0][1]):
+    per_weight = [forms(x, w, r) for w in ws]  # the same forms over each weight copy
+    for form, (_, preferred) in per_weight[0].items():
+        fns = [f[form][0] for f in per_weight]
+        with blas(preferred):
             y = fns[0]()
             y = y.t() if form == "wT" and r is None else y
             row["rel_err"][form] = check(y, ref, f"{name} M={M} {form}", tol)

@@ -37,7 +37,8 @@ KERNEL_SWITCHES = (PDL_ENV, SKINNY_ENV, WIDE_ENV, TWO_LAUNCH_ENV)
 __all__ = [
     "KERNEL_SWITCHES", "KVCompressor", "PagedAttention", "ShortConv", "all_reduce", "debug_checks",
     "kv_compress", "kv_compress_ref", "norm_linear", "norm_linear_ref", "num_kv_splits", "pack_siblings", "packed_view",
-    "reshape_and_cache", "reshape_and_cache_ref", "residual_norm_linear", "residual_norm_linear_ref", "rope_and_cache", "rope_and_cache_ref",
+    "reshape_and_cache", "reshape_and_cache_ref", "residual_norm_linear",
+    "residual_norm_linear_ref", "rope_and_cache", "rope_and_cache_ref",
     "rope_attention", "rope_attention_ref",
     "rms_norm_ref", "sconv", "sconv_ref", "set_debug_checks",
     "linear_add", "sibling_linear", "skinny_linear", "unified_attention", "unified_attention_ref",

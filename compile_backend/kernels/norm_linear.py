@@ -42,7 +42,8 @@ def out_features(weights: list[torch.Tensor], gated: bool) -> int:
 
 
 def check_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-           weights: list[torch.Tensor], biases: list[torch.Tensor], gated: bool) -> None:
+                      weights: list[torch.Tensor], biases: list[torch.Tensor],
+                      gated: bool) -> None:
     if not weights:
         raise ValueError("norm_linear: no weights (give the linear's weight, or the siblings')")
     K = x.shape[-1]

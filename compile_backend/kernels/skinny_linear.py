@@ -458,7 +458,7 @@ def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def check_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      residual: torch.Tensor) -> None:
+                     residual: torch.Tensor) -> None:
     want = (*x.shape[:-1], weight.shape[0])
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or tuple(residual.shape) != want:
         raise ValueError(f"linear_add: expected x [..., K], weight [N, K] and residual [..., N] "

@@ -21,16 +21,19 @@ from typing import Any
 import torch
 import torch.fx
 
+from compile_backend.core.op_registry import node_op_name
+
 from .effects import call_nodes_and_barriers
 from .fx_nodes import erase_replaced, example_value, insert_call, keep_meta, op_label, source_line
-from .fx_nodes import registered_op
 from .pass_base import FusionPass
 
+LINEAR_ADD = "mrv2::linear_add"
+NORM_LINEAR = "mrv2::norm_linear"
 
-def _is_op(node: Any, name: str) -> bool:
-    op = registered_op("mrv2", name)
-    return isinstance(node, torch.fx.Node) and op is not None and node.op == "call_function" \
-        and node.target is op
+
+def _runs(node: Any, name: str) -> bool:
+    """Is `node` a call of the op `name` ("mrv2::...")?"""
+    return isinstance(node, torch.fx.Node) and node_op_name(node) == name
 
 
 class FuseResidualNormPass(FusionPass):
@@ -55,14 +58,14 @@ class FuseResidualNormPass(FusionPass):
         blocked: dict[torch.fx.Node, torch.fx.Node] = {}  # linear_add -> a barrier after it
         open_: list[torch.fx.Node] = []  # linear_adds no barrier has followed yet
         for node, barrier in call_nodes_and_barriers(graph, self.roles):
-            if _is_op(node, "norm_linear") and _is_op(node.args[0], "linear_add"):
+            if _runs(node, NORM_LINEAR) and _runs(node.args[0], LINEAR_ADD):
                 add = node.args[0]
                 why = self._why_not(add, node, order, blocked)
                 if why is None:
                     matches.append((add, node))
                 else:
                     not_fused.append(self.unfused((add, node), why))
-            if _is_op(node, "linear_add"):
+            if _runs(node, LINEAR_ADD):
                 open_.append(node)
             elif barrier:
                 for add in open_:
@@ -96,12 +99,12 @@ class FuseResidualNormPass(FusionPass):
         place; h takes the linear_add's uses, y the norm_linear's."""
         add, norm = match
         fused = insert_call(graph, norm, op, (*add.args, *norm.args[1:]), like=norm)
+        value = example_value(fused)  # (h, y) as fakes, or None
         outs = []
         for i, old in enumerate((add, norm)):
             with graph.inserting_before(norm):
                 item = graph.call_function(operator.getitem, (fused, i))
             keep_meta(item, old)
-            value = example_value(fused)
             key = "example_value" if "example_value" in old.meta else "val"
             if value is not None:
                 item.meta[key] = value[i]
