@@ -466,6 +466,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a CompilationConfig field for the mrv2 variants, e.g. "
                          "fuse_sibling_linears=false (repeatable)")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="torch's preferred BLAS library for the whole run (what a user sets "
+                         "with torch.backends.cuda.preferred_blas_library; default: torch's)")
     return ap
 
 
@@ -520,7 +523,8 @@ def start_results(setup: Setup, variants: list[str], argv) -> Results:
             "dtype": str(setup.dtype).replace("torch.", ""),
             "copy_bandwidth_GBps": None, "copy_bandwidth_samples_GBps": None,  # set_floors's
             "context": setup.context,
-            "gemm_peak_TFLOPs": peak / 1e12 if peak else None}
+            "gemm_peak_TFLOPs": peak / 1e12 if peak else None,
+            "blas": str(torch.backends.cuda.preferred_blas_library()).split(".")[-1].lower() if cuda else None}
     results = Results(meta, bw, peak, [f"{v} (needs CUDA)" for v in variants
                                        if VARIANTS[v].needs_cuda and not cuda])
     results.set_floors()
@@ -601,6 +605,9 @@ def main(argv=None) -> int:
         return compile_only(models[0], variants[0], setup)
     if setup.device != "cuda" and not args.dry_run:
         ap.error("no CUDA device: run on a GPU, or pass --dry-run to check the plumbing on the CPU")
+    if args.blas and setup.device == "cuda":
+        # before any GEMM runs: the captured graphs keep the kernels cuBLAS picks at capture
+        torch.backends.cuda.preferred_blas_library(args.blas)
     results = start_results(setup, variants, argv)
     runnable = [v for v in variants if setup.device == "cuda" or not VARIANTS[v].needs_cuda]
     with setup.scope():
