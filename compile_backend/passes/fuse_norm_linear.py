@@ -6,12 +6,13 @@ one before gate/up, the SiLU·mul before down). `mrv2::norm_linear(x, nw,
 eps, [w...], [b...], gated)` (compile_backend/kernels/norm_linear.py) does
 their work inside the GEMM that reads them. It takes the Llama family's
 RMSNorm as Dynamo records it, before a `linear` or `mrv2::sibling_linear`,
-and `silu(g) * u` over that linear's two halves; either part alone too.
-Fires only when every intermediate is used inside the pattern, dtypes and
-devices agree, nothing is marked eager and no `motion_barrier` (effects.py)
-lies between the norm and the linear; the report says why for each norm or
-gate not taken. The pattern, every condition and the measurements (the
-option is on by default): docs/design.md, "RMSNorm, projection and gate".
+and `silu(g) * u` over that linear's two halves; either part alone too (a
+pick of rows between norm and linear moves before the norm). Fires only
+when every intermediate is used inside the pattern, dtypes and devices
+agree, nothing is marked eager and no `motion_barrier` (effects.py) lies
+between the norm and the linear; the report says why for each norm or gate
+not taken. The pattern, every condition, Note [rows before the norm] and
+the measurements: docs/design.md, "RMSNorm, projection and gate".
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class _Norm:
     def __init__(self, weight: torch.fx.Node, eps: float, nodes: list[torch.fx.Node]) -> None:
         self.weight, self.eps = weight, float(eps)
         self.nodes = nodes  # the pattern's nodes in graph order; nodes[-1] is the output
+        # Rows picked from the norm's output before the linear (Note [rows
+        # before the norm]): the getitem node and its index; index None when
+        # it picks every row (the fused op then reads the norm's input whole).
+        self.rows: torch.fx.Node | None = None
+        self.index: tuple[slice, ...] | None = None
 
     @property
     def x(self) -> Any:
@@ -83,6 +89,39 @@ def _to_dtype(node: Any) -> tuple[torch.fx.Node, torch.dtype] | None:
     if len(args) == 1 and set(kw) == {"dtype"} and isinstance(kw["dtype"], torch.dtype):
         return args[0], kw["dtype"]
     return None
+
+
+def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[slice, ...]] | None:
+    """(h, index) when `x` is `h[index]`, the norm output's only use, with
+    plain slices (ints or None, step 1) over leading dimensions only: a pick
+    of rows, which commutes with a norm over the last dimension."""
+    if not (isinstance(x, torch.fx.Node) and x.op == "call_function"
+            and x.target is operator.getitem and len(x.args) == 2 and not x.kwargs):
+        return None
+    h, index = x.args
+    hv = example_value(h)
+    if not isinstance(h, torch.fx.Node) or not isinstance(hv, torch.Tensor) or len(h.users) != 1:
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    if not index or len(index) > hv.dim() or not all(
+            isinstance(i, slice) and all(v is None or type(v) is int
+                                         for v in (i.start, i.stop, i.step))
+            and i.step in (None, 1) for i in index):
+        return None
+    if len(index) == hv.dim() and index[-1] != slice(None):
+        return None  # a pick of features, not of rows
+    return h, index
+
+
+def _picks_every_row(index: tuple[slice, ...], shape: torch.Size) -> bool:
+    """Every slice keeps its whole dimension (known from the slice alone, or
+    from a static size)."""
+    for sl, size in zip(index, shape):
+        if sl.start in (None, 0) and sl.stop is None:
+            continue
+        if type(size) is not int or sl.indices(size) != (0, size, 1):
+            return False
+    return True
 
 
 def match_rms_norm(h: Any) -> tuple[_Norm | None, str | None]:
@@ -284,7 +323,12 @@ class FuseNormLinearPass(FusionPass):
             if lin is None or self.eager(y):
                 continue
             x, weights, biases = lin
-            norm, why_norm = match_rms_norm(x)
+            picked = _row_pick(x)
+            norm, why_norm = match_rms_norm(picked[0] if picked is not None else x)
+            if norm is not None and picked is not None:
+                norm.rows = x
+                hv = example_value(picked[0])
+                norm.index = None if _picks_every_row(picked[1], hv.shape) else picked[1]
             if norm is not None:
                 first = order[norm.nodes[0]]
                 barrier = next((n for i, n in barriers if first < i < order[y]), None)
@@ -327,6 +371,8 @@ class FuseNormLinearPass(FusionPass):
         and the gate's, the linear's and the norm's nodes go."""
         y, x, weights, biases, norm, gate = m.y, m.x, m.weights, m.biases, m.norm, m.gate
         src = norm.x if norm is not None else x
+        if norm is not None and norm.index is not None:  # Note [rows before the norm]
+            src = insert_call(graph, y, operator.getitem, (src, norm.index), like=norm.rows)
         nw = norm.weight if norm is not None else None
         eps = norm.eps if norm is not None else 0.0
         out = gate.product if gate is not None else y
@@ -338,11 +384,14 @@ class FuseNormLinearPass(FusionPass):
             "norm": norm.nodes[-1].name if norm is not None else None,
             "norm_weight": nw.name if nw is not None else None,
             "gated": gate is not None,
+            "rows": None if norm is None or norm.rows is None else (
+                "all" if norm.index is None else repr(norm.index)),
             "weights": [w.name for w in weights],
             "source": source_line(y),
         }
         out.replace_all_uses_with(fused)
-        erase_replaced(graph, ([*reversed(gate.nodes)] if gate is not None else []) + [y]
+        rows = [norm.rows] if norm is not None and norm.rows is not None else []
+        erase_replaced(graph, ([*reversed(gate.nodes)] if gate is not None else []) + [y] + rows
                        + ([*reversed(norm.nodes)] if norm is not None else []))
         return entry
 

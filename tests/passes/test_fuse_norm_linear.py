@@ -415,7 +415,8 @@ def test_reference_llama_runner_equals_eager_after_every_step(mode):
 def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
     """An unmodified transformers LlamaForCausalLM (fp32, eager pieces, stand-in
     graphs): per layer the input norm with q/k/v and the post-attention norm
-    with gate/up and the SiLU·mul."""
+    with gate/up and the SiLU·mul; the final norm with lm_head through the
+    slice of every row HF's forward takes between them."""
     model = small_hf_llama(2, hidden=64, heads=4, kv_heads=2, vocab=128)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 128, (1, t), generator=g) for t in (6, 6, 6, 1, 1, 1)]
@@ -423,8 +424,69 @@ def test_unmodified_hf_llama_on_the_cpu_fuses_and_equals_eager():
     check_against_eager(model, calls, modes=("piecewise",), standin=True,
                         options={"piece_compiler": "eager", "fuse_norm_linear": True})
     for step in cb.compiled_steps():
-        assert _summary(fused_norm_linears(step.pass_log)) == \
-            [("q_proj", True, False), ("gate_proj", True, True)] * 2
+        fused = fused_norm_linears(step.pass_log)
+        assert _summary(fused) == [("q_proj", True, False), ("gate_proj", True, True)] * 2 \
+            + [("lm_head", True, False)]
+        assert [f["rows"] for f in fused] == [None] * 4 + ["all"]
+
+
+def test_hf_llama_keeping_the_last_logits_picks_the_row_before_the_norm():
+    """`generate`'s `logits_to_keep=1`: at a prompt the last row is picked
+    from the final norm's input (Note [rows before the norm]); at a decode
+    step (one token, a static size) the pick keeps every row and goes. Logits
+    against eager after every call, batches of 1-3, prompts and decode steps."""
+    model = small_hf_llama(2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    g = torch.Generator().manual_seed(2)
+    shapes = [(1, 7), (2, 7), (1, 1), (3, 1), (2, 5), (2, 1)]
+    ids = [torch.randint(0, 128, s, generator=g) for s in shapes]
+    calls = [lambda m, i=i: m(i, use_cache=False, logits_to_keep=1).logits for i in ids]
+    check_against_eager(model, calls, modes=("piecewise", "full"), standin=True,
+                        options={"piece_compiler": "eager", "fuse_norm_linear": True})
+    rows = {f["rows"] for step in cb.compiled_steps()
+            for f in fused_norm_linears(step.pass_log) if _module(f["weights"][0]) == "lm_head"}
+    last = repr((slice(None), slice(-1, None), slice(None)))
+    assert rows == {last, "all"}, rows
+
+
+class _PickThenLinear(nn.Module):
+    """RMSNorm over [B, S, D], then `index` of its output, then a linear."""
+
+    def __init__(self, index, dim: int = 32) -> None:
+        super().__init__()
+        self.index = index
+        self.nw = nn.Parameter(torch.rand(dim) + 0.5)
+        rows = len(index) < 3 or index[-1] == slice(None)
+        self.proj = nn.Linear(dim if rows else 16, 24, bias=False)
+
+    def forward(self, x):
+        a = x.to(torch.float32)
+        h = (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * self.nw
+        return self.proj(h[self.index])
+
+
+@pytest.mark.parametrize("index, fused", [
+    ((slice(None), slice(-2, None), slice(None)), True),
+    ((slice(1, 3),), True),
+    ((slice(None), slice(None, None, 2), slice(None)), False),  # a step: not taken
+    ((slice(None), slice(None), slice(0, 16)), False),  # features, not rows
+])
+def test_a_pick_of_rows_between_norm_and_linear(index, fused):
+    """A pick of rows (plain slices of the leading dimensions) moves before
+    the norm; a strided pick or a pick of features leaves the norm apart.
+    Outputs against eager over three inputs."""
+    torch.manual_seed(5)
+    mod = _PickThenLinear(index).eval()
+    x0 = torch.randn(3, 5, 32)
+    gm, inputs = dynamo_graph(mod, x0)
+    entry = _passes(gm)
+    assert len(calls(gm, NORM_LINEAR)) == int(fused)
+    if fused:
+        assert entry["details"]["fused"][0]["rows"] == repr(index)
+    for seed in (1, 2, 3):
+        x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            out = gm(*[x if t is x0 else t for t in inputs])[0]
+            torch.testing.assert_close(out, mod(x), atol=1e-5, rtol=1e-5)
 
 
 # ---- GPU ----------------------------------------------------------------------------------
@@ -455,5 +517,5 @@ def test_hf_llama_bf16_inductor_norm_linear_equals_eager_on_the_gpu(mode, forced
                         options={"piece_compiler": "inductor", "fuse_norm_linear": True})
     for step in cb.compiled_steps():
         assert _summary(fused_norm_linears(step.pass_log)) == \
-            [("q_proj", True, False), ("gate_proj", True, True)] * 2
+            [("q_proj", True, False), ("gate_proj", True, True)] * 2 + [("lm_head", True, False)]
         assert "mrv2.norm_linear" in step.passed_code
