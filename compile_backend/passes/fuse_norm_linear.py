@@ -68,7 +68,7 @@ class _Norm:
         # before the norm]): the getitem node and its index; index None when
         # it picks every row (the fused op then reads the norm's input whole).
         self.rows: torch.fx.Node | None = None
-        self.index: tuple[slice, ...] | None = None
+        self.index: tuple[Any, ...] | None = None
 
     @property
     def x(self) -> Any:
@@ -91,10 +91,18 @@ def _to_dtype(node: Any) -> tuple[torch.fx.Node, torch.dtype] | None:
     return None
 
 
-def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[slice, ...]] | None:
+def _plain(i: Any) -> bool:
+    """An int, or a slice of ints or None with step 1."""
+    if type(i) is int:
+        return True
+    return isinstance(i, slice) and i.step in (None, 1) and all(
+        v is None or type(v) is int for v in (i.start, i.stop))
+
+
+def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[Any, ...]] | None:
     """(h, index) when `x` is `h[index]`, the norm output's only use, with
-    plain slices (ints or None, step 1) over leading dimensions only: a pick
-    of rows, which commutes with a norm over the last dimension."""
+    ints and plain slices (int or no bounds, step 1) over leading dimensions
+    only: a pick of rows, which commutes with a norm over the last dimension."""
     if not (isinstance(x, torch.fx.Node) and x.op == "call_function"
             and x.target is operator.getitem and len(x.args) == 2 and not x.kwargs):
         return None
@@ -103,20 +111,19 @@ def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[slice, ...]] | None:
     if not isinstance(h, torch.fx.Node) or not isinstance(hv, torch.Tensor) or len(h.users) != 1:
         return None
     index = index if isinstance(index, tuple) else (index,)
-    if not index or len(index) > hv.dim() or not all(
-            isinstance(i, slice) and all(v is None or type(v) is int
-                                         for v in (i.start, i.stop, i.step))
-            and i.step in (None, 1) for i in index):
+    if not index or len(index) > hv.dim() or not all(_plain(i) for i in index):
         return None
     if len(index) == hv.dim() and index[-1] != slice(None):
         return None  # a pick of features, not of rows
     return h, index
 
 
-def _picks_every_row(index: tuple[slice, ...], shape: torch.Size) -> bool:
+def _picks_every_row(index: tuple[Any, ...], shape: torch.Size) -> bool:
     """Every slice keeps its whole dimension (known from the slice alone, or
-    from a static size)."""
+    from a static size), and no int drops one."""
     for sl, size in zip(index, shape):
+        if not isinstance(sl, slice):
+            return False
         if sl.start in (None, 0) and sl.stop is None:
             continue
         if type(size) is not int or sl.indices(size) != (0, size, 1):

@@ -467,12 +467,14 @@ class _PickThenLinear(nn.Module):
 @pytest.mark.parametrize("index, fused", [
     ((slice(None), slice(-2, None), slice(None)), True),
     ((slice(1, 3),), True),
+    ((slice(None), -1), True),  # an int drops the token dimension
+    ((slice(None), 2, slice(None)), True),
     ((slice(None), slice(None, None, 2), slice(None)), False),  # a step: not taken
     ((slice(None), slice(None), slice(0, 16)), False),  # features, not rows
 ])
 def test_a_pick_of_rows_between_norm_and_linear(index, fused):
-    """A pick of rows (plain slices of the leading dimensions) moves before
-    the norm; a strided pick or a pick of features leaves the norm apart.
+    """A pick of rows (ints and plain slices of the leading dimensions)
+    moves before the norm; a strided pick or a pick of features leaves the norm apart.
     Outputs against eager over three inputs."""
     torch.manual_seed(5)
     mod = _PickThenLinear(index).eval()
@@ -519,3 +521,24 @@ def test_hf_llama_bf16_inductor_norm_linear_equals_eager_on_the_gpu(mode, forced
         assert _summary(fused_norm_linears(step.pass_log)) == \
             [("q_proj", True, False), ("gate_proj", True, True)] * 2 + [("lm_head", True, False)]
         assert "mrv2.norm_linear" in step.passed_code
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_hf_llama_bf16_last_logits_equal_eager_on_the_gpu(mode, monkeypatch):
+    """`logits_to_keep=1` as `generate` passes it, bf16, the skinny kernel
+    forced: at prompts the final norm and lm_head read the last row of each
+    sequence, a strided view of the residual stream (Note [rows before the
+    norm]); at decode steps the residual stream itself. Against eager after
+    every call."""
+    monkeypatch.setenv("MRV2_SKINNY_GEMM", "1")
+    model = small_hf_llama(2, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    shapes = [(1, 9), (3, 9), (3, 1), (3, 1), (2, 12), (1, 1), (2, 1)]
+    ids = [torch.randint(0, 256, s, generator=g).cuda() for s in shapes]
+    calls = [lambda m, i=i: m(i, use_cache=False, logits_to_keep=1).logits for i in ids]
+    check_against_eager(model, calls, modes=(mode,), atol=3e-2, rtol=3e-2,
+                        options={"piece_compiler": "inductor", "fuse_norm_linear": True})
+    rows = {f["rows"] for step in cb.compiled_steps()
+            for f in fused_norm_linears(step.pass_log) if _module(f["weights"][0]) == "lm_head"}
+    assert repr((slice(None), slice(-1, None), slice(None))) in rows, rows
