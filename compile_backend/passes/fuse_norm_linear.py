@@ -1,5 +1,4 @@
-"""An RMSNorm, the linear(s) that read it and the SwiGLU gate after them
-become one op.
+"""An RMSNorm, the linear(s) that read it and the SwiGLU gate: one op.
 
 At decode each is a small kernel of its own (the RMSNorm before q/k/v, the
 one before gate/up, the SiLU·mul before down). `mrv2::norm_linear(x, nw,
