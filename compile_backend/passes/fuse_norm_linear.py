@@ -103,7 +103,8 @@ def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[Any, ...]] | None:
     ints and plain slices (int or no bounds, step 1) over leading dimensions
     only: a pick of rows, which commutes with a norm over the last dimension."""
     if not (isinstance(x, torch.fx.Node) and x.op == "call_function"
-            and x.target is operator.getitem and len(x.args) == 2 and not x.kwargs):
+            and x.target is operator.getitem and len(x.args) == 2 and not x.kwargs
+            and len(x.users) == 1):  # the linear alone reads the picked rows
         return None
     h, index = x.args
     hv = example_value(h)

@@ -449,11 +449,12 @@ def test_hf_llama_keeping_the_last_logits_picks_the_row_before_the_norm():
 
 
 class _PickThenLinear(nn.Module):
-    """RMSNorm over [B, S, D], then `index` of its output, then a linear."""
+    """RMSNorm over [B, S, D], then `index` of its output, then a linear
+    (and the picked rows returned too when `keep_pick`)."""
 
-    def __init__(self, index, dim: int = 32) -> None:
+    def __init__(self, index, dim: int = 32, keep_pick: bool = False) -> None:
         super().__init__()
-        self.index = index
+        self.index, self.keep_pick = index, keep_pick
         self.nw = nn.Parameter(torch.rand(dim) + 0.5)
         rows = len(index) < 3 or index[-1] == slice(None)
         self.proj = nn.Linear(dim if rows else 16, 24, bias=False)
@@ -461,7 +462,8 @@ class _PickThenLinear(nn.Module):
     def forward(self, x):
         a = x.to(torch.float32)
         h = (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * self.nw
-        return self.proj(h[self.index])
+        picked = h[self.index]
+        return (self.proj(picked), picked) if self.keep_pick else self.proj(picked)
 
 
 @pytest.mark.parametrize("index, fused", [
@@ -489,6 +491,23 @@ def test_a_pick_of_rows_between_norm_and_linear(index, fused):
         with torch.no_grad():
             out = gm(*[x if t is x0 else t for t in inputs])[0]
             torch.testing.assert_close(out, mod(x), atol=1e-5, rtol=1e-5)
+
+
+def test_picked_rows_read_elsewhere_keep_the_norm_apart():
+    """The picked rows returned beside the projection: the norm has another
+    reader through them, so it is not taken; outputs against eager."""
+    torch.manual_seed(6)
+    index = (slice(None), slice(-1, None), slice(None))
+    mod = _PickThenLinear(index, keep_pick=True).eval()
+    x0 = torch.randn(2, 4, 32)
+    gm, inputs = dynamo_graph(mod, x0)
+    _passes(gm)
+    assert not calls(gm, NORM_LINEAR)
+    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        got = gm(*[x if t is x0 else t for t in inputs])
+        for a, b in zip(got, mod(x)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ---- GPU ----------------------------------------------------------------------------------
