@@ -332,6 +332,10 @@ class FuseNormLinearPass(FusionPass):
             x, weights, biases = lin
             picked = _row_pick(x)
             norm, why_norm = match_rms_norm(picked[0] if picked is not None else x)
+            if norm is None and why_norm is None and picked is None and _is_call(
+                    x, (operator.getitem,)) and match_rms_norm(x.args[0])[0] is not None:
+                why_norm = (f"`{x.name}` between the norm and the linear indexes more than "
+                            "rows (a step, a pick of features) or is read elsewhere")
             if norm is not None and picked is not None:
                 norm.rows = x
                 hv = example_value(picked[0])

@@ -486,6 +486,9 @@ def test_a_pick_of_rows_between_norm_and_linear(index, fused):
     assert len(calls(gm, NORM_LINEAR)) == int(fused)
     if fused:
         assert entry["details"]["fused"][0]["rows"] == repr(index)
+    else:
+        (why,) = [n["reason"] for n in entry["details"]["not_fused"] if n["part"] == "norm"]
+        assert "indexes more than rows" in why
     for seed in (1, 2, 3):
         x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -501,8 +504,9 @@ def test_picked_rows_read_elsewhere_keep_the_norm_apart():
     mod = _PickThenLinear(index, keep_pick=True).eval()
     x0 = torch.randn(2, 4, 32)
     gm, inputs = dynamo_graph(mod, x0)
-    _passes(gm)
+    entry = _passes(gm)
     assert not calls(gm, NORM_LINEAR)
+    assert any("read elsewhere" in n["reason"] for n in entry["details"]["not_fused"])
     x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         got = gm(*[x if t is x0 else t for t in inputs])
