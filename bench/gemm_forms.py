@@ -1,6 +1,6 @@
 """cuBLAS at 64-256 rows asked four ways, in CUDA graphs (issue #37 item 4).
 
-    python bench/gemm_forms.py [--rows 64,128,256] [--only o,down] [--out DIR]
+    python bench/gemm_forms.py [--rows 64,128,256] [--only o,down] [--inductor] [--out DIR]
     python bench/gemm_forms.py --dry-run          (CPU, fp32, small shapes: the plumbing)
 
 cuBLAS picks its kernel from the problem as asked; at b256 the step's GEMMs
@@ -8,7 +8,10 @@ ran 1.3-1.6x their floors. Per llama-8B decode weight (a residual where the
 step adds one): `torch` = F.linear(x, w) (.add_(r)), what the ops run today;
 `lt` = the same with torch's cuBLASLt path preferred; `wT` = y^T = w @ x^T,
 added to r read strided (without a residual: the product alone, and
-`wT+copy` with a transposing copy); `split` = two half-row GEMMs. Timing as
+`wT+copy` with a transposing copy); `split` = two half-row GEMMs;
+`inductor` (with --inductor) = Inductor's max-autotune of the same
+(its Triton templates, the persistent TMA one on, against cuBLAS; the add
+in the template's epilogue), with the kernel it chose named. Timing as
 bench/skinny_gemm.py (12 calls in one graph, weights rotated past L2, median
 replay / 12); floor = max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak),
 both measured in the run. Writes gemm_forms.md and gemm_forms.json.
@@ -53,9 +56,41 @@ def blas(name: str | None):
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None) -> dict:
+def linear_then_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """What the step's ops compute: x @ w^T, plus the residual where one is given."""
+    y = F.linear(x, w)
+    return y if r is None else y + r
+
+
+def autotuned(mode: str):
+    """linear_then_add under Inductor (`mode`), shapes static."""
+    return torch.compile(linear_then_add, mode=mode, dynamic=False)
+
+
+def inductor_options() -> dict:
+    """Inductor settings for the `inductor` form: the persistent TMA matmul
+    template among the candidates where this torch has it."""
+    from torch._inductor import config
+
+    return {"triton.enable_persistent_tma_matmul": True} \
+        if hasattr(config.triton, "enable_persistent_tma_matmul") else {}
+
+
+def chosen_kernel(code: str) -> str:
+    """What Inductor's code for the product calls: `extern <op>` (torch's
+    library call: cuBLAS on CUDA) or a Triton template."""
+    names = sorted({w.split("(")[0].split(".")[0] for w in code.split() if w.startswith("triton_tem")})
+    if names:
+        return "Triton template " + ",".join(names) + (" (TMA)" if "tma" in code.lower() else "")
+    if "extern_kernels." in code:
+        return "extern " + code.split("extern_kernels.", 1)[1].split("(", 1)[0]
+    return "other"
+
+
+def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, compiled=None) -> dict:
     """name -> (call, preferred BLAS). Each call returns the [M, N] result,
-    except `wT` without a residual ([N, M], the product alone)."""
+    except `wT` without a residual ([N, M], the product alone). `compiled`:
+    linear_then_add under Inductor, the `inductor` form."""
     M = x.shape[0]
 
     def torch_form():
@@ -83,6 +118,8 @@ def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None) -> dict:
     if r is None:
         out["wT+copy"] = (wt_copy, None)
     out["split"] = (split_form, None)
+    if compiled is not None:
+        out["inductor"] = (lambda: compiled(x, w, r), None)
     return out
 
 
@@ -101,7 +138,7 @@ def cpu_ms(fns: list, calls: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
-def bench_shape(name, N, K, residual, M, device, dtype, g) -> dict:
+def bench_shape(name, N, K, residual, M, device, dtype, g, inductor: str | None = None) -> dict:
     copies = max(1, min(4, -(-L2_BYTES // (N * K * 2)))) if device == "cuda" else 1
     ws = [(torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype)
           for _ in range(copies)]
@@ -110,7 +147,17 @@ def bench_shape(name, N, K, residual, M, device, dtype, g) -> dict:
     ref = x.double() @ ws[0].double().T + (r.double() if residual else 0)
     tol = 1e-2 if dtype != torch.float32 else 1e-5
     row = {"shape": name, "N": N, "K": K, "M": M, "residual": residual, "us": {}, "rel_err": {}}
-    per_weight = [forms(x, w, r) for w in ws]  # the same forms over each weight copy
+    compiled = None
+    if inductor is not None:
+        from torch._inductor import config
+        from torch._inductor.utils import run_and_get_code
+
+        torch._dynamo.reset()
+        compiled = autotuned(inductor)
+        with config.patch(inductor_options()):
+            _, codes = run_and_get_code(compiled, x, ws[0], r)  # compiles and autotunes
+        row["inductor_kernel"] = chosen_kernel("\n".join(codes))
+    per_weight = [forms(x, w, r, compiled) for w in ws]  # the same forms over each weight copy
     for form, (_, preferred) in per_weight[0].items():
         fns = [f[form][0] for f in per_weight]
         with blas(preferred):
@@ -137,6 +184,10 @@ def fmt(rows: list[dict], bw: float, peak: float | None, header: str) -> str:
         best = min(r["us"], key=r["us"].get)
         lines.append(f"| {r['shape']} | {r['M']} | {floor:.1f} | " + " | ".join(cells)
                      + f" | {best} {r['us'][best] / r['us']['torch']:.2f} |")
+    chosen = [f"- {r['shape']} at {r['M']} rows: {r['inductor_kernel']}"
+              for r in rows if "inductor_kernel" in r]
+    if chosen:
+        lines += ["", "Inductor's choice per product:", *chosen]
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results"))
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, small shapes")
+    p.add_argument("--inductor", nargs="?", const="max-autotune-no-cudagraphs", default=None,
+                   metavar="MODE", help="add Inductor's form, compiled in MODE "
+                   "(default max-autotune-no-cudagraphs)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("needs a CUDA device; --dry-run runs the plumbing on the CPU")
@@ -164,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
         bw, peak = copy_bandwidth().median, gemm_peak_flops(device)
         gpu = torch.cuda.get_device_name()
-    rows = [bench_shape(n, N, K, res, M, device, dtype, g)
+    rows = [bench_shape(n, N, K, res, M, device, dtype, g, args.inductor)
             for n, N, K, res in shapes if not only or n in only
             for M in (int(m) for m in args.rows.split(","))]
     header = (f"# cuBLAS forms ({gpu}, torch {torch.__version__}, "
