@@ -30,7 +30,11 @@ processes sharing one Inductor cache) and the pool memory of the largest
 capture alone (--only-startup: only the compile times). --merge joins the
 results of several runs (one per model, say, to fit a time limit) into one
 table and plot. --dry-run checks the plumbing on the CPU (tiny model, graph
-stand-in, perf_counter timing: the numbers mean nothing).
+stand-in, perf_counter timing: the numbers mean nothing). A/B pairs in one
+process: `--sets "A;B;A"` runs the variants once per set of CompilationConfig
+fields (A, B: FIELD=VALUE,...; empty: the defaults), in that order, each row
+labelled with its set; `--timing-only` captures the timed batch sizes alone
+and skips the largest size's memory build (the pool columns read "-").
 """
 
 from __future__ import annotations
@@ -252,8 +256,9 @@ def time_decode_step(runner, model, kv, b, setup) -> dict:
 
 
 @torch.no_grad()
-def run_decode(model_name, variant, setup, batches):
-    sizes = [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
+def run_decode(model_name, variant, setup, batches, timing_only: bool = False):
+    sizes = sorted(set(batches)) if timing_only else \
+        [s for s in [1, 2, 4] + list(range(8, 257, 8)) if s <= max(batches)]
     blocks = max(batches) * (math.ceil((setup.context + 1) / 16) + 2) + 2
     runner, model, kv, startup = build(model_name, variant, setup, sizes, max(batches),
                                        max(sizes), blocks)
@@ -263,7 +268,8 @@ def run_decode(model_name, variant, setup, batches):
                    replay_input_copies=cb.counters["replay_input_copies"],
                    rope_fused=cb.counters["rope_attention_fused_launches"],
                    rope_fused_captured=cb.counters["rope_attention_fused_captured"])
-    if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none":
+    if VARIANTS[variant].compile_fn is None and VARIANTS[variant].mode != "none" \
+            and not timing_only:
         # One model at a time: this variant's (llama8b: 16 GB of weights and,
         # at b256, 18 GB of KV cache) goes before the largest size is built
         # alone, or an 80 GB card runs out of memory there (H100, 2026-12-07).
@@ -466,6 +472,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a CompilationConfig field for the mrv2 variants, e.g. "
                          "fuse_sibling_linears=false (repeatable)")
+    ap.add_argument("--sets", default=None, metavar="A;B;...",
+                    help="run the variants once per set of config fields, in order (a set: "
+                         "FIELD=VALUE,...; empty: the defaults), e.g. "
+                         "'fuse_residual_norm=false;fuse_residual_norm=true;fuse_residual_norm=false'")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="capture only the timed batch sizes; no memory build of the largest")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="torch's preferred BLAS library for the whole run (what a user sets "
                          "with torch.backends.cuda.preferred_blas_library; default: torch's)")
@@ -539,23 +551,37 @@ def against_first(rows: list[dict], ref: dict, key: str) -> None:
         r["rel_err"] = rel_err(r["first"], ref[r[key]])
 
 
+def config_sets(ap: argparse.ArgumentParser, text: str | None) -> list[tuple[str, dict]]:
+    """--sets "A;B;..." -> [(label, config fields)]; None: one set, no label."""
+    if text is None:
+        return [("", {})]
+    return [(label.strip() or "defaults",
+             config_options(ap, [p.strip() for p in label.split(",") if p.strip()]))
+            for label in text.split(";")]
+
+
 def run_model(m: str, variants: list[str], setup: Setup, batches: list[int], mixed_sizes: list[int],
-              results: Results, out_dir: str) -> None:
-    """One model: every variant's decode rows, then the mixed step's."""
+              results: Results, out_dir: str, sets: list[tuple[str, dict]] = (("", {}),),
+              timing_only: bool = False) -> None:
+    """One model: every variant's decode rows (once per config set, in
+    order), then the mixed step's."""
     ref: dict[int, torch.Tensor] = {}
     name = m if setup.preset in ("bench", "tiny") else f"{m} ({setup.preset})"
-    for v in variants:
-        rows, s = run_decode(m, v, setup, batches)
-        for r in rows:
-            r["model"] = name
-        against_first(rows, ref, "batch")
-        for r in rows:
-            r["match"] = r["rel_err"] < MATCH_TOL
-        results.decode += rows
-        results.set_floors()
-        results.startup.append({"model": name, "variant": v, **s})
-        print(f"done {m} {v}: {s}", flush=True)
-        results.write(out_dir)
+    for label, fields in sets:
+        run_setup = dataclasses.replace(setup, options={**setup.options, **fields})
+        for v in variants:
+            rows, s = run_decode(m, v, run_setup, batches, timing_only)
+            shown = f"{v} [{label}]" if label else v
+            for r in rows:
+                r["model"], r["variant"] = name, shown
+            against_first(rows, ref, "batch")
+            for r in rows:
+                r["match"] = r["rel_err"] < MATCH_TOL
+            results.decode += rows
+            results.set_floors()
+            results.startup.append({"model": name, "variant": shown, **s})
+            print(f"done {m} {shown}: {s}", flush=True)
+            results.write(out_dir)
     if mixed_sizes:
         mref: dict[int, torch.Tensor] = {}
         for v in [v for v in ("eager", "inductor", "mrv2-piecewise") if v in variants]:
@@ -600,6 +626,7 @@ def main(argv=None) -> int:
         return 0
     variants = names(ap, "--variants", args.variants, VARIANTS)
     setup = make_setup(args, ap)
+    sets = config_sets(ap, args.sets)
     models = ["llama", "hybrid"] if args.model == "both" else [args.model]
     if args.compile_only:
         return compile_only(models[0], variants[0], setup)
@@ -613,7 +640,7 @@ def main(argv=None) -> int:
     with setup.scope():
         for m in (models if not args.only_startup else []):
             run_model(m, runnable, setup, comma_list(args.batches, int), comma_list(args.mixed, int),
-                      results, args.out)
+                      results, args.out, sets, args.timing_only)
     if args.startup or args.only_startup:
         run_compile_times(models, results, args.out)
     results.bandwidth += copy_bandwidth(device=setup.device)  # rounds at the end too: the spread over the run

@@ -65,6 +65,43 @@ def test_one_model_at_a_time(bench, tmp_path, monkeypatch):
     assert len(built) == 4  # two variants, each its sizes and then the largest alone
 
 
+@pytest.mark.slow  # full tier: a long run
+def test_config_sets_run_in_order_in_one_process_and_time_only_their_sizes(bench, tmp_path,
+                                                                           monkeypatch):
+    """--sets "A;B;A": the variant once per set, in that order, each row
+    labelled with its set and compared with the first set's logits (the
+    residual pass changes no value: fp32, the torch forms); --timing-only
+    captures the timed sizes alone and builds no model for the pool."""
+    seen = []
+    real = bench.build
+
+    def spy(model_name, variant, setup, capture_sizes, *args, **kwargs):
+        seen.append((setup.options.get("fuse_residual_norm"), list(capture_sizes)))
+        return real(model_name, variant, setup, capture_sizes, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "build", spy)
+    sets = "fuse_residual_norm=false;fuse_residual_norm=true;fuse_residual_norm=false"
+    assert bench.main(["--dry-run", "--model", "llama", "--batches", "1,3", "--mixed", "",
+                       "--variants", "mrv2-full", "--sets", sets, "--timing-only",
+                       "--config", "fuse_norm_linear=true", "--out", str(tmp_path)]) == 0
+    assert seen == [(False, [1, 3]), (True, [1, 3]), (False, [1, 3])]
+    decode = json.loads((tmp_path / "decode.json").read_text())["decode"]
+    assert [(r["variant"], r["batch"]) for r in decode] == [
+        (f"mrv2-full [fuse_residual_norm={v}]", b) for v in ("false", "true", "false")
+        for b in (1, 3)]
+    assert all(r["match"] and r["rel_err"] < 1e-5 for r in decode), decode
+    text = (tmp_path / "decode.md").read_text()
+    assert "| llama | mrv2-full [fuse_residual_norm=true] | 3 |" in text
+    assert "0 / - |" in text  # no build of the largest size alone
+
+
+def test_a_config_set_with_an_unknown_field_is_refused_by_name(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--model", "llama", "--batches", "1", "--mixed", "",
+                    "--sets", "fuse_residual_norm=true;no_such_field=1", "--out", str(tmp_path)])
+    assert "no_such_field=1" in capsys.readouterr().err
+
+
 def test_without_a_gpu_the_benchmark_says_how_to_dry_run(bench):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
