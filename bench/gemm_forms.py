@@ -218,22 +218,25 @@ def main(argv: list[str] | None = None) -> int:
 
         bw, peak = copy_bandwidth().median, gemm_peak_flops(device)
         gpu = torch.cuda.get_device_name()
-    rows = [bench_shape(n, N, K, res, M, device, dtype, g, args.inductor)
-            for n, N, K, res in shapes if not only or n in only
-            for M in (int(m) for m in args.rows.split(","))]
     header = (f"# cuBLAS forms ({gpu}, torch {torch.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n\n"
               f"Command: `python bench/gemm_forms.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
               f"copy bandwidth {bw / 1e9:.0f} GB/s"
               + (f", bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s" if peak else "")
               + "; µs per call, 12 calls in one CUDA graph (median replay / 12).")
-    text = fmt(rows, bw, peak, header)
-    print(text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemm_forms.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "gemm_forms.json"), "w") as f:
-        json.dump({"bandwidth": bw, "peak_flops": peak, "rows": rows}, f, indent=1)
+    rows: list[dict] = []
+    for n, N, K, res in shapes:
+        for M in (int(m) for m in args.rows.split(",")):
+            if only and n not in only:
+                continue
+            rows.append(bench_shape(n, N, K, res, M, device, dtype, g, args.inductor))
+            text = fmt(rows, bw, peak, header)  # written after every row: a cut run keeps them
+            with open(os.path.join(args.out, "gemm_forms.md"), "w") as f:
+                f.write(text)
+            with open(os.path.join(args.out, "gemm_forms.json"), "w") as f:
+                json.dump({"bandwidth": bw, "peak_flops": peak, "rows": rows}, f, indent=1)
+    print(fmt(rows, bw, peak, header))
     return 0
 
 
