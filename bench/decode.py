@@ -33,7 +33,8 @@ table and plot. --dry-run checks the plumbing on the CPU (tiny model, graph
 stand-in, perf_counter timing: the numbers mean nothing). A/B pairs in one
 process: `--sets "A;B;A"` runs the variants once per set of CompilationConfig
 fields (A, B: FIELD=VALUE,...; empty: the defaults), in that order, each row
-labelled with its set; `--timing-only` captures the timed batch sizes alone
+labelled with its set, and a table of each set against the first with the
+first's spread; `--timing-only` captures the timed batch sizes alone
 and skips the largest size's memory build (the pool columns read "-").
 """
 
@@ -352,6 +353,44 @@ def decode_table(decode) -> list[str]:
           f"{r['rel_err']:.1e}", "yes" if r["match"] else "NO", r["dispatched"]] for r in decode])
 
 
+def set_runs(decode) -> dict[tuple[str, str, int], list[tuple[str, float]]]:
+    """Rows of a --sets run grouped by (model, variant, batch): each set's
+    (label, back-to-back ms) in the order the sets ran; {} without sets."""
+    runs: dict[tuple[str, str, int], list[tuple[str, float]]] = {}
+    for r in decode:
+        base, sep, label = r["variant"].partition(" [")
+        if sep and label.endswith("]"):
+            runs.setdefault((r["model"], base, r["batch"]), []).append((label[:-1], r["b2b_ms"]))
+    return runs
+
+
+def sets_table(decode) -> list[str]:
+    """Back-to-back ms of each set in order, then each later label's mean
+    against the first label's mean, beside the first label's spread (its
+    runs' max - min over their mean): a change inside that spread is noise."""
+    runs = set_runs(decode)
+    if not runs:
+        return []
+    labels = [label for label, _ in next(iter(runs.values()))]
+    others = list(dict.fromkeys(lb for lb in labels if lb != labels[0]))
+    out = []
+    for (model, variant, batch), got in runs.items():
+        by = {}
+        for label, ms in got:
+            by.setdefault(label, []).append(ms)
+        first = statistics.mean(by[labels[0]])
+        spread = (max(by[labels[0]]) - min(by[labels[0]])) / first
+        changes = [f"{(statistics.mean(by[lb]) / first - 1) * 100:+.1f}%" if lb in by else "-"
+                   for lb in others]
+        out.append([model, variant, batch, *[f"{ms:.3f}" for _, ms in got], *changes,
+                    f"{spread * 100:.1f}%"])
+    header = ["model", "variant", "batch", *[f"b2b ms: {lb}" for lb in labels],
+              *[f"{lb} vs {labels[0]}" for lb in others], f"spread of {labels[0]}"]
+    return ["", "Config sets in the order they ran (back-to-back ms; a change smaller than "
+            "the first set's spread is noise):", "",
+            *table(header, "llr" + "r" * (len(header) - 3), out)]
+
+
 def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str:
     L = [heading("Decode benchmark", meta), "",
          f"Command: `{meta['command']}`; {_bandwidth_note(meta)}; "
@@ -360,7 +399,7 @@ def decode_markdown(meta, decode, mixed, startup, compile_times, skipped) -> str
          "Floors (bench/roofline.py): HBM = bytes read / copy bandwidth (the embedding "
          "counted as the rows a lookup reads); compute-aware = the sum over kernel classes "
          "(gemm, attention, embedding, other) of max(bytes / bandwidth, FLOPs / bf16 GEMM "
-         f"peak{_peak_note(meta)}).", "", *decode_table(decode)]
+         f"peak{_peak_note(meta)}).", "", *decode_table(decode), *sets_table(decode)]
     if mixed:
         L += ["", "Mixed prefill+decode step (32 decodes + one prefill):", ""]
         L += table(["model", "variant", "tokens", "step ms", "rel err", "ran as"], "llrrrl",

@@ -93,6 +93,19 @@ def test_config_sets_run_in_order_in_one_process_and_time_only_their_sizes(bench
     text = (tmp_path / "decode.md").read_text()
     assert "| llama | mrv2-full [fuse_residual_norm=true] | 3 |" in text
     assert "0 / - |" in text  # no build of the largest size alone
+    # the pair's own table: the three runs in order, the change and the first set's spread
+    assert "| fuse_residual_norm=true vs fuse_residual_norm=false | spread of " \
+        "fuse_residual_norm=false |" in text
+    b2b = [r["b2b_ms"] for r in decode if r["batch"] == 3]
+    assert f"| llama | mrv2-full | 3 | {b2b[0]:.3f} | {b2b[1]:.3f} | {b2b[2]:.3f} | " in text
+
+
+def test_the_sets_table_takes_each_labels_mean_against_the_first(bench):
+    rows = [{"model": "m", "variant": f"v [{lb}]", "batch": 8, "b2b_ms": ms}
+            for lb, ms in (("off", 10.0), ("on", 9.7), ("off", 10.2))]
+    text = "\n".join(bench.sets_table(rows))
+    assert "| m | v | 8 | 10.000 | 9.700 | 10.200 | -4.0% | 2.0% |" in text
+    assert bench.sets_table([{"model": "m", "variant": "v", "batch": 1, "b2b_ms": 1.0}]) == []
 
 
 def test_a_config_set_with_an_unknown_field_is_refused_by_name(bench, tmp_path, capsys):
