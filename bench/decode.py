@@ -358,9 +358,9 @@ def set_runs(decode) -> dict[tuple[str, str, int], list[tuple[str, float]]]:
     (label, back-to-back ms) in the order the sets ran; {} without sets."""
     runs: dict[tuple[str, str, int], list[tuple[str, float]]] = {}
     for r in decode:
-        base, sep, label = r["variant"].partition(" [")
-        if sep and label.endswith("]"):
-            runs.setdefault((r["model"], base, r["batch"]), []).append((label[:-1], r["b2b_ms"]))
+        if r.get("set"):
+            base = r["variant"].removesuffix(f" [{r['set']}]")
+            runs.setdefault((r["model"], base, r["batch"]), []).append((r["set"], r["b2b_ms"]))
     return runs
 
 
@@ -612,7 +612,7 @@ def run_model(m: str, variants: list[str], setup: Setup, batches: list[int], mix
             rows, s = run_decode(m, v, run_setup, batches, timing_only)
             shown = f"{v} [{label}]" if label else v
             for r in rows:
-                r["model"], r["variant"] = name, shown
+                r["model"], r["variant"], r["set"] = name, shown, label
             against_first(rows, ref, "batch")
             for r in rows:
                 r["match"] = r["rel_err"] < MATCH_TOL

@@ -98,10 +98,11 @@ def _plain(i: Any) -> bool:
         v is None or type(v) is int for v in (i.start, i.stop))
 
 
-def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[Any, ...]] | None:
+def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[Any, ...] | None] | None:
     """(h, index) when `x` is `h[index]`, the norm output's only use, with
     ints and plain slices (int or no bounds, step 1) over leading dimensions
-    only: a pick of rows, which commutes with a norm over the last dimension."""
+    only: a pick of rows, which commutes with a norm over the last dimension.
+    index is None when the pick keeps every row."""
     if not (isinstance(x, torch.fx.Node) and x.op == "call_function"
             and x.target is operator.getitem and len(x.args) == 2 and not x.kwargs
             and len(x.users) == 1):  # the linear alone reads the picked rows
@@ -115,7 +116,7 @@ def _row_pick(x: Any) -> tuple[torch.fx.Node, tuple[Any, ...]] | None:
         return None
     if len(index) == hv.dim() and index[-1] != slice(None):
         return None  # a pick of features, not of rows
-    return h, index
+    return h, None if _picks_every_row(index, hv.shape) else index
 
 
 def _picks_every_row(index: tuple[Any, ...], shape: torch.Size) -> bool:
@@ -337,9 +338,7 @@ class FuseNormLinearPass(FusionPass):
                 why_norm = (f"`{x.name}` between the norm and the linear indexes more than "
                             "rows (a step, a pick of features) or is read elsewhere")
             if norm is not None and picked is not None:
-                norm.rows = x
-                hv = example_value(picked[0])
-                norm.index = None if _picks_every_row(picked[1], hv.shape) else picked[1]
+                norm.rows, norm.index = x, picked[1]
             if norm is not None:
                 first = order[norm.nodes[0]]
                 barrier = next((n for i, n in barriers if first < i < order[y]), None)

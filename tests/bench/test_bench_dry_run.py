@@ -101,7 +101,7 @@ def test_config_sets_run_in_order_in_one_process_and_time_only_their_sizes(bench
 
 
 def test_the_sets_table_takes_each_labels_mean_against_the_first(bench):
-    rows = [{"model": "m", "variant": f"v [{lb}]", "batch": 8, "b2b_ms": ms}
+    rows = [{"model": "m", "variant": f"v [{lb}]", "set": lb, "batch": 8, "b2b_ms": ms}
             for lb, ms in (("off", 10.0), ("on", 9.7), ("off", 10.2))]
     text = "\n".join(bench.sets_table(rows))
     assert "| m | v | 8 | 10.000 | 9.700 | 10.200 | -4.0% | 2.0% |" in text
