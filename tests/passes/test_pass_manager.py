@@ -37,7 +37,7 @@ def test_order_is_capture_safety_then_all_reduce_then_fusions_then_segments():
         SegmentAttentionLikePass]
     assert m.passes[0].strict is False and m.passes[8].reorder is True
     assert m.passes[7].enabled is True  # growing_caches_eager
-    assert m.passes[5].enabled is False  # fuse_residual_norm: off by default
+    assert m.passes[5].enabled is True  # fuse_residual_norm: on by default
     assert m.passes[1].mode == "nccl" and m.passes[2].enabled is True and m.passes[3].enabled is True
     assert m.passes[4].enabled is True  # fuse_norm_linear: on by default
     assert m.passes[6].enabled is False  # fuse_rope_attention: off by default
@@ -60,7 +60,7 @@ def test_uuid_is_stable_and_follows_settings():
     assert manager().uuid() != manager(fuse_sibling_linears=False).uuid()
     assert manager().uuid() != manager(fuse_linear_residual=False).uuid()
     assert manager().uuid() != manager(fuse_norm_linear=False).uuid()
-    assert manager().uuid() != manager(fuse_residual_norm=True).uuid()
+    assert manager().uuid() != manager(fuse_residual_norm=False).uuid()
     on = manager(fuse_rope_attention=True, cudagraph_mode="full").uuid()
     assert on != manager(cudagraph_mode="full").uuid()
     assert on != manager(fuse_rope_attention=True, cudagraph_mode="piecewise").uuid()
