@@ -1,4 +1,4 @@
-"""cuBLAS at 64-256 rows asked four ways, in CUDA graphs (issue #37 item 4).
+"""cuBLAS at 64-256 rows asked five ways, in CUDA graphs (issue #37 item 4).
 
     python bench/gemm_forms.py [--rows 64,128,256] [--only o,down] [--inductor] [--out DIR]
     python bench/gemm_forms.py --dry-run          (CPU, fp32, small shapes: the plumbing)
@@ -6,7 +6,9 @@
 cuBLAS picks its kernel from the problem as asked; at b256 the step's GEMMs
 ran 1.3-1.6x their floors. Per llama-8B decode weight (a residual where the
 step adds one): `torch` = F.linear(x, w) (.add_(r)), what the ops run today;
-`lt` = the same with torch's cuBLASLt path preferred; `wT` = y^T = w @ x^T,
+`lt` = the same with torch's cuBLASLt path preferred; `bias0` = the same
+with a zero bias of [N] (torch's addmm with a 1-D bias asks cuBLASLt with a
+bias epilogue: the Lt path per call, without the global switch); `wT` = y^T = w @ x^T,
 added to r read strided (without a residual: the product alone, and
 `wT+copy` with a transposing copy); `split` = two half-row GEMMs;
 `inductor` (with --inductor) = Inductor's max-autotune of the same
@@ -97,6 +99,12 @@ def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, compiled=Non
         y = F.linear(x, w)
         return y.add_(r) if r is not None else y
 
+    zero_bias = torch.zeros(w.shape[0], dtype=x.dtype, device=x.device)
+
+    def bias0_form():
+        y = F.linear(x, w, zero_bias)  # + 0.0 in the epilogue: the same bits as without
+        return y.add_(r) if r is not None else y
+
     def wt_form():
         yt = torch.mm(w, x.t())  # [N, M]
         if r is None:
@@ -114,7 +122,8 @@ def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, compiled=Non
         return out.add_(r) if r is not None else out
 
     lt = None if not x.is_cuda else "cublaslt"
-    out = {"torch": (torch_form, None), "lt": (torch_form, lt), "wT": (wt_form, None)}
+    out = {"torch": (torch_form, None), "lt": (torch_form, lt), "bias0": (bias0_form, None),
+           "wT": (wt_form, None)}
     if r is None:
         out["wT+copy"] = (wt_copy, None)
     out["split"] = (split_form, None)

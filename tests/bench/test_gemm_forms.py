@@ -12,7 +12,7 @@ def test_dry_run_times_every_form_and_checks_it(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "gemm_forms.json").read_text())["rows"]
     assert [(r["shape"], r["M"]) for r in rows] == [("qkv", 4), ("qkv", 8), ("o", 4), ("o", 8)]
     for r in rows:
-        want = {"torch", "lt", "wT", "split"} | (set() if r["residual"] else {"wT+copy"})
+        want = {"torch", "lt", "bias0", "wT", "split"} | (set() if r["residual"] else {"wT+copy"})
         assert set(r["us"]) == want and set(r["rel_err"]) == want
         assert all(e < 1e-5 for e in r["rel_err"].values()), r["rel_err"]
         assert all(t > 0 for t in r["us"].values())
