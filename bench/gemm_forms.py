@@ -102,7 +102,7 @@ def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, compiled=Non
     zero_bias = torch.zeros(w.shape[0], dtype=x.dtype, device=x.device)
 
     def bias0_form():
-        y = F.linear(x, w, zero_bias)  # + 0.0 in the epilogue: the same bits as without
+        y = F.linear(x, w, zero_bias)  # + 0.0 changes no value; Lt's kernel may sum K in another order
         return y.add_(r) if r is not None else y
 
     def wt_form():
