@@ -95,15 +95,15 @@ def forms(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, compiled=Non
     linear_then_add under Inductor, the `inductor` form."""
     M = x.shape[0]
 
-    def torch_form():
-        y = F.linear(x, w)
-        return y.add_(r) if r is not None else y
+    def linear_form(bias: torch.Tensor | None):
+        def form():
+            y = F.linear(x, w, bias)
+            return y.add_(r) if r is not None else y
+        return form
 
-    zero_bias = torch.zeros(w.shape[0], dtype=x.dtype, device=x.device)
-
-    def bias0_form():
-        y = F.linear(x, w, zero_bias)  # + 0.0 changes no value; Lt's kernel may sum K in another order
-        return y.add_(r) if r is not None else y
+    torch_form = linear_form(None)
+    # + 0.0 changes no value; the kernel cuBLASLt picks may sum K in another order
+    bias0_form = linear_form(torch.zeros(w.shape[0], dtype=x.dtype, device=x.device))
 
     def wt_form():
         yt = torch.mm(w, x.t())  # [N, M]
